@@ -1,0 +1,160 @@
+"""Dynamic sampling (DAPO section 3.2): keep only prompt groups whose answers are mixed.
+
+A group whose responses are all correct or all wrong has zero advantage everywhere and so no
+gradient; DAPO drops it and keeps drawing generation batches until ``prompts_per_step`` useful
+groups are held (Eq. 11: 0 < #correct < G). The filter reads correctness (``acc``), not the
+length-shaped score, as the verl recipe does with ``filter_groups.metric=acc``.
+
+Usage, one training step::
+
+    sampler.start_step()
+    while not sampler.is_full:
+        groups, acc = generate_and_score(next_prompts)   # acc: [P, G] bool
+        sampler.add(groups, acc)                          # raises when max_num_gen_batches is spent
+    groups, metrics = sampler.pop()
+"""
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+class DynamicSamplingExhausted(RuntimeError):
+    """Raised when max_num_gen_batches generation batches did not yield a full train batch."""
+
+
+@dataclass
+class _StepCounts:
+    num_gen_batches: int = 0
+    num_groups: int = 0
+    num_kept: int = 0
+    num_all_correct: int = 0
+    num_all_wrong: int = 0
+    num_responses: int = 0
+    pass_histogram: list[int] = field(default_factory=list)  # index k: groups with k correct
+
+
+class DynamicSampler:
+    """Accumulates prompt groups across generation batches until a train batch is full.
+
+    Args:
+        prompts_per_step: groups a train batch needs.
+        group_size: responses per prompt (G).
+        max_num_gen_batches: give up after this many generation batches in one step (0 = never).
+        enabled: False keeps every group (plain GRPO batches), so the first generation batch of
+            ``prompts_per_step`` prompts fills the batch.
+        surplus: what happens to kept groups beyond ``prompts_per_step``: "drop" (the paper and
+            verl) or "carry" them into the next step's batch (they are then one step off-policy).
+    """
+
+    def __init__(self, *, prompts_per_step: int, group_size: int, max_num_gen_batches: int,
+                 enabled: bool = True, surplus: str = "drop"):
+        if surplus not in ("drop", "carry"):
+            raise ValueError(f"surplus must be 'drop' or 'carry', got {surplus!r}")
+        if prompts_per_step < 1 or group_size < 1 or max_num_gen_batches < 0:
+            raise ValueError(f"bad sizes: prompts_per_step={prompts_per_step}, group_size={group_size}, "
+                             f"max_num_gen_batches={max_num_gen_batches}")
+        self.prompts_per_step = prompts_per_step
+        self.group_size = group_size
+        self.max_num_gen_batches = max_num_gen_batches
+        self.enabled = enabled
+        self.surplus = surplus
+        self._held: list[Any] = []
+        self._carried_in = 0
+        self._counts = _StepCounts(pass_histogram=[0] * (group_size + 1))
+
+    def start_step(self) -> None:
+        """Resets the per-step counters; carried-over groups (surplus="carry") stay held."""
+        self._counts = _StepCounts(pass_histogram=[0] * (self.group_size + 1))
+        self._carried_in = len(self._held)
+
+    @property
+    def is_full(self) -> bool:
+        return len(self._held) >= self.prompts_per_step
+
+    @property
+    def num_held(self) -> int:
+        return len(self._held)
+
+    def add(self, groups: Sequence[Any], acc: torch.Tensor) -> torch.Tensor:
+        """Adds one generation batch.
+
+        Args:
+            groups: P opaque per-prompt payloads (the rollouts of one prompt each).
+            acc: [P, G] bool (or 0/1) correctness of each response.
+
+        Returns:
+            [P] bool, which groups were kept.
+
+        Raises:
+            DynamicSamplingExhausted: the batch is still not full after ``max_num_gen_batches``.
+        """
+        acc = torch.as_tensor(acc).bool()
+        if acc.dim() != 2 or acc.shape != (len(groups), self.group_size):
+            raise ValueError(f"acc must be [{len(groups)}, {self.group_size}], got {tuple(acc.shape)}")
+        num_correct = acc.sum(dim=-1)
+        all_correct = num_correct == self.group_size
+        all_wrong = num_correct == 0
+        keep = ~(all_correct | all_wrong) if self.enabled else torch.ones_like(all_correct)
+
+        c = self._counts
+        c.num_gen_batches += 1
+        c.num_groups += len(groups)
+        c.num_responses += acc.numel()
+        c.num_kept += int(keep.sum())
+        if self.enabled:
+            c.num_all_correct += int(all_correct.sum())
+            c.num_all_wrong += int(all_wrong.sum())
+        for k in num_correct.tolist():
+            c.pass_histogram[k] += 1
+        self._held.extend(g for g, k in zip(groups, keep.tolist()) if k)
+
+        if not self.is_full and 0 < self.max_num_gen_batches <= c.num_gen_batches:
+            raise DynamicSamplingExhausted(self._exhausted_message())
+        return keep
+
+    def pop(self) -> tuple[list[Any], dict[str, float]]:
+        """Returns the train batch (exactly ``prompts_per_step`` groups) and this step's metrics."""
+        if not self.is_full:
+            raise RuntimeError(f"pop() before the batch is full: {len(self._held)}/{self.prompts_per_step}")
+        batch = self._held[: self.prompts_per_step]
+        rest = self._held[self.prompts_per_step:]
+        self._held = rest if self.surplus == "carry" else []
+        c = self._counts
+        used_responses = self.prompts_per_step * self.group_size
+        hist = c.pass_histogram
+        metrics = {
+            "dynamic_sampling/num_gen_batches": float(c.num_gen_batches),
+            "dynamic_sampling/num_groups_generated": float(c.num_groups),
+            "dynamic_sampling/num_groups_kept": float(c.num_kept),
+            "dynamic_sampling/num_dropped_all_correct": float(c.num_all_correct),
+            "dynamic_sampling/num_dropped_all_wrong": float(c.num_all_wrong),
+            "dynamic_sampling/num_groups_carried_in": float(self._carried_in),
+            "dynamic_sampling/num_surplus_" + ("carried" if self.surplus == "carry" else "dropped"):
+                float(len(rest)),
+            "dynamic_sampling/responses_per_used_response": c.num_responses / used_responses,
+            "dynamic_sampling/mean_pass_rate": (
+                sum(k * n for k, n in enumerate(hist)) / max(1, sum(hist)) / self.group_size),
+        }
+        return batch, metrics
+
+    def state_dict(self) -> dict[str, Any]:
+        """Held groups (only non-empty with surplus="carry") for checkpointing between steps."""
+        return {"held": list(self._held)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._held = list(state["held"])
+
+    def _exhausted_message(self) -> str:
+        c = self._counts
+        hist = ", ".join(f"{k}/{self.group_size} correct: {n}" for k, n in enumerate(c.pass_histogram) if n)
+        return (
+            f"dynamic sampling collected {len(self._held)} of {self.prompts_per_step} mixed prompt groups "
+            f"after {c.num_gen_batches} generation batches (max_num_gen_batches={self.max_num_gen_batches}); "
+            f"{c.num_all_correct} groups were all correct and {c.num_all_wrong} all wrong. "
+            f"Pass-rate histogram over {c.num_groups} groups: {hist}. The data is too easy or too hard "
+            f"for this model: raise algorithm.filter_groups.max_num_gen_batches (0 = unbounded), "
+            f"raise data.gen_prompts_per_batch, or use data matched to the model."
+        )

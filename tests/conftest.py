@@ -1,0 +1,23 @@
+"""Shared test set-up: GPU tests skip without CUDA; paths to the repo's data files."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+AIME_PARQUET = REPO_ROOT / "data" / "aime-2024.parquet"
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs CUDA (GPU-marked test)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture
+def aime_path() -> Path:
+    return AIME_PARQUET
