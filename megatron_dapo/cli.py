@@ -1,0 +1,43 @@
+"""The ``megatron-dapo`` command: one entry point, a subcommand per job."""
+
+import argparse
+import sys
+
+from megatron_dapo.config_loading import ConfigError, defaults_yaml, dump_yaml, load_config
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="YAML file (may inherit with `defaults:`); omitted: conf/base.yaml defaults")
+    p.add_argument("overrides", nargs="*", metavar="key.path=value", help="dotted overrides, applied last")
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    """Prints the resolved configuration (or, with --defaults, conf/base.yaml)."""
+    if args.defaults:
+        sys.stdout.write(defaults_yaml())
+        return 0
+    sys.stdout.write(dump_yaml(load_config(args.config, args.overrides)))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="megatron-dapo", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("config", help="validate and print the resolved configuration")
+    _add_config_args(p)
+    p.add_argument("--defaults", action="store_true", help="print every key with its default and comment")
+    p.set_defaults(func=cmd_config)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ConfigError as e:
+        print(f"megatron-dapo: config error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

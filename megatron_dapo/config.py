@@ -1,0 +1,323 @@
+"""Typed schema of every setting: the one home of defaults.
+
+Each section is a frozen, keyword-only dataclass; every field carries a one-line help text in its
+metadata, from which ``conf/base.yaml`` is generated (a test checks the file is current). YAML files
+and ``key=value`` overrides are applied by ``megatron_dapo.config_loading``; unknown keys and
+inconsistent values fail there, before any heavy work.
+
+Defaults follow the DAPO paper (arXiv 2503.14476, section 4.1) and, where the paper is silent, the
+verl reproduction recipe (``run_dapo_qwen2.5_32b.sh``): see ../shared/reference/dapo.md 1.4, 2.1, 5.
+Deviations are noted on the field.
+"""
+
+from dataclasses import dataclass, field, fields, is_dataclass
+from typing import Any, Literal
+
+
+def _f(default: Any, help: str) -> Any:
+    """A dataclass field with its help text (tuples are immutable, so plain defaults suffice)."""
+    return field(default=default, metadata={"help": help})
+
+
+def _sub(cls: type, help: str) -> Any:
+    return field(default_factory=cls, metadata={"help": help})
+
+
+def _fail(msg: str) -> None:
+    raise ValueError(msg)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    hf_path: str = _f("", "HF model dir (config.json, tokenizer; safetensors for conversion)")
+    checkpoint: str = _f("", "Megatron dist checkpoint to start from; empty: convert hf_path")
+    dtype: Literal["auto", "bf16", "fp32"] = _f("auto", "training dtype; auto = bf16 on GPU, fp32 on CPU")
+    transformer_impl: Literal["auto", "local", "transformer_engine"] = _f(
+        "auto", "layer spec; auto = transformer_engine on GPU, local on CPU")
+    fp8: Literal["e4m3", "hybrid"] | None = _f(None, "FP8 format via Transformer Engine; null = off")
+    fp8_recipe: Literal["delayed", "tensorwise", "blockwise"] = _f("delayed", "FP8 scaling recipe")
+    recompute: Literal["none", "selective", "full"] = _f("none", "activation recompute granularity")
+    make_vocab_size_divisible_by: int = _f(128, "pad the vocabulary to a multiple of this x TP")
+
+    def __post_init__(self):
+        if self.fp8 is not None and self.transformer_impl == "local":
+            _fail("model.fp8 needs Transformer Engine: set model.transformer_impl=transformer_engine "
+                  "(or auto on GPU), or model.fp8=null")
+        if self.make_vocab_size_divisible_by < 1:
+            _fail(f"model.make_vocab_size_divisible_by must be >= 1, got {self.make_vocab_size_divisible_by}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelConfig:
+    tensor_model_parallel_size: int = _f(1, "TP: shards attention heads, MLP and vocabulary")
+    pipeline_model_parallel_size: int = _f(1, "PP: splits the layers into stages")
+    virtual_pipeline_model_parallel_size: int | None = _f(None, "interleaved PP chunks per stage; null = off")
+    sequence_parallel: bool = _f(False, "shard LayerNorm/dropout activations along the sequence (needs TP > 1)")
+    context_parallel_size: int = _f(1, "CP: splits long sequences across ranks")
+    use_distributed_optimizer: bool = _f(True, "shard optimizer states across data-parallel ranks")
+
+    def __post_init__(self):
+        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
+            if getattr(self, name) < 1:
+                _fail(f"parallel.{name} must be >= 1, got {getattr(self, name)}")
+        vpp = self.virtual_pipeline_model_parallel_size
+        if vpp is not None and (vpp < 2 or self.pipeline_model_parallel_size < 2):
+            _fail(f"parallel.virtual_pipeline_model_parallel_size={vpp} needs a value >= 2 and "
+                  f"pipeline_model_parallel_size > 1 (got {self.pipeline_model_parallel_size}); or set it to null")
+        if self.sequence_parallel and self.tensor_model_parallel_size == 1:
+            _fail("parallel.sequence_parallel=true needs tensor_model_parallel_size > 1; "
+                  "set parallel.sequence_parallel=false")
+
+    @property
+    def model_parallel_size(self) -> int:
+        return self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.context_parallel_size
+
+    def data_parallel_size(self, world_size: int) -> int:
+        """DP = world / (TP x PP x CP); a clear error when it does not divide."""
+        mp = self.model_parallel_size
+        if world_size % mp:
+            _fail(f"world size {world_size} is not divisible by TP x PP x CP = "
+                  f"{self.tensor_model_parallel_size} x {self.pipeline_model_parallel_size} x "
+                  f"{self.context_parallel_size} = {mp}; change the parallel sizes or the number of processes")
+        return world_size // mp
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    train_files: tuple[str, ...] = _f((), "training prompts: DAPO-format parquet or JSONL files")
+    val_files: tuple[str, ...] = _f(("data/aime-2024.parquet",), "evaluation prompts (AIME-2024 ships in data/)")
+    dedup: bool = _f(True, "merge identical prompts (DAPO-Math-17K ships each ~100x)")
+    on_bad_row: Literal["error", "skip"] = _f("error", "malformed rows: stop with an error, or count and skip")
+    max_prompt_length: int = _f(2048, "prompts longer than this many tokens are dropped (counted)")
+    shuffle: bool = _f(True, "shuffle prompts each epoch (seeded; resumable)")
+    prompts_per_step: int = _f(512, "prompt groups in one training (rollout) step")
+    gen_prompts_per_batch: int = _f(1536, "prompts drawn per generation batch (verl gen_batch_size: 3 x 512)")
+
+    def __post_init__(self):
+        for name in ("max_prompt_length", "prompts_per_step", "gen_prompts_per_batch"):
+            if getattr(self, name) < 1:
+                _fail(f"data.{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RolloutConfig:
+    engine: Literal["vllm", "hf"] = _f("vllm", "generation backend: vllm (GPU) or hf (transformers; CPU)")
+    n: int = _f(16, "responses per prompt (the group size G)")
+    temperature: float = _f(1.0, "sampling temperature; trainer log-probs use the same temperature")
+    top_p: float = _f(1.0, "nucleus sampling for training rollouts")
+    top_k: int = _f(-1, "top-k for training rollouts; -1 = off")
+    max_response_length: int = _f(20480, "generation limit L_max in tokens (16384 + 4096 soft cache)")
+    tensor_parallel_size: int = _f(1, "vLLM tensor parallelism (independent of training TP)")
+    gpu_memory_utilization: float = _f(0.7, "vLLM KV-cache memory fraction when colocated")
+    enforce_eager: bool = _f(True, "no CUDA graphs in vLLM (the verl recipe notes graphs hurt accuracy)")
+    weight_sync_bucket_mb: int = _f(512, "bytes per bucket when streaming weights into the engine")
+    check_logprob_mismatch: bool = _f(True, "log rollout/logprob_mismatch (engine vs trainer) every step")
+
+    def __post_init__(self):
+        if self.n < 2:
+            _fail(f"rollout.n must be >= 2 (group-relative advantages need a group), got {self.n}")
+        if self.temperature <= 0:
+            _fail(f"rollout.temperature must be > 0 for sampling, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            _fail(f"rollout.top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k == 0 or self.top_k < -1:
+            _fail(f"rollout.top_k must be -1 (off) or >= 1, got {self.top_k}")
+        if self.max_response_length < 1 or self.tensor_parallel_size < 1 or self.weight_sync_bucket_mb < 1:
+            _fail("rollout.max_response_length, tensor_parallel_size and weight_sync_bucket_mb must be >= 1")
+        if not 0 < self.gpu_memory_utilization < 1:
+            _fail(f"rollout.gpu_memory_utilization must be in (0, 1), got {self.gpu_memory_utilization}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class FilterGroupsConfig:
+    enable: bool = _f(True, "dynamic sampling: drop groups whose answers are all right or all wrong")
+    metric: Literal["acc"] = _f("acc", "what must be mixed within a group: correctness before length shaping")
+    max_num_gen_batches: int = _f(10, "generation batches per step before giving up; 0 = unbounded")
+    surplus: Literal["drop", "carry"] = _f("drop", "kept groups beyond the batch: drop (paper, verl) or carry over")
+
+    def __post_init__(self):
+        if self.max_num_gen_batches < 0:
+            _fail(f"algorithm.filter_groups.max_num_gen_batches must be >= 0, got {self.max_num_gen_batches}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class AlgorithmConfig:
+    adv_estimator: str = _f("grpo", "advantage estimator (registry: grpo, grpo_mean_only)")
+    adv_eps: float = _f(1e-6, "epsilon in (r - mean) / (std + eps)")
+    filter_groups: FilterGroupsConfig = _sub(FilterGroupsConfig, "dynamic sampling")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LossConfig:
+    policy_loss: str = _f("dapo", "policy-loss function (registry)")
+    clip_ratio_low: float = _f(0.2, "ratio lower clip 1 - eps_low (Clip-Higher: decoupled from eps_high)")
+    clip_ratio_high: float = _f(0.28, "ratio upper clip 1 + eps_high")
+    clip_ratio_c: float | None = _f(10.0, "dual clip for negative advantages (verl recipe; not in the paper); null = off")
+    loss_agg_mode: str = _f("token-mean", "token-mean (DAPO), seq-mean-token-mean (GRPO), seq-mean-token-sum")
+
+    def __post_init__(self):
+        if not 0 <= self.clip_ratio_low < 1:
+            _fail(f"loss.clip_ratio_low must be in [0, 1), got {self.clip_ratio_low}")
+        if not 0 <= self.clip_ratio_high <= 10:
+            _fail(f"loss.clip_ratio_high must be in [0, 10], got {self.clip_ratio_high} (DAPO uses 0.28)")
+        if self.clip_ratio_c is not None and self.clip_ratio_c <= 1 + self.clip_ratio_high:
+            _fail(f"loss.clip_ratio_c={self.clip_ratio_c} must exceed 1 + clip_ratio_high = "
+                  f"{1 + self.clip_ratio_high} (verl uses 10.0), or be null to disable dual clip")
+
+
+@dataclass(frozen=True, kw_only=True)
+class OverlongBufferConfig:
+    enable: bool = _f(True, "soft overlong punishment (Eq. 13) added to the +-1 score")
+    len: int = _f(4096, "L_cache: the penalty ramps from 0 at L_max - len to -penalty_factor at L_max")
+    penalty_factor: float = _f(1.0, "penalty at L_max")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RewardConfig:
+    fn: str = _f("dapo_math", "reward function (registry): final Answer: line vs integer ground truth")
+    num_workers: int = _f(2, "reward worker processes; 0 = score inline without a time limit")
+    timeout_s: float = _f(10.0, "per-response scoring time limit; a timeout scores as incorrect")
+    overlong_buffer: OverlongBufferConfig = _sub(OverlongBufferConfig, "soft overlong punishment")
+    overlong_filter: bool = _f(False, "mask the loss of truncated responses (off in the verl recipe's best runs)")
+
+    def __post_init__(self):
+        if self.num_workers < 0 or self.timeout_s <= 0:
+            _fail(f"reward.num_workers must be >= 0 and reward.timeout_s > 0, got {self.num_workers}, {self.timeout_s}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimConfig:
+    lr: float = _f(1e-6, "AdamW learning rate, constant after warmup")
+    lr_warmup_steps: int = _f(20, "linear warmup, in rollout steps (paper: 20; verl script: 10)")
+    weight_decay: float = _f(0.1, "AdamW weight decay (verl recipe; the paper does not say)")
+    adam_beta1: float = _f(0.9, "AdamW beta1")
+    adam_beta2: float = _f(0.999, "AdamW beta2")
+    adam_eps: float = _f(1e-8, "AdamW epsilon")
+    clip_grad: float = _f(1.0, "global gradient-norm clip; 0 = off")
+
+    def __post_init__(self):
+        if self.lr <= 0 or self.lr_warmup_steps < 0 or self.weight_decay < 0 or self.clip_grad < 0:
+            _fail(f"optim: need lr > 0, lr_warmup_steps >= 0, weight_decay >= 0, clip_grad >= 0; got "
+                  f"{self.lr}, {self.lr_warmup_steps}, {self.weight_decay}, {self.clip_grad}")
+        if not (0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1):
+            _fail(f"optim.adam_beta1/adam_beta2 must be in [0, 1), got {self.adam_beta1}, {self.adam_beta2}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    total_steps: int = _f(320, "rollout steps, each 16 gradient updates at paper scale (verl#795: the paper ran ~320)")
+    mini_batch_prompts: int = _f(32, "prompt groups per optimizer update (32 x 16 = 512 responses: 16 updates/step)")
+    ppo_epochs: int = _f(1, "passes over each step's batch")
+    micro_batch_size: int = _f(1, "sequences per micro-batch when max_tokens_per_micro_batch is 0")
+    max_tokens_per_micro_batch: int = _f(22528, "token budget per micro-batch (dynamic batch size); 0 = fixed size")
+
+    def __post_init__(self):
+        for name in ("total_steps", "mini_batch_prompts", "ppo_epochs", "micro_batch_size"):
+            if getattr(self, name) < 1:
+                _fail(f"train.{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_tokens_per_micro_batch < 0:
+            _fail(f"train.max_tokens_per_micro_batch must be >= 0, got {self.max_tokens_per_micro_batch}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvalConfig:
+    every: int = _f(5, "evaluate every N rollout steps; 0 = never during training")
+    before_train: bool = _f(True, "evaluate once before the first step")
+    n: int = _f(32, "samples per problem: avg@n, pass@n, cons@n")
+    temperature: float = _f(1.0, "sampling temperature (DAPO eval: 1.0)")
+    top_p: float = _f(0.7, "nucleus sampling (DAPO eval: 0.7)")
+    max_response_length: int = _f(20480, "generation limit in evaluation")
+
+    def __post_init__(self):
+        if self.every < 0 or self.n < 1 or self.max_response_length < 1:
+            _fail(f"eval: need every >= 0, n >= 1, max_response_length >= 1; got {self.every}, {self.n}, "
+                  f"{self.max_response_length}")
+        if self.temperature < 0 or not 0 < self.top_p <= 1:
+            _fail(f"eval: need temperature >= 0 and top_p in (0, 1]; got {self.temperature}, {self.top_p}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    dir: str = _f("", "checkpoint directory; empty = <logging.dir>/checkpoints")
+    save_every: int = _f(5, "save every N rollout steps; 0 = only at the end")
+    keep_last: int = _f(2, "checkpoints kept on disk (older ones are deleted after a successful save)")
+    resume: Literal["auto", "never"] = _f("auto", "auto: continue from the latest checkpoint in dir")
+
+    def __post_init__(self):
+        if self.save_every < 0 or self.keep_last < 1:
+            _fail(f"checkpoint: need save_every >= 0 and keep_last >= 1; got {self.save_every}, {self.keep_last}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoggingConfig:
+    dir: str = _f("runs/dapo", "run directory: metrics.jsonl, TensorBoard events, resolved config")
+    tensorboard: bool = _f(True, "write TensorBoard events")
+    wandb: bool = _f(False, "log to Weights & Biases (when installed)")
+    wandb_project: str = _f("megatron-dapo", "W&B project")
+    progress: bool = _f(True, "live progress display on rank 0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DAPOConfig:
+    seed: int = _f(1, "seeds data order, sampling and initialisation")
+    model: ModelConfig = _sub(ModelConfig, "the policy model")
+    parallel: ParallelConfig = _sub(ParallelConfig, "Megatron parallelism")
+    data: DataConfig = _sub(DataConfig, "prompts and batch sizes")
+    rollout: RolloutConfig = _sub(RolloutConfig, "generation")
+    algorithm: AlgorithmConfig = _sub(AlgorithmConfig, "advantages and dynamic sampling")
+    loss: LossConfig = _sub(LossConfig, "policy loss")
+    reward: RewardConfig = _sub(RewardConfig, "reward and overlong shaping")
+    optim: OptimConfig = _sub(OptimConfig, "optimizer")
+    train: TrainConfig = _sub(TrainConfig, "update schedule")
+    eval: EvalConfig = _sub(EvalConfig, "evaluation")
+    checkpoint: CheckpointConfig = _sub(CheckpointConfig, "checkpoints and resume")
+    logging: LoggingConfig = _sub(LoggingConfig, "metrics and progress")
+
+    def __post_init__(self):
+        _validate_cross_section(self)
+
+    @property
+    def updates_per_step(self) -> int:
+        return self.data.prompts_per_step // self.train.mini_batch_prompts * self.train.ppo_epochs
+
+
+def _validate_cross_section(cfg: DAPOConfig) -> None:
+    """Rules that involve more than one section; each message names the values and the fix."""
+    from megatron_dapo.algo import ADVANTAGE_ESTIMATORS, AGG_MODES, POLICY_LOSSES
+
+    d, t, r = cfg.data, cfg.train, cfg.rollout
+    if d.prompts_per_step % t.mini_batch_prompts:
+        _fail(f"data.prompts_per_step={d.prompts_per_step} is not divisible by train.mini_batch_prompts="
+              f"{t.mini_batch_prompts}; pick a divisor (e.g. {_divisor_near(d.prompts_per_step, t.mini_batch_prompts)})")
+    ob = cfg.reward.overlong_buffer
+    if ob.enable and not 0 < ob.len <= r.max_response_length:
+        _fail(f"reward.overlong_buffer.len={ob.len} must be in (0, rollout.max_response_length="
+              f"{r.max_response_length}]; shorten the buffer or disable it (reward.overlong_buffer.enable=false)")
+    if ob.enable and ob.penalty_factor < 0:
+        _fail(f"reward.overlong_buffer.penalty_factor must be >= 0, got {ob.penalty_factor}")
+    seq_len = d.max_prompt_length + r.max_response_length
+    if 0 < t.max_tokens_per_micro_batch < seq_len:
+        _fail(f"train.max_tokens_per_micro_batch={t.max_tokens_per_micro_batch} cannot hold one sequence of "
+              f"data.max_prompt_length + rollout.max_response_length = {seq_len} tokens; raise it to >= {seq_len}")
+    fg = cfg.algorithm.filter_groups
+    if not fg.enable and d.gen_prompts_per_batch < d.prompts_per_step:
+        _fail(f"without dynamic sampling every generated group is used, so data.gen_prompts_per_batch="
+              f"{d.gen_prompts_per_batch} must be >= data.prompts_per_step={d.prompts_per_step}")
+    for name, registry, value in (("loss.loss_agg_mode", AGG_MODES, cfg.loss.loss_agg_mode),
+                                  ("loss.policy_loss", POLICY_LOSSES, cfg.loss.policy_loss),
+                                  ("algorithm.adv_estimator", ADVANTAGE_ESTIMATORS, cfg.algorithm.adv_estimator)):
+        if value not in registry:
+            _fail(f"{name}={value!r} is not one of {registry.names()}")
+
+
+def _divisor_near(n: int, k: int) -> int:
+    return min((m for m in range(1, n + 1) if n % m == 0), key=lambda m: (abs(m - k), m))
+
+
+def field_help(cls: type) -> dict[str, str]:
+    """{field name: help text} of a config section."""
+    return {f.name: f.metadata.get("help", "") for f in fields(cls)}
+
+
+def is_section(obj: Any) -> bool:
+    return is_dataclass(obj)

@@ -1,0 +1,122 @@
+"""Config schema, YAML inheritance, overrides and the errors users see."""
+
+from pathlib import Path
+
+import pytest
+
+from megatron_dapo.config import DAPOConfig, ParallelConfig
+from megatron_dapo.config_loading import ConfigError, defaults_yaml, dump_yaml, load_config, to_dict
+
+CONF = Path(__file__).resolve().parents[2] / "conf"
+
+
+def test_base_yaml_is_generated_from_the_schema():
+    assert (CONF / "base.yaml").read_text() == defaults_yaml(), (
+        "conf/base.yaml is stale: run `megatron-dapo config --defaults > conf/base.yaml`")
+
+
+def test_base_yaml_loads_to_the_defaults_and_every_key_has_a_comment():
+    assert load_config(CONF / "base.yaml") == DAPOConfig()
+    for line in (CONF / "base.yaml").read_text().splitlines():
+        if line.strip() and not line.lstrip().startswith("#"):
+            key, _, rest = line.partition(":")
+            assert "  # " in rest and rest.split("  # ", 1)[1].strip(), f"no comment on {key.strip()}"
+
+
+@pytest.mark.parametrize("path", sorted(CONF.rglob("*.yaml")), ids=lambda p: str(p.relative_to(CONF)))
+def test_every_shipped_config_validates(path):
+    load_config(path)
+
+
+def test_paper_defaults():
+    c = DAPOConfig()
+    assert (c.loss.clip_ratio_low, c.loss.clip_ratio_high, c.loss.loss_agg_mode) == (0.2, 0.28, "token-mean")
+    assert (c.data.prompts_per_step, c.rollout.n, c.train.mini_batch_prompts) == (512, 16, 32)
+    assert c.updates_per_step == 16
+    assert (c.rollout.max_response_length, c.reward.overlong_buffer.len) == (20480, 4096)
+    assert (c.optim.lr, c.optim.lr_warmup_steps) == (1e-6, 20)
+    assert (c.eval.temperature, c.eval.top_p, c.eval.n) == (1.0, 0.7, 32)
+    assert c.algorithm.filter_groups.enable and c.algorithm.filter_groups.metric == "acc"
+    assert not c.reward.overlong_filter
+
+
+def test_defaults_chain_and_override_precedence(tmp_path):
+    (tmp_path / "parent.yaml").write_text("seed: 7\nloss:\n  clip_ratio_high: 0.3\nrollout:\n  n: 8\n")
+    (tmp_path / "child.yaml").write_text("defaults: parent.yaml\nrollout:\n  n: 4\n")
+    cfg = load_config(tmp_path / "child.yaml", ["seed=9", "optim.lr=1e-5", "loss.clip_ratio_c=null",
+                                                "data.train_files=[a.parquet, b.jsonl]"])
+    assert cfg.seed == 9 and cfg.rollout.n == 4 and cfg.loss.clip_ratio_high == 0.3
+    assert cfg.loss.clip_ratio_low == 0.2  # untouched keys keep the schema default
+    assert cfg.optim.lr == 1e-5 and cfg.loss.clip_ratio_c is None
+    assert cfg.data.train_files == ("a.parquet", "b.jsonl")
+    assert load_config(None, ["data.train_files=x.parquet"]).data.train_files == ("x.parquet",)
+
+
+def test_resolved_config_round_trips(tmp_path):
+    cfg = load_config(None, ["rollout.n=4", "data.train_files=[a.parquet]"])
+    (tmp_path / "resolved.yaml").write_text(dump_yaml(cfg))
+    assert load_config(tmp_path / "resolved.yaml") == cfg
+    assert to_dict(cfg)["data"]["train_files"] == ["a.parquet"]
+
+
+@pytest.mark.parametrize("override, message", [
+    ("loss.clip_ratio_hgih=0.3", "unknown config key loss.clip_ratio_hgih; did you mean loss.clip_ratio_high"),
+    ("lossx.a=1", "unknown config key lossx"),
+    ("rollout.n=abc", "rollout.n must be an integer, got 'abc'"),
+    ("rollout.n=2.5", "rollout.n must be an integer"),
+    ("data.shuffle=1", "data.shuffle must be true or false"),
+    ("rollout.engine=sglang", "rollout.engine='sglang' is not one of ['vllm', 'hf']"),
+    ("train.mini_batch_prompts=30",
+     "data.prompts_per_step=512 is not divisible by train.mini_batch_prompts=30; pick a divisor (e.g. 32)"),
+    ("reward.overlong_buffer.len=30000",
+     "reward.overlong_buffer.len=30000 must be in (0, rollout.max_response_length=20480]"),
+    ("loss.clip_ratio_low=1.2", "loss.clip_ratio_low must be in [0, 1), got 1.2"),
+    ("loss.clip_ratio_c=1.1", "loss.clip_ratio_c=1.1 must exceed 1 + clip_ratio_high = 1.28"),
+    ("loss.loss_agg_mode=token-sum", "loss.loss_agg_mode='token-sum' is not one of"),
+    ("algorithm.adv_estimator=gae", "algorithm.adv_estimator='gae' is not one of ['grpo', 'grpo_mean_only']"),
+    ("rollout.n=1", "rollout.n must be >= 2"),
+    ("train.max_tokens_per_micro_batch=4096", "cannot hold one sequence of data.max_prompt_length + "
+                                              "rollout.max_response_length = 22528 tokens"),
+    ("parallel.sequence_parallel=true", "sequence_parallel=true needs tensor_model_parallel_size > 1"),
+    ("model.fp8=e4m3", None),  # valid: auto picks TE on GPU
+    ("rollout.top_p=0", "rollout.top_p must be in (0, 1]"),
+    ("lr=1", "unknown config key lr"),
+    ("optim.lr", "is not of the form key.path=value"),
+    ("loss=3", "loss must be a mapping"),
+])
+def test_bad_values_fail_early_with_the_fix(override, message):
+    if message is None:
+        load_config(None, [override])
+        return
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [override])
+    assert message in str(e.value)
+
+
+def test_cross_field_errors_need_two_overrides():
+    with pytest.raises(ConfigError, match="model.fp8 needs Transformer Engine"):
+        load_config(None, ["model.fp8=e4m3", "model.transformer_impl=local"])
+    with pytest.raises(ConfigError, match="data.gen_prompts_per_batch=8 must be >= data.prompts_per_step=16"):
+        load_config(None, ["algorithm.filter_groups.enable=false", "data.gen_prompts_per_batch=8",
+                           "data.prompts_per_step=16", "train.mini_batch_prompts=4"])
+    with pytest.raises(ConfigError, match="needs a value >= 2 and pipeline_model_parallel_size > 1"):
+        load_config(None, ["parallel.virtual_pipeline_model_parallel_size=2"])
+
+
+def test_world_size_divisibility():
+    p = ParallelConfig(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
+    assert p.data_parallel_size(8) == 2
+    with pytest.raises(ValueError, match="world size 6 is not divisible by TP x PP x CP = 2 x 2 x 1 = 4"):
+        p.data_parallel_size(6)
+
+
+def test_file_errors(tmp_path):
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(tmp_path / "missing.yaml")
+    (tmp_path / "a.yaml").write_text("defaults: b.yaml\n")
+    (tmp_path / "b.yaml").write_text("defaults: a.yaml\n")
+    with pytest.raises(ConfigError, match="defaults cycle"):
+        load_config(tmp_path / "a.yaml")
+    (tmp_path / "bad.yaml").write_text("rollout: [1, 2\n")
+    with pytest.raises(ConfigError, match="cannot parse"):
+        load_config(tmp_path / "bad.yaml")
