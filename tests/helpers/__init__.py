@@ -1,0 +1,1 @@
+"""Test helpers shared across test folders (tiny offline tokenizers and the like)."""
