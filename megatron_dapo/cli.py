@@ -20,6 +20,17 @@ def cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_score(args: argparse.Namespace) -> int:
+    """Scores responses with the reward (``--responses``), or self-checks it on a data set."""
+    from megatron_dapo.reward.selfcheck import run_selfcheck, score_file
+
+    cfg = load_config(args.config, args.overrides)
+    kw = dict(num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s)
+    if args.responses:
+        return score_file(args.responses, args.out, **kw)
+    return run_selfcheck(args.data or list(cfg.data.val_files), on_bad_row=cfg.data.on_bad_row, **kw)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megatron-dapo", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -27,6 +38,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p)
     p.add_argument("--defaults", action="store_true", help="print every key with its default and comment")
     p.set_defaults(func=cmd_config)
+
+    p = sub.add_parser("score", help="score a JSONL of responses, or self-check the reward on a data set")
+    _add_config_args(p)
+    p.add_argument("--data", action="append", help="data file(s) for the self-check (default: data.val_files)")
+    p.add_argument("--responses", help="JSONL with 'response' and 'ground_truth' per line")
+    p.add_argument("--out", help="with --responses: write each row with its score here")
+    p.set_defaults(func=cmd_score)
     return parser
 
 

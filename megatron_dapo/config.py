@@ -284,6 +284,7 @@ class DAPOConfig:
 def _validate_cross_section(cfg: DAPOConfig) -> None:
     """Rules that involve more than one section; each message names the values and the fix."""
     from megatron_dapo.algo import ADVANTAGE_ESTIMATORS, AGG_MODES, POLICY_LOSSES
+    from megatron_dapo.reward import REWARD_FNS
 
     d, t, r = cfg.data, cfg.train, cfg.rollout
     if d.prompts_per_step % t.mini_batch_prompts:
@@ -305,7 +306,8 @@ def _validate_cross_section(cfg: DAPOConfig) -> None:
               f"{d.gen_prompts_per_batch} must be >= data.prompts_per_step={d.prompts_per_step}")
     for name, registry, value in (("loss.loss_agg_mode", AGG_MODES, cfg.loss.loss_agg_mode),
                                   ("loss.policy_loss", POLICY_LOSSES, cfg.loss.policy_loss),
-                                  ("algorithm.adv_estimator", ADVANTAGE_ESTIMATORS, cfg.algorithm.adv_estimator)):
+                                  ("algorithm.adv_estimator", ADVANTAGE_ESTIMATORS, cfg.algorithm.adv_estimator),
+                                  ("reward.fn", REWARD_FNS, cfg.reward.fn)):
         if value not in registry:
             _fail(f"{name}={value!r} is not one of {registry.names()}")
 

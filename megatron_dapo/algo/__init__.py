@@ -15,12 +15,11 @@ from megatron_dapo.algo.losses import (
     compute_policy_loss,
     get_policy_loss_fn,
 )
-from megatron_dapo.algo.registry import Registry
 from megatron_dapo.algo.reward_shaping import overlong_filter_mask, overlong_penalty
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS", "AGG_MODES", "MAX_LOG_RATIO", "POLICY_LOSSES", "DynamicSampler",
-    "DynamicSamplingExhausted", "Registry", "aggregate", "compute_grpo_advantages",
+    "DynamicSamplingExhausted", "aggregate", "compute_grpo_advantages",
     "compute_mean_baseline_advantages", "compute_policy_loss", "get_advantage_fn", "get_policy_loss_fn",
     "overlong_filter_mask", "overlong_penalty",
 ]

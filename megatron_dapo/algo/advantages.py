@@ -5,7 +5,7 @@ Shapes: P = prompt groups, G = responses per prompt (group size).
 
 import torch
 
-from megatron_dapo.algo.registry import Registry
+from megatron_dapo.registry import Registry
 
 ADVANTAGE_ESTIMATORS: Registry = Registry("advantage estimator")
 

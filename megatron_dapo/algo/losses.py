@@ -16,7 +16,7 @@ loss, so summing them over micro-batches and DP ranks gives the mini-batch mean;
 
 import torch
 
-from megatron_dapo.algo.registry import Registry
+from megatron_dapo.registry import Registry
 
 # Clamp |log(pi / pi_old)| before exp() so that a large trainer/rollout mismatch cannot overflow
 # to inf and poison the step with NaN. exp(20) ~ 4.9e8 is far outside any clip range, so the clamp

@@ -7,12 +7,12 @@ import torch
 from megatron_dapo.algo import (
     DynamicSampler,
     DynamicSamplingExhausted,
-    Registry,
     compute_grpo_advantages,
     get_advantage_fn,
     overlong_filter_mask,
     overlong_penalty,
 )
+from megatron_dapo.registry import Registry
 
 
 def test_grpo_advantages_hand_computed():

@@ -75,6 +75,7 @@ def test_resolved_config_round_trips(tmp_path):
     ("loss.loss_agg_mode=token-sum", "loss.loss_agg_mode='token-sum' is not one of"),
     ("algorithm.adv_estimator=gae", "algorithm.adv_estimator='gae' is not one of ['grpo', 'grpo_mean_only']"),
     ("rollout.n=1", "rollout.n must be >= 2"),
+    ("reward.fn=gsm8k", "reward.fn='gsm8k' is not one of ['dapo_math']"),
     ("train.max_tokens_per_micro_batch=4096", "cannot hold one sequence of data.max_prompt_length + "
                                               "rollout.max_response_length = 22528 tokens"),
     ("parallel.sequence_parallel=true", "sequence_parallel=true needs tensor_model_parallel_size > 1"),

@@ -1,4 +1,7 @@
-"""A name -> object registry for swappable algorithm pieces (losses, advantages, aggregation)."""
+"""A name -> object registry for swappable pieces (losses, advantages, aggregation, reward functions).
+
+No torch import here: reward worker processes import the reward registry and must stay light.
+"""
 
 from collections.abc import Callable, Iterator
 from typing import Generic, TypeVar

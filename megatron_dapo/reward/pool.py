@@ -1,0 +1,307 @@
+"""Process pool that scores (response, ground_truth) pairs with a wall-time bound per item.
+
+sympy can hang on adversarial answers (e.g. 9^{9^{9^{9}}}), and math-verify's own timeouts use
+signal.alarm, which fails off the main thread (reference megatron_on_cpu.md item 7). So items run
+in worker processes, and a worker stuck on one item for more than `timeout_s` is killed and
+replaced.
+
+Design:
+- Each worker has its own duplex pipe. The parent sends chunks of up to `chunk_size` items and
+  keeps at most two chunks in flight per worker, so IPC is paid per chunk and workers never wait.
+  The second chunk waits in the socket buffer. If it would not fit (PIPELINE_MAX_BYTES), the
+  parent waits until the worker is idle: a blocking send to a stuck worker would stall the
+  parent and with it every timeout.
+- A worker runs its items in the order they were sent. It sends results in batches: at the end
+  of a chunk, or after an item finishes once FLUSH_INTERVAL_S has passed since the last send.
+  So the running item started less than FLUSH_INTERVAL_S after the worker's last message (or
+  after the chunk was sent to an idle worker). When the parent has heard nothing for
+  timeout_s + FLUSH_INTERVAL_S, the running item has had at least timeout_s.
+- Before each item the worker writes its index to a shared integer. After a kill, that integer
+  names the item that hung. Only that item is scored as timed out. The rest of the worker's
+  queue goes back to the shared queue, including items it finished but had not sent yet.
+- Workers use the "spawn" start method: nothing from the parent (threads, CUDA, locks) leaks into
+  them, and they can be started from any thread. Each worker imports math-verify and warms its
+  parser before it reports ready, so startup never counts against an item.
+- Responses are cut to their last `max_response_chars` characters before they are sent.
+  compute_score reads only that tail, so its results do not change. This avoids pickling 60k
+  characters per response. Set it to None for score functions that read the whole text.
+"""
+
+import collections
+import logging
+import math
+import multiprocessing
+import pickle
+import threading
+import time
+import weakref
+from multiprocessing.connection import wait
+
+from megatron_dapo.reward import math_dapo
+from megatron_dapo.reward.math_dapo import TAIL_CHARS, compute_score
+
+FLUSH_INTERVAL_S = 0.02  # result latency vs per-message cost; also the timeout's extra slack
+# Linux buffers ~180 KiB per socket direction by default (net.core.wmem_default); stay well below.
+PIPELINE_MAX_BYTES = 64 * 1024
+_READY = "ready"
+
+
+def _failed(timed_out: bool) -> dict:
+    return {"score": -1.0, "acc": False, "pred": "", "timed_out": timed_out}
+
+
+def _score_one(score_fn, response, ground_truth) -> dict:
+    try:
+        result = dict(score_fn(response, ground_truth))
+    except Exception:  # noqa: BLE001 - one bad item must not take the batch down
+        return _failed(False)
+    result["timed_out"] = False
+    return result
+
+
+def _worker_main(conn, current, score_fn) -> None:
+    """Worker loop: receive chunks of (index, response, ground_truth), send [(index, result)]."""
+    # We bound time ourselves, so math-verify's "timeout is disabled" warning is noise here.
+    logging.getLogger("math_verify").setLevel(logging.ERROR)
+    math_dapo.warm_up()
+    conn.send(_READY)
+    while True:
+        try:
+            chunk = conn.recv()
+        except EOFError:  # parent went away
+            return
+        if chunk is None:
+            return
+        done, last_send = [], time.monotonic()
+        for index, response, ground_truth in chunk:
+            current.value = index
+            done.append((index, _score_one(score_fn, response, ground_truth)))
+            if time.monotonic() - last_send >= FLUSH_INTERVAL_S:
+                conn.send(done)
+                done, last_send = [], time.monotonic()
+        if done:
+            conn.send(done)
+        current.value = -1
+
+
+class _Worker:
+    """Parent-side handle: process, pipe, shared current index, and the indices it still owes."""
+
+    def __init__(self, ctx, score_fn):
+        self.conn, child_conn = ctx.Pipe(duplex=True)
+        self.current = ctx.RawValue("q", -1)
+        self.process = ctx.Process(
+            target=_worker_main, args=(child_conn, self.current, score_fn), daemon=True
+        )
+        self.process.start()
+        child_conn.close()
+        self.ready = False
+        self.pending = collections.deque()  # indices sent and not yet answered, in order
+        self.heard_at = time.monotonic()  # last message, or dispatch to an idle worker
+
+    def kill(self) -> None:
+        if self.process.is_alive():
+            self.process.kill()  # SIGKILL: works even inside a long C call (big-int pow)
+        self.process.join()
+        self.process.close()  # frees the sentinel fd; a long run may replace many workers
+
+
+def _shutdown(workers: list) -> None:
+    for worker in workers:
+        try:
+            worker.conn.send(None)
+        except OSError:
+            pass
+    for worker in workers:
+        if worker.ready:  # a worker still starting up would read None only after its imports
+            worker.process.join(timeout=2.0)
+        worker.kill()
+        worker.conn.close()
+
+
+class RewardPool:
+    """Scores batches in `num_workers` processes; each item gets at most `timeout_s` seconds.
+
+    An item that runs longer is scored incorrect ({"score": -1.0, "acc": False, "pred": ""}),
+    marked `timed_out: True` and counted in `num_timeouts` (all calls) and `last_num_timeouts`
+    (latest call); its worker is killed and restarted. It is detected at most FLUSH_INTERVAL_S
+    late. Every other result has `timed_out: False`. A worker that dies (e.g. killed by the OOM
+    killer) costs its current item the same way, counted in `num_crashes`.
+
+    num_workers=0 scores inline in the calling process. That mode has NO timeout protection.
+    It is meant for tests and debugging.
+
+    Thread-safe: calls from several threads are serialised. Use as a context manager or call
+    close(). `score_fn` must be a module-level function, because workers import it by name.
+    """
+
+    def __init__(
+        self,
+        num_workers: int,
+        timeout_s: float,
+        score_fn=compute_score,
+        max_response_chars: int | None = TAIL_CHARS,
+        chunk_size: int = 32,
+        start_timeout_s: float = 120.0,
+    ):
+        if num_workers < 0 or timeout_s <= 0 or chunk_size < 1:
+            raise ValueError(f"bad RewardPool args: {num_workers=}, {timeout_s=}, {chunk_size=}")
+        self.num_workers = num_workers
+        self.timeout_s = timeout_s
+        self.score_fn = score_fn
+        self.max_response_chars = max_response_chars
+        self.chunk_size = chunk_size
+        self.start_timeout_s = start_timeout_s
+        self.num_timeouts = 0
+        self.last_num_timeouts = 0
+        self.num_crashes = 0
+        self._lock = threading.Lock()
+        self._ctx = multiprocessing.get_context("spawn")
+        self._workers = [_Worker(self._ctx, score_fn) for _ in range(num_workers)]
+        self._closed = False
+        self._finalizer = weakref.finalize(self, _shutdown, self._workers)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def close(self) -> None:
+        """Stops the workers. Idempotent."""
+        with self._lock:
+            self._closed = True
+            self._finalizer()
+
+    def wait_until_ready(self) -> None:
+        """Blocks until every worker has started. Optional: score() waits for the workers anyway."""
+        with self._lock:
+            while not all(w.ready for w in self._workers):
+                starting = [w for w in self._workers if not w.ready]
+                handles = [w.conn for w in starting] + [w.process.sentinel for w in starting]
+                wait(handles, timeout=self._seconds_to_next_deadline())
+                for worker in starting:
+                    self._drain(worker, [])
+                    if not worker.ready and not worker.process.is_alive():
+                        code = worker.process.exitcode
+                        raise RuntimeError(f"reward worker died during startup (exit code {code})")
+                self._enforce_deadlines([], collections.deque())  # raises after start_timeout_s
+
+    def score(self, responses: list[str], ground_truths: list[str]) -> list[dict]:
+        """Scores pairs; result i belongs to pair i."""
+        if len(responses) != len(ground_truths):
+            raise ValueError(f"{len(responses)} responses but {len(ground_truths)} ground truths")
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("RewardPool is closed")
+            self.last_num_timeouts = 0
+            if self.num_workers == 0:
+                return [_score_one(self.score_fn, r, g) for r, g in zip(responses, ground_truths)]
+            if self.max_response_chars is not None:
+                responses = [r[-self.max_response_chars:] for r in responses]
+            try:
+                results = self._score_in_workers(responses, ground_truths)
+            except BaseException:
+                # E.g. KeyboardInterrupt: busy workers would later answer for indices of this
+                # aborted call, so they are replaced.
+                for worker in [w for w in self._workers if w.pending]:
+                    worker.kill()
+                    worker.conn.close()
+                    self._workers[self._workers.index(worker)] = _Worker(self._ctx, self.score_fn)
+                raise
+            self.num_timeouts += self.last_num_timeouts
+            return results
+
+    def _score_in_workers(self, responses, ground_truths) -> list[dict]:
+        results = [None] * len(responses)
+        todo = collections.deque(range(len(responses)))
+        while todo or any(w.pending for w in self._workers):
+            self._dispatch(todo, responses, ground_truths)
+            handles = {w.conn: w for w in self._workers}
+            handles.update({w.process.sentinel: w for w in self._workers})
+            for handle in wait(list(handles), timeout=self._seconds_to_next_deadline()):
+                worker = handles[handle]
+                if any(w is worker for w in self._workers):  # not replaced earlier in this loop
+                    self._drain(worker, results)
+                    if not worker.process.is_alive():
+                        self._replace(worker, results, todo, timed_out=False)
+            self._enforce_deadlines(results, todo)
+        return results
+
+    def _dispatch(self, todo, responses, ground_truths) -> None:
+        ready = [w for w in self._workers if w.ready]
+        if not ready or not todo:
+            return
+        # Smaller chunks near the end of the batch keep the workers evenly loaded.
+        chunk_len = max(1, min(self.chunk_size, math.ceil(len(todo) / (2 * len(ready)))))
+        for worker in ready:
+            while todo and len(worker.pending) < chunk_len:
+                chunk = [todo.popleft() for _ in range(min(chunk_len, len(todo)))]
+                items = [(i, responses[i], ground_truths[i]) for i in chunk]
+                num_chars = sum(len(r) + len(g) for _, r, g in items)  # a lower bound on bytes
+                payload = None if num_chars > PIPELINE_MAX_BYTES else pickle.dumps(items)
+                if worker.pending and (payload is None or len(payload) > PIPELINE_MAX_BYTES):
+                    todo.extendleft(reversed(chunk))  # send it once the worker is idle
+                    break
+                if not worker.pending:
+                    worker.heard_at = time.monotonic()
+                worker.pending.extend(chunk)
+                try:
+                    worker.conn.send_bytes(payload if payload is not None else pickle.dumps(items))
+                except OSError:  # dead worker: its sentinel wakes the wait() above
+                    break
+
+    def _deadline(self, worker: _Worker) -> float | None:
+        if not worker.ready:
+            return worker.heard_at + self.start_timeout_s
+        return worker.heard_at + self.timeout_s + FLUSH_INTERVAL_S if worker.pending else None
+
+    def _seconds_to_next_deadline(self) -> float:
+        deadlines = [d for d in map(self._deadline, self._workers) if d is not None]
+        return max(0.0, min(deadlines) - time.monotonic()) if deadlines else self.timeout_s
+
+    def _drain(self, worker: _Worker, results: list) -> None:
+        """Reads every message the worker has sent."""
+        try:
+            while worker.conn.poll():
+                message = worker.conn.recv()
+                worker.heard_at = time.monotonic()
+                if message == _READY:
+                    worker.ready = True
+                    continue
+                for index, result in message:
+                    assert worker.pending.popleft() == index, "worker answered out of order"
+                    results[index] = result
+        except (EOFError, OSError):  # died mid-message: what it had not sent is re-queued
+            pass
+
+    def _enforce_deadlines(self, results, todo) -> None:
+        now = time.monotonic()
+        for worker in list(self._workers):
+            deadline = self._deadline(worker)
+            if deadline is None or now <= deadline:
+                continue
+            if not worker.ready:
+                raise RuntimeError(f"reward worker did not start within {self.start_timeout_s} s")
+            self._replace(worker, results, todo, timed_out=True)
+
+    def _replace(self, worker: _Worker, results: list, todo, timed_out: bool) -> None:
+        """Kills `worker`, fails the item it was on, re-queues the rest, starts a new worker."""
+        if not worker.ready:
+            code = worker.process.exitcode
+            raise RuntimeError(f"reward worker died during startup (exit code {code})")
+        worker.kill()
+        self._drain(worker, results)  # results sent just before the kill still count
+        worker.conn.close()
+        if worker.pending:
+            culprit = worker.current.value
+            if culprit not in worker.pending:
+                culprit = worker.pending[0]
+            worker.pending.remove(culprit)
+            results[culprit] = _failed(timed_out)
+            if timed_out:
+                self.last_num_timeouts += 1
+            else:
+                self.num_crashes += 1
+        todo.extendleft(reversed(worker.pending))  # front of the queue: they are not to blame
+        self._workers[self._workers.index(worker)] = _Worker(self._ctx, self.score_fn)
