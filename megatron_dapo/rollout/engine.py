@@ -1,0 +1,176 @@
+"""The rollout-engine contract: sampling parameters, one response's result, the engine protocol.
+
+Both engines (HF transformers on CPU, vLLM on GPU) take token ids and return token ids: the
+tokenizer and chat template live in data/, and rewards decode the ids themselves.
+
+Log-prob contract (DESIGN "Numerics contract"). ``Rollout.logprobs[t]`` is the log-probability
+of the sampled token t under the model's distribution at the sampling temperature T, i.e.
+``log_softmax(logits / T)[token]`` in fp32, NOT renormalised over the top-p / top-k support.
+That is the quantity the trainer computes (policy/logprobs.py divides the logits by the same T),
+so the two can be compared token by token (``rollout/logprob_mismatch``) and, when exactly
+on-policy, used as the old log-probs of the PPO ratio. Truncation (top-p / top-k) changes which
+tokens can be drawn, not the reported numbers. With temperature 0 (greedy, evaluation only) the
+reported numbers are those of T = 1.
+
+Randomness. Each response owns a random stream seeded by ``sequence_seed(seed, prompt_index,
+sample_index)``, so a response does not depend on how requests are batched, chunked or ordered
+(HF engine: same tokens and log-probs to fp32 round-off; vLLM: per-request seeds).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol, runtime_checkable
+
+import numpy as np
+import torch
+
+from megatron_dapo.registry import Registry
+
+FinishReason = Literal["stop", "length"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class SamplingParams:
+    """How to sample; the engine-independent subset of vLLM's SamplingParams.
+
+    Unlike vLLM there are no defaults to inherit from a model's generation_config: every value
+    is explicit (the caller builds this from RolloutConfig / EvalConfig).
+    """
+
+    temperature: float = 1.0
+    """Logits are divided by this before softmax; 0 = greedy (argmax)."""
+    top_p: float = 1.0
+    """Nucleus sampling: the smallest set of most likely tokens whose mass reaches top_p; 1 = off."""
+    top_k: int = -1
+    """Sample among the k most likely tokens; -1 = off."""
+    max_tokens: int = 16
+    """Response length cap; hitting it gives finish_reason "length"."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Extra stop tokens, on top of the engine's EOS ids; the stop token ends the response."""
+    seed: int | None = None
+    """Base seed of the per-response streams; None draws one from torch's global generator."""
+    logprobs: bool = True
+    """Report per-token log-probs; evaluation can switch them off (vLLM then skips the check
+    that its logprobs mode can report them exactly)."""
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k == 0 or self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (off) or >= 1, got {self.top_k}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        # Accept any iterable (YAML gives lists) but store a tuple so the dataclass stays hashable.
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+
+    @property
+    def truncated(self) -> bool:
+        """True when top-p or top-k restricts the support of the sampling distribution."""
+        return self.top_p < 1.0 or self.top_k != -1
+
+
+def rollout_sampling_params(cfg: Any, *, seed: int | None = None,
+                            stop_token_ids: Sequence[int] = ()) -> SamplingParams:
+    """Training-rollout params from a config.RolloutConfig (log-probs on)."""
+    return SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+                          max_tokens=cfg.max_response_length, stop_token_ids=tuple(stop_token_ids),
+                          seed=seed, logprobs=True)
+
+
+def eval_sampling_params(cfg: Any, *, seed: int | None = None,
+                         stop_token_ids: Sequence[int] = ()) -> SamplingParams:
+    """Evaluation params from a config.EvalConfig (no top-k; log-probs off: nothing uses them)."""
+    return SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=-1,
+                          max_tokens=cfg.max_response_length, stop_token_ids=tuple(stop_token_ids),
+                          seed=seed, logprobs=False)
+
+
+@dataclass(kw_only=True)
+class Rollout:
+    """One response to one prompt.
+
+    ``response_ids`` includes the stop token when finish_reason is "stop" (the policy must learn
+    to emit it), and ``logprobs`` has one entry per response token (empty when the request asked
+    for none).
+    """
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: FinishReason = "length"
+
+    def __post_init__(self):
+        if self.logprobs and len(self.logprobs) != len(self.response_ids):
+            raise ValueError(f"{len(self.logprobs)} logprobs for {len(self.response_ids)} response tokens")
+        if self.finish_reason not in ("stop", "length"):
+            raise ValueError(f"finish_reason must be 'stop' or 'length', got {self.finish_reason!r}")
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """What train.py and eval call; both engines implement it."""
+
+    def generate(self, prompt_ids: Sequence[Sequence[int]], n: int,
+                 params: SamplingParams) -> list[list[Rollout]]:
+        """n responses to each prompt: result[i][k] is sample k of prompt i."""
+        ...
+
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load full (unsharded) tensors named as in the HF checkpoint, e.g.
+        ``model.layers.0.self_attn.q_proj.weight``; a subset is fine (bucketed streaming)."""
+        ...
+
+    def sleep(self) -> None:
+        """Release accelerator memory (weights and KV cache) for the training phase."""
+        ...
+
+    def wake_up(self) -> None:
+        """Undo sleep() before generating again."""
+        ...
+
+
+def sequence_seed(seed: int, prompt_index: int, sample_index: int) -> int:
+    """The seed of response ``sample_index`` of prompt ``prompt_index`` under base ``seed``.
+
+    numpy's SeedSequence hashes the triple, so nearby triples give unrelated streams (a plain
+    ``seed + index`` would make (seed, i + 1) replay (seed + 1, i)). 63 bits keep the value a
+    valid non-negative int64 for torch generators and for vLLM's per-request seeds.
+    """
+    if min(seed, prompt_index, sample_index) < 0:
+        raise ValueError(f"seed and indices must be >= 0, got {(seed, prompt_index, sample_index)}")
+    state = np.random.SeedSequence([seed, prompt_index, sample_index]).generate_state(1, dtype=np.uint64)
+    return int(state[0] >> np.uint64(1))
+
+
+def resolve_seed(seed: int | None) -> int:
+    """``seed``, or a fresh one from torch's global generator (so torch.manual_seed pins it)."""
+    if seed is not None:
+        return seed
+    return int(torch.randint(0, 2**62, (), dtype=torch.int64))
+
+
+def check_prompts(prompt_ids: Sequence[Sequence[int]], n: int) -> None:
+    """Shared argument checks of generate(): n >= 1 and no empty prompt."""
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    for i, ids in enumerate(prompt_ids):
+        if len(ids) == 0:
+            raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
+
+
+# Engines are registered by import path so that looking up "hf" never imports vllm and looking
+# up "vllm" fails only when it is used without vllm installed.
+ENGINES: Registry = Registry("rollout engine")
+ENGINES.register("hf")("megatron_dapo.rollout.hf_engine:HFEngine")
+ENGINES.register("vllm")("megatron_dapo.rollout.vllm_engine:VLLMEngine")
+
+
+def get_engine_cls(name: str) -> type:
+    """The engine class registered as ``name`` ("hf", "vllm"); ValueError lists the names."""
+    module_name, _, attr = ENGINES.get(name).partition(":")
+    return getattr(importlib.import_module(module_name), attr)

@@ -1,0 +1,242 @@
+"""Rollouts from a Hugging Face transformers causal LM: the CPU engine and the GPU-free reference.
+
+The decode loop is written out (prefill, then one token per step through a DynamicCache) rather
+than calling ``model.generate``, for three reasons: the log-probs must come from the raw logits
+(``log_softmax(logits / T)``, before top-p / top-k), each response needs its own random stream
+so that batching does not change it, and left padding must be exact.
+
+Left padding. Prompts of a batch are right-aligned; pad positions get attention-mask 0 and the
+real tokens get position ids 0, 1, 2, ... counted from the first real token, so a padded prompt
+sees exactly the keys and rotary phases it would see alone. Measured on the tiny test model:
+padded and unpadded logits agree to ~1e-7 (fp32 summation order), which the tests pin at 1e-5.
+
+Sampling mirrors vLLM's sampler so the two engines draw from the same distribution: logits / T,
+then top-k (ties with the k-th value kept), then top-p on the top-k-renormalised probabilities
+(drop the tokens whose ascending cumulative mass is <= 1 - top_p, never the most likely one),
+then an exponential race (argmax p_i / q_i, q_i ~ Exp(1)), which draws i with probability p_i
+and consumes the same amount of randomness every step whatever the distribution.
+
+Not done here: finished rows stay in the batch (fed the pad token, outputs discarded) until every
+row is done, and the n samples of a prompt each prefill the prompt again. Both cost compute, not
+correctness; this engine is for CPU-sized models and for checking the vLLM engine.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterable, Sequence
+
+import torch
+from transformers import DynamicCache
+
+from megatron_dapo.rollout.engine import (
+    Rollout,
+    SamplingParams,
+    check_prompts,
+    resolve_seed,
+    sequence_seed,
+)
+
+
+class HFEngine:
+    """RolloutEngine over an in-memory ``transformers`` causal LM (e.g. Qwen2ForCausalLM).
+
+    Args:
+        model: the model; put in eval mode, weights updated in place by update_weights.
+        eos_token_ids: ids that end a response (on top of each request's stop_token_ids);
+            None reads ``generation_config.eos_token_id`` or ``config.eos_token_id``.
+        pad_token_id: filler for left padding and for rows that have finished (never attended
+            to or returned); None = the first EOS id, else 0.
+        max_batch_size: responses decoded together; more are processed in chunks, which does not
+            change any response (per-response random streams).
+    """
+
+    def __init__(self, model: torch.nn.Module, *, eos_token_ids: Sequence[int] | None = None,
+                 pad_token_id: int | None = None, max_batch_size: int = 64):
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        self.model = model.eval()
+        self.eos_token_ids = tuple(eos_token_ids) if eos_token_ids is not None else _model_eos_ids(model)
+        if pad_token_id is None:
+            pad_token_id = self.eos_token_ids[0] if self.eos_token_ids else 0
+        self.pad_token_id = pad_token_id
+        self.max_batch_size = max_batch_size
+        # transformers 5.x renamed forward's past_key_values to cache (the old name warns).
+        params = inspect.signature(model.forward).parameters
+        self._cache_arg = "cache" if "cache" in params else "past_key_values"
+
+    @classmethod
+    def from_pretrained(cls, path: str, *, dtype: torch.dtype = torch.float32, **kwargs) -> HFEngine:
+        """Load a checkpoint directory with AutoModelForCausalLM; kwargs go to __init__."""
+        from transformers import AutoModelForCausalLM
+
+        return cls(AutoModelForCausalLM.from_pretrained(path, dtype=dtype), **kwargs)
+
+    # ------------------------------------------------------------------ generation
+    def generate(self, prompt_ids: Sequence[Sequence[int]], n: int,
+                 params: SamplingParams) -> list[list[Rollout]]:
+        """n responses per prompt; result[i][k] uses the stream sequence_seed(seed, i, k)."""
+        check_prompts(prompt_ids, n)
+        seed = resolve_seed(params.seed)
+        prompts = [list(p) for p in prompt_ids for _ in range(n)]
+        seeds = [sequence_seed(seed, i, k) for i in range(len(prompt_ids)) for k in range(n)]
+        flat = self.sample(prompts, seeds, params)
+        return [flat[i * n:(i + 1) * n] for i in range(len(prompt_ids))]
+
+    @torch.no_grad()
+    def sample(self, prompts: Sequence[Sequence[int]], seeds: Sequence[int],
+               params: SamplingParams) -> list[Rollout]:
+        """One response per (prompt, seed) pair; the seed alone fixes the response's randomness.
+
+        The building block of generate(), public so tests can check that batching, padding and
+        chunking leave a response unchanged.
+        """
+        if len(prompts) != len(seeds):
+            raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
+        out: list[Rollout] = []
+        for start in range(0, len(prompts), self.max_batch_size):
+            stop = start + self.max_batch_size
+            out += self._sample_batch(prompts[start:stop], seeds[start:stop], params)
+        return out
+
+    def _sample_batch(self, prompts: Sequence[Sequence[int]], seeds: Sequence[int],
+                      params: SamplingParams) -> list[Rollout]:
+        device = next(self.model.parameters()).device
+        num_seqs, max_len = len(prompts), max(len(p) for p in prompts)
+        # Left padding: [B, L] ids and mask, real tokens right-aligned.
+        ids_BL = torch.full((num_seqs, max_len), self.pad_token_id, dtype=torch.long)
+        mask_BL = torch.zeros((num_seqs, max_len), dtype=torch.long)
+        for b, p in enumerate(prompts):
+            ids_BL[b, max_len - len(p):] = torch.tensor(list(p), dtype=torch.long)
+            mask_BL[b, max_len - len(p):] = 1
+        pos_BL = (mask_BL.cumsum(-1) - 1).clamp(min=0)
+        ids_BL, mask_BL, pos_BL = ids_BL.to(device), mask_BL.to(device), pos_BL.to(device)
+
+        generators = [torch.Generator().manual_seed(s) for s in seeds]
+        stop_ids = set(self.eos_token_ids) | set(params.stop_token_ids)
+        responses: list[list[int]] = [[] for _ in prompts]
+        logprobs: list[list[float]] = [[] for _ in prompts]
+        finished = [False] * num_seqs
+        cache = _new_cache(self.model.config)
+
+        logits_BV = self._forward(ids_BL, mask_BL, pos_BL, cache)
+        for step in range(params.max_tokens):
+            tokens_B, logp_B = sample_next(logits_BV, params, generators)
+            for b in range(num_seqs):
+                if finished[b]:
+                    continue
+                responses[b].append(int(tokens_B[b]))
+                logprobs[b].append(float(logp_B[b]))
+                finished[b] = int(tokens_B[b]) in stop_ids
+            if all(finished) or step == params.max_tokens - 1:
+                break
+            next_B1 = torch.where(torch.tensor(finished), self.pad_token_id, tokens_B).view(-1, 1)
+            mask_BL = torch.cat([mask_BL, torch.ones_like(mask_BL[:, :1])], dim=1)
+            pos_BL = pos_BL[:, -1:] + 1
+            logits_BV = self._forward(next_B1.to(device), mask_BL, pos_BL, cache)
+
+        return [
+            Rollout(prompt_ids=list(p), response_ids=r, logprobs=lp if params.logprobs else [],
+                    finish_reason="stop" if done else "length")
+            for p, r, lp, done in zip(prompts, responses, logprobs, finished)
+        ]
+
+    def _forward(self, ids_BS: torch.Tensor, mask_BL: torch.Tensor, pos_BS: torch.Tensor,
+                 cache: DynamicCache) -> torch.Tensor:
+        """Feed [B, S] new tokens (mask covers all L cached + new positions); [B, V] last logits."""
+        out = self.model(input_ids=ids_BS, attention_mask=mask_BL, position_ids=pos_BS,
+                         use_cache=True, logits_to_keep=1, **{self._cache_arg: cache})
+        return out.logits[:, -1, :]
+
+    # ------------------------------------------------------------------ weights and memory
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors into the model's parameters and buffers, in place.
+
+        All-or-nothing per call: every name and shape is checked before anything is copied, and
+        a ValueError lists the unknown names and the shape mismatches. dtype and device are
+        converted by copy_. For tied embeddings, ``lm_head.weight`` and
+        ``model.embed_tokens.weight`` name the same tensor and either may be sent.
+        """
+        targets = self.model.state_dict(keep_vars=True)
+        items = list(weights)
+        unknown = [name for name, _ in items if name not in targets]
+        mismatched = [f"{name}: got {tuple(t.shape)}, model has {tuple(targets[name].shape)}"
+                      for name, t in items if name in targets and t.shape != targets[name].shape]
+        if unknown or mismatched:
+            raise ValueError(
+                "update_weights rejected the whole call (nothing copied): "
+                + (f"unknown names {unknown} (model names look like {sorted(targets)[:3]}); "
+                   if unknown else "")
+                + (f"shape mismatches {mismatched}" if mismatched else ""))
+        with torch.no_grad():
+            for name, tensor in items:
+                targets[name].copy_(tensor)
+
+    def sleep(self) -> None:
+        """No-op: on CPU there is no accelerator memory to hand to the trainer."""
+
+    def wake_up(self) -> None:
+        """No-op, see sleep()."""
+
+
+def sample_next(logits_BV: torch.Tensor, params: SamplingParams,
+                generators: Sequence[torch.Generator]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw one token per row and report its log-prob under log_softmax(logits / T).
+
+    Args:
+        logits_BV: [B, V] next-token logits (any float dtype, any device).
+        params: temperature, top_p, top_k.
+        generators: B CPU generators, one per row; row b consumes V exponentials per call.
+
+    Returns:
+        tokens [B] int64 and logprobs [B] fp32, on the CPU.
+    """
+    x_BV = logits_BV.detach().float().cpu()
+    if params.temperature == 0:
+        tokens_B = x_BV.argmax(dim=-1)
+        logp_BV = torch.log_softmax(x_BV, dim=-1)
+    else:
+        x_BV = x_BV / params.temperature
+        logp_BV = torch.log_softmax(x_BV, dim=-1)
+        probs_BV = torch.softmax(truncate_logits(x_BV, params.top_k, params.top_p), dim=-1)
+        race_BV = torch.stack([torch.empty(x_BV.shape[-1]).exponential_(generator=g) for g in generators])
+        tokens_B = (probs_BV / race_BV).argmax(dim=-1)
+    return tokens_B, logp_BV.gather(-1, tokens_B[:, None]).squeeze(-1)
+
+
+def truncate_logits(x_BV: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Set the logits outside the top-k / top-p support to -inf (vLLM's rule, see module doc).
+
+    Args:
+        x_BV: [B, V] temperature-scaled logits. Not modified.
+        top_k: -1 = off.
+        top_p: 1.0 = off.
+    """
+    vocab = x_BV.shape[-1]
+    if top_k != -1 and top_k < vocab:
+        kth_B1 = x_BV.topk(top_k, dim=-1).values[:, -1:]
+        x_BV = x_BV.masked_fill(x_BV < kth_B1, float("-inf"))
+    if top_p < 1.0:
+        sorted_BV, order_BV = x_BV.sort(dim=-1, descending=False)
+        cum_BV = torch.softmax(sorted_BV, dim=-1).cumsum(dim=-1)
+        drop_BV = cum_BV <= 1 - top_p
+        drop_BV[:, -1] = False  # the most likely token always stays
+        x_BV = x_BV.scatter(-1, order_BV, sorted_BV.masked_fill(drop_BV, float("-inf")))
+    return x_BV
+
+
+def _new_cache(config) -> DynamicCache:
+    """An empty KV cache; transformers < 4.56 has no config argument (layers are made lazily)."""
+    try:
+        return DynamicCache(config=config)
+    except TypeError:
+        return DynamicCache()
+
+
+def _model_eos_ids(model: torch.nn.Module) -> tuple[int, ...]:
+    """EOS ids from the generation config (Qwen2.5 lists two), else the model config."""
+    for cfg in (getattr(model, "generation_config", None), getattr(model, "config", None)):
+        eos = getattr(cfg, "eos_token_id", None)
+        if eos is not None:
+            return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+    return ()
