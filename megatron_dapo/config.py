@@ -37,7 +37,7 @@ class ModelConfig:
     fp8: Literal["e4m3", "hybrid"] | None = _f(None, "FP8 format via Transformer Engine; null = off")
     fp8_recipe: Literal["delayed", "tensorwise", "blockwise"] = _f("delayed", "FP8 scaling recipe")
     recompute: Literal["none", "selective", "full"] = _f("none", "activation recompute granularity")
-    make_vocab_size_divisible_by: int = _f(128, "pad the vocabulary to a multiple of this x TP")
+    make_vocab_size_divisible_by: int = _f(128, "pad the vocabulary to a multiple of lcm(this, TP): the same size at any TP")
 
     def __post_init__(self):
         if self.fp8 is not None and self.transformer_impl == "local":

@@ -1,1 +1,32 @@
+"""HF <-> Megatron-Core checkpoint conversion (Qwen2 family) and streaming weight export.
 
+* ``mapping.py`` / ``table.py`` / ``qwen2.py``: the declarative mapping table, pure torch.
+* ``safetensors_io.py``: one-tensor-at-a-time reads, size-bounded sharded writes.
+* ``export.py``: ``(hf_name, full tensor)`` from a live TP/PP-sharded model, in byte buckets.
+* ``checkpoint.py``: HF dir <-> Megatron dist checkpoint (uses megatron_dapo.policy).
+* ``verify.py``: HF vs Megatron logits on fixed prompts.
+* ``plan.py``: per-rank shard sizes on meta tensors (dry run).
+
+Importing this package does not import megatron.core; ``checkpoint`` and ``verify`` do (after
+megatron_dapo.policy's CPU patches), so import them explicitly.
+"""
+
+from megatron_dapo.convert import qwen2 as _qwen2  # noqa: F401  (registers Qwen2ForCausalLM)
+from megatron_dapo.convert.export import export_hf_weights, load_hf_weights
+from megatron_dapo.convert.mapping import ConversionError, ModelDims
+from megatron_dapo.convert.plan import format_shard_plan, shard_plan
+from megatron_dapo.convert.safetensors_io import (
+    SafetensorsReader, ShardedSafetensorsWriter, copy_side_files, read_hf_config,
+)
+from megatron_dapo.convert.table import (
+    ConversionTable, conversion_table, hf_to_megatron_state_dict, megatron_to_hf_state_dict, merge_tp,
+    register_architecture, split_tp, supported_architectures,
+)
+
+__all__ = [
+    "ConversionError", "ConversionTable", "ModelDims", "SafetensorsReader", "ShardedSafetensorsWriter",
+    "conversion_table", "copy_side_files", "export_hf_weights", "format_shard_plan",
+    "hf_to_megatron_state_dict", "load_hf_weights",
+    "megatron_to_hf_state_dict", "merge_tp", "read_hf_config", "register_architecture", "shard_plan",
+    "split_tp", "supported_architectures",
+]

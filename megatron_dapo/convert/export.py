@@ -1,0 +1,195 @@
+"""Move weights between a live TP/PP-sharded Megatron model and HF names, one tensor or bucket at a time.
+
+``export_hf_weights`` yields ``(hf_name, full tensor)`` from the model chunks this rank holds: each
+tensor is all-gathered inside its TP group and broadcast from the pipeline stage that owns it, so
+every rank sees every tensor (as Megatron-Bridge's ``export_hf_weights`` does). Transfers go in
+buckets of at most ``bucket_bytes``: memory holds one bucket of full tensors at a time, and the
+consumer (a safetensors writer, a rollout engine's weight loader) must be done with a bucket's
+tensors before it asks for the next one. ``load_hf_weights`` is the inverse: each rank reads the
+HF tensors its own parameters need and keeps its TP shard.
+
+Pure torch.distributed: the caller passes the TP and PP process groups (None = not parallel), and
+nothing here imports megatron. The model chunks are megatron GPTModels, possibly wrapped (DDP,
+Float16Module: anything with ``.module``); with virtual pipelining a rank holds several chunks.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from megatron_dapo.convert.mapping import ConversionError
+from megatron_dapo.convert.safetensors_io import SafetensorsReader
+from megatron_dapo.convert.table import ConversionTable, Task
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+DEFAULT_BUCKET_BYTES = 512 * 2**20
+
+
+def unwrap(module: nn.Module) -> nn.Module:
+    while hasattr(module, "module"):
+        module = module.module
+    return module
+
+
+def _size(group) -> int:
+    return dist.get_world_size(group) if group is not None and dist.is_initialized() else 1
+
+
+def _rank(group) -> int:
+    return dist.get_rank(group) if group is not None and dist.is_initialized() else 0
+
+
+def local_parameters(model_chunks: Sequence[nn.Module],
+                     table: ConversionTable) -> dict[int, tuple[str, Tensor]]:
+    """This rank's parameters as {task index: (global Megatron name, local TP shard)}.
+
+    Layer indices in ``named_parameters`` are local to a chunk; ``layer_number`` (1-based) is global.
+    """
+    index = {id(t): i for i, t in enumerate(table.tasks)}
+    out: dict[int, tuple[str, Tensor]] = {}
+    for chunk in map(unwrap, model_chunks):
+        for name, param in chunk.named_parameters():
+            if name == "output_layer.weight" and table.dims.tie_word_embeddings:
+                continue  # the last stage's copy of the tied embedding: exported once, from stage 0
+            m = _LAYER.match(name)
+            if m:
+                name = f"decoder.layers.{chunk.decoder.layers[int(m[1])].layer_number - 1}.{m[2]}"
+            task = table.task_for_megatron(name)
+            out[index[id(task)]] = (name, param)
+    return out
+
+
+@dataclass(frozen=True)
+class _Item:
+    task_index: int
+    owner: int  # global rank of the owning stage's member of this rank's PP group
+    name: str
+    full_shape: tuple[int, ...]
+    dtype: torch.dtype
+    nbytes: int
+
+
+def _plan(table: ConversionTable, local: dict[int, tuple[str, Tensor]], tp_group, pp_group,
+          wire_dtype: torch.dtype | None) -> list[_Item]:
+    """Every rank of the PP group agrees on the same ordered list of tensors and owners."""
+    tp = _size(tp_group)
+    me = dist.get_rank() if dist.is_initialized() else 0
+    mine = [(i, me, name, tuple(p.shape), wire_dtype or p.dtype) for i, (name, p) in local.items()]
+    gathered = [mine]
+    if _size(pp_group) > 1:
+        gathered = [None] * _size(pp_group)
+        dist.all_gather_object(gathered, mine, group=pp_group)
+    owners = {row[0]: row for rows in gathered for row in rows}  # a stage's TP peers agree on shapes
+    missing = [t.megatron_name() for i, t in enumerate(table.tasks) if i not in owners]
+    if missing:
+        raise ConversionError(f"model lacks Megatron parameters {missing[:8]} that the {table.architecture} "
+                              f"table expects (checked across {_size(pp_group)} pipeline stage(s))")
+    items = []
+    for i in sorted(owners):
+        _, owner, name, shape, dtype = owners[i]
+        metas = [torch.empty(shape, device="meta")] * tp
+        full = tuple(table.tasks[i].mapping.tp_merge(metas).shape)
+        items.append(_Item(i, owner, name, full, dtype, torch.Size(full).numel() * dtype.itemsize))
+    return items
+
+
+def _buckets(items: list[_Item], bucket_bytes: int) -> Iterator[list[_Item]]:
+    """Consecutive items with the same owner and dtype, up to ``bucket_bytes`` (at least one item)."""
+    bucket: list[_Item] = []
+    for item in items:
+        if bucket and (item.owner != bucket[0].owner or item.dtype != bucket[0].dtype
+                       or sum(b.nbytes for b in bucket) + item.nbytes > bucket_bytes):
+            yield bucket
+            bucket = []
+        bucket.append(item)
+    if bucket:
+        yield bucket
+
+
+def _gather_tp(task: Task, shard: Tensor, tp_group) -> Tensor:
+    tp = _size(tp_group)
+    if tp == 1 or task.mapping.tp_axis is None:
+        return shard.detach()
+    pieces = [torch.empty_like(shard) for _ in range(tp)]
+    dist.all_gather(pieces, shard.detach().contiguous(), group=tp_group)
+    return task.mapping.tp_merge(pieces)
+
+
+@torch.no_grad()
+def export_hf_weights(model_chunks: Sequence[nn.Module], table: ConversionTable, *, tp_group=None,
+                      pp_group=None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                      device: torch.device | str | None = None,
+                      dtype: torch.dtype | None = None) -> Iterator[tuple[str, Tensor]]:
+    """Yield every HF tensor of the model, full size, on every rank of the TP x PP grid.
+
+    Every rank of the model-parallel group must consume the whole iterator (it runs collectives).
+    ``device``: where yielded tensors live (e.g. "cpu" to write files); default: the params' device.
+    ``dtype``: cast to this dtype (before the PP broadcast, which then moves fewer, larger buckets);
+    default: each param's own (megatron's local-spec norms stay fp32 in a bf16 model).
+    At TP = PP = 1 a yielded tensor may be the parameter itself: read it, do not modify it.
+    """
+    local = local_parameters(model_chunks, table)
+    me = dist.get_rank() if dist.is_initialized() else 0
+    pp_size = _size(pp_group)
+    param_device = next(iter(local.values()))[1].device
+    for bucket in _buckets(_plan(table, local, tp_group, pp_group, dtype), bucket_bytes):
+        owner = bucket[0].owner == me
+        if pp_size == 1:
+            fulls = [_gather_tp(table.tasks[b.task_index], local[b.task_index][1], tp_group).to(b.dtype)
+                     for b in bucket]
+        else:
+            # One broadcast per bucket from the owning stage. The owner gathers each tensor over
+            # TP straight into its slot of the flat buffer, so it holds one bucket plus one tensor.
+            sizes = [torch.Size(b.full_shape).numel() for b in bucket]
+            flat = torch.empty(sum(sizes), dtype=bucket[0].dtype, device=param_device)
+            fulls = [p.view(b.full_shape) for p, b in zip(torch.split(flat, sizes), bucket)]
+            if owner:
+                for b, slot in zip(bucket, fulls):
+                    slot.copy_(_gather_tp(table.tasks[b.task_index], local[b.task_index][1], tp_group))
+            dist.broadcast(flat, src=bucket[0].owner, group=pp_group)
+            del flat
+        for b, full in zip(bucket, fulls):
+            task = table.tasks[b.task_index]
+            for hf_name, t in zip(task.hf_names, task.mapping.to_hf(full, table.dims)):
+                yield hf_name, t.to(device=device, dtype=dtype)
+        del fulls
+
+
+@torch.no_grad()
+def load_hf_weights(model_chunks: Sequence[nn.Module], table: ConversionTable, reader: SafetensorsReader, *,
+                    tp_group=None, progress=None) -> int:
+    """Copy an HF checkpoint into this rank's parameters (its TP shard of its stages' tensors).
+
+    Checks the whole checkpoint's names and shapes first (headers only). ``progress``: an optional
+    callable run once per loaded parameter (e.g. a tqdm ``update``). Returns the parameters loaded.
+    """
+    names = reader.names()
+    table.check_names(names)
+    for name in names:
+        table.check_hf_shape(name, reader.shape(name))
+    tp, tp_rank = _size(tp_group), _rank(tp_group)
+    targets = {name: (table.task_for_megatron(name), p)
+               for name, p in local_parameters(model_chunks, table).values()}
+    if table.dims.tie_word_embeddings:  # a last stage's output-layer copy of the tied embedding
+        for chunk in map(unwrap, model_chunks):
+            out = getattr(getattr(chunk, "output_layer", None), "weight", None)
+            if out is not None:
+                embedding = table.task_for_megatron("embedding.word_embeddings.weight")
+                targets["output_layer.weight"] = (embedding, out)
+    for megatron_name, (task, param) in targets.items():
+        full = task.mapping.to_megatron([reader.get(n, param.dtype) for n in task.hf_names], table.dims)
+        shard = task.mapping.tp_split(full, tp)[tp_rank]
+        if shard.shape != param.shape:
+            raise ConversionError(f"{megatron_name}: converted TP shard has shape {tuple(shard.shape)}, the "
+                                  f"model's parameter {tuple(param.shape)} (model built from another config "
+                                  f"or with another vocabulary padding?)")
+        param.copy_(shard)
+        if progress is not None:
+            progress()
+    return len(targets)

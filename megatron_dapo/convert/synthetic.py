@@ -1,0 +1,59 @@
+"""Real Qwen2.5 shapes with random weights: for benchmarks, dry runs and tests (nothing downloaded).
+
+The shape fields below are those of the public Qwen2.5 base-model ``config.json`` files
+(Qwen/Qwen2.5-{0.5B,1.5B,7B,32B}; the 32B values as in shared/reference/nvidia_stack.md 4.2).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megatron_dapo.convert.safetensors_io import DEFAULT_MAX_SHARD_BYTES, ShardedSafetensorsWriter
+from megatron_dapo.convert.table import conversion_table
+
+_QWEN2_COMMON = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_act": "silu",
+                 "max_position_embeddings": 32768, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
+                 "use_sliding_window": False, "attention_dropout": 0.0, "bos_token_id": 151643,
+                 "eos_token_id": 151643}
+
+
+def _qwen25(hidden, ffn, layers, heads, kv_heads, vocab, tied, **extra) -> dict[str, Any]:
+    return {**_QWEN2_COMMON, "hidden_size": hidden, "intermediate_size": ffn, "num_hidden_layers": layers,
+            "num_attention_heads": heads, "num_key_value_heads": kv_heads, "vocab_size": vocab,
+            "tie_word_embeddings": tied, **extra}
+
+
+QWEN25_CONFIGS: dict[str, dict[str, Any]] = {
+    "0.5B": _qwen25(896, 4864, 24, 14, 2, 151936, True),
+    "1.5B": _qwen25(1536, 8960, 28, 12, 2, 151936, True),
+    "7B": _qwen25(3584, 18944, 28, 28, 4, 152064, False, max_position_embeddings=131072),
+    "32B": _qwen25(5120, 27648, 64, 40, 8, 152064, False, max_position_embeddings=131072, rms_norm_eps=1e-5),
+}
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def write_random_hf_checkpoint(config: dict[str, Any], out_dir: str | Path, *,
+                               dtype: torch.dtype = torch.bfloat16,
+                               max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, seed: int = 0) -> int:
+    """Write an HF checkpoint of ``config`` with random weights, one tensor at a time (memory: one
+    shard). Norm weights are near 1, the rest N(0, 0.02), so a forward pass stays finite.
+    Returns the bytes of weights written."""
+    out_dir = Path(out_dir)
+    table = conversion_table(config)
+    gen = torch.Generator().manual_seed(seed)
+    writer = ShardedSafetensorsWriter(out_dir, max_shard_bytes=max_shard_bytes)
+    for task in table.tasks:
+        for name, shape in zip(task.hf_names, task.mapping.hf_shapes(table.dims)):
+            t = torch.randn(shape, generator=gen) * 0.02
+            if name.endswith("norm.weight"):
+                t += 1.0
+            writer.add(name, t.to(dtype))
+    writer.close()
+    config = {**config, "dtype": _DTYPE_NAMES[dtype]}
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return writer.total_bytes

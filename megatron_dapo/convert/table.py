@@ -1,0 +1,189 @@
+"""Conversion tables registered by HF architecture, and whole-state-dict conversion on top of them.
+
+A table is a function ``ModelDims -> list[ParamMapping]`` (see qwen2.py). ``conversion_table(config)``
+looks it up by ``config["architectures"][0]`` (or ``model_type`` when a config has no architectures)
+and resolves it for that config into a ``ConversionTable``: every concrete (layer-expanded) mapping,
+indexed by HF name and by Megatron name under both layer specs.
+
+The state-dict functions here hold whole models in memory; they are meant for small models and
+tests. The streaming paths (checkpoint.py, export.py) use the same ``Task`` objects one at a time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Mapping
+
+from torch import Tensor
+
+from megatron_dapo.convert.mapping import ConversionError, ModelDims, ParamMapping
+
+TableFn = Callable[[ModelDims], list[ParamMapping]]
+ConfigCheck = Callable[[dict[str, Any]], None]
+
+_TABLES: dict[str, tuple[TableFn, ConfigCheck | None]] = {}
+_MODEL_TYPES: dict[str, str] = {}
+
+
+def register_architecture(architecture: str, *, model_type: str, check_config: ConfigCheck | None = None):
+    """Decorator registering a mapping-table function for an HF architecture (``Qwen2ForCausalLM``)."""
+
+    def wrap(fn: TableFn) -> TableFn:
+        if architecture in _TABLES:
+            raise ValueError(f"architecture {architecture} is already registered")
+        _TABLES[architecture] = (fn, check_config)
+        _MODEL_TYPES[model_type] = architecture
+        return fn
+
+    return wrap
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_TABLES)
+
+
+def config_dict(config: Any) -> dict[str, Any]:
+    """An HF config as a plain dict: accepts a dict or a transformers ``PretrainedConfig``."""
+    return dict(config) if isinstance(config, Mapping) else config.to_dict()
+
+
+def architecture_of(config: dict[str, Any]) -> str:
+    archs = config.get("architectures") or []
+    if archs:
+        return archs[0]
+    return _MODEL_TYPES.get(config.get("model_type", ""), f"<model_type {config.get('model_type')!r}>")
+
+
+@dataclass(frozen=True)
+class Task:
+    """One concrete conversion: a mapping with its layer index filled in."""
+
+    mapping: ParamMapping
+    layer: int | None
+
+    @property
+    def hf_names(self) -> list[str]:
+        return self.mapping.hf_names(self.layer)
+
+    def megatron_name(self, spec: str = "local") -> str:
+        return self.mapping.megatron_name(self.layer, spec)
+
+
+class ConversionTable:
+    """The mapping table of one architecture, resolved for one config's dims."""
+
+    def __init__(self, architecture: str, dims: ModelDims, mappings: list[ParamMapping]):
+        self.architecture, self.dims = architecture, dims
+        # Layer-major order (embedding, layer 0 .. L-1, final norm, output): the order of a model's
+        # parameters and of HF shards, so a streaming pass reads and writes files sequentially.
+        self.tasks: list[Task] = []
+        run: list[ParamMapping] = []
+        for m in mappings + [None]:
+            if m is not None and m.per_layer:
+                run.append(m)
+                continue
+            self.tasks += [Task(r, layer) for layer in range(dims.num_layers) for r in run]
+            run = []
+            if m is not None:
+                self.tasks.append(Task(m, None))
+        self._by_hf = {name: t for t in self.tasks for name in t.hf_names}
+        if len(self._by_hf) != sum(len(t.hf_names) for t in self.tasks):
+            raise ValueError(f"{architecture}: an HF name is mapped twice")
+        self._by_megatron = {t.megatron_name(spec): t for t in self.tasks for spec in ("local", "te")}
+
+    def hf_names(self) -> list[str]:
+        return [n for t in self.tasks for n in t.hf_names]
+
+    def task_for_hf(self, name: str) -> Task:
+        if name not in self._by_hf:
+            raise ConversionError(f"unexpected HF tensor {name!r}: no {self.architecture} mapping for it")
+        return self._by_hf[name]
+
+    def task_for_megatron(self, name: str) -> Task:
+        if name not in self._by_megatron:
+            raise ConversionError(f"unexpected Megatron parameter {name!r}: no {self.architecture} "
+                                  "mapping for it")
+        return self._by_megatron[name]
+
+    def check_hf_shape(self, name: str, shape: Iterable[int]) -> None:
+        task = self.task_for_hf(name)
+        expected = task.mapping.hf_shapes(self.dims)[task.hf_names.index(name)]
+        if tuple(shape) != tuple(expected):
+            raise ConversionError(f"HF tensor {name!r} has shape {tuple(shape)}, expected {tuple(expected)} "
+                                  f"for this {self.architecture} config")
+
+    def check_names(self, names: Iterable[str]) -> None:
+        """Exactly the table's HF names: report missing and unexpected ones together."""
+        names = set(names)
+        expected = set(self.hf_names())
+        missing, unexpected = sorted(expected - names), sorted(names - expected)
+        if missing or unexpected:
+            raise ConversionError(f"{self.architecture} checkpoint does not match its config: "
+                                  f"missing {missing[:8]}{' ...' if len(missing) > 8 else ''}, "
+                                  f"unexpected {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}")
+
+    def check_parallel(self, tp_size: int, pp_size: int = 1) -> None:
+        """Sizes Megatron must be able to split evenly at this TP / PP."""
+        d = self.dims
+        sizes = {"num_attention_heads": d.num_attention_heads, "intermediate_size": d.ffn_hidden_size,
+                 "padded vocab size": d.padded_vocab_size}
+        bad = {k: v for k, v in sizes.items() if v % tp_size}
+        # megatron-core 0.19.2 splits KV groups over TP, or (TP a multiple of the groups) splits the
+        # fused QKV rows contiguously and all-gathers them in attention: either layout is a plain dim-0
+        # split of linear_qkv, which is what the mapping does.
+        if d.num_query_groups % tp_size and tp_size % d.num_query_groups:
+            bad["num_key_value_heads"] = d.num_query_groups
+        if bad:
+            raise ConversionError(f"TP={tp_size} does not divide {bad}")
+        if d.num_layers % pp_size:
+            raise ConversionError(f"PP={pp_size} does not divide num_hidden_layers={d.num_layers}")
+
+
+def conversion_table(config: Any, *, padded_vocab_size: int | None = None) -> ConversionTable:
+    """Resolve the registered table for an HF config (dict or PretrainedConfig)."""
+    config = config_dict(config)
+    arch = architecture_of(config)
+    if arch not in _TABLES:
+        raise ConversionError(f"unsupported architecture {arch}; supported: {supported_architectures()}")
+    fn, check = _TABLES[arch]
+    if check is not None:
+        check(config)
+    dims = ModelDims.from_hf_config(config, padded_vocab_size=padded_vocab_size)
+    return ConversionTable(arch, dims, fn(dims))
+
+
+# -- whole state dicts (small models, tests) ------------------------------------------------------
+def hf_to_megatron_state_dict(table: ConversionTable, hf: Mapping[str, Tensor], *,
+                              spec: str = "local") -> dict[str, Tensor]:
+    """HF state dict -> full (TP=1) Megatron state dict, after checking names and shapes."""
+    table.check_names(hf)
+    for name, t in hf.items():
+        table.check_hf_shape(name, t.shape)
+    return {t.megatron_name(spec): t.mapping.to_megatron([hf[n] for n in t.hf_names], table.dims)
+            for t in table.tasks}
+
+
+def megatron_to_hf_state_dict(table: ConversionTable, megatron: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """Full (TP=1) Megatron state dict (either spec's names) -> HF state dict."""
+    out: dict[str, Tensor] = {}
+    for name, full in megatron.items():
+        task = table.task_for_megatron(name)
+        out.update(zip(task.hf_names, task.mapping.to_hf(full, table.dims)))
+    table.check_names(out)
+    return out
+
+
+def split_tp(table: ConversionTable, megatron: Mapping[str, Tensor], tp_size: int) -> list[dict[str, Tensor]]:
+    """Full Megatron state dict -> one state dict per TP rank, in Megatron's TP layouts."""
+    table.check_parallel(tp_size)
+    shards: list[dict[str, Tensor]] = [{} for _ in range(tp_size)]
+    for name, full in megatron.items():
+        for rank, piece in enumerate(table.task_for_megatron(name).mapping.tp_split(full, tp_size)):
+            shards[rank][name] = piece
+    return shards
+
+
+def merge_tp(table: ConversionTable, shards: list[Mapping[str, Tensor]]) -> dict[str, Tensor]:
+    """Inverse of ``split_tp``."""
+    return {name: table.task_for_megatron(name).mapping.tp_merge([s[name] for s in shards])
+            for name in shards[0]}

@@ -1,0 +1,295 @@
+"""Token log-probs and entropy from vocab-parallel logits: fp32, no vocabulary all-gather, chunked.
+
+Each tensor-parallel rank holds the logits of a contiguous vocabulary slice
+[rank * V_local, (rank + 1) * V_local). Per token, with x = logits / temperature:
+
+    S       = sum_v exp(x_v - M),                 M = max_v x_v
+    log p_t = (x_t - M) - log S                   (t = the target token)
+    H       = log S - sum_v p_v (x_v - M)         (entropy)
+
+Each sum is a local partial followed by one all-reduce over the TP group: one MAX (for M) and one
+SUM of the three stacked partials per chunk, i.e. O(tokens) bytes on the wire, never O(vocab).
+
+Memory. The loop runs over chunks of tokens and keeps two or three fp32 [chunk, V_local] work
+buffers, whatever the sequence length. Backward recomputes the softmax per chunk from the saved
+per-token M, log S and E_p[x - M] (no collective) and writes into one gradient buffer shaped like
+the logits (which autograd needs anyway; for fp32 logits it doubles as the work buffer). Unlike
+megatron's vocab_parallel_cross_entropy, the input logits are never modified in place.
+``vocab_parallel_logprobs_from_hidden`` goes one step further and fuses the output projection
+into the loop, so no [tokens, V_local] tensor exists at all (benchmarks/logprobs.py measures both).
+
+Padded vocabulary rows (a multiple of lcm(divisible_by, TP), see model.padded_vocab_size) are not
+tokens: ``valid_vocab_size`` excludes them from the softmax, so log-probs match an unpadded model
+(and the rollout engine) exactly.
+
+Gradients: d log p_t / dx_v = [v = t] - p_v;  dH / dx_v = -p_v (x_v - E_p[x]).
+References: NeMo-Aligner / NeMo-RL DistributedLogprob and ChunkedDistributedLogprob
+(nvidia_stack.md 1.3, 2.6) for the TP scheme; the entropy gradient is derived above.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+# The loop keeps two or three fp32 work buffers of [chunk, V_local], allocated once per call.
+# 64 MiB each (~110 tokens at V_local = 152064) bounds them near 200 MB; much smaller chunks cost
+# time on CPU (measured: 27-token chunks ran the forward ~1.6x slower than 108-token ones).
+DEFAULT_CHUNK_BYTES = 64 * 2**20
+
+
+def vocab_parallel_logprobs(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    temperature: float,
+    tp_group: dist.ProcessGroup | None = None,
+    valid_vocab_size: int | None = None,
+    chunk_tokens: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probability of each target token and the entropy of each position's distribution.
+
+    Args:
+        logits: [..., V_local] this rank's vocabulary slice (any float dtype; any leading shape,
+            e.g. [b, s] from GPTModel or [s, b] or [tokens]). Not modified.
+        target: [...] global token ids, aligned with logits (the token that position predicts).
+            Ids outside [0, valid_vocab_size) (e.g. -100 padding) give finite garbage to mask out.
+        temperature: the rollout sampling temperature; logits are divided by it first.
+        tp_group: the tensor-parallel group the vocabulary is split over; None = not split.
+        valid_vocab_size: the real vocabulary size (columns beyond it are padding); None = all.
+        chunk_tokens: tokens per chunk; None sizes chunks to DEFAULT_CHUNK_BYTES.
+
+    Returns:
+        (log_probs, entropy): both [...] fp32. Both are differentiable (entropy for an entropy
+        bonus); under torch.no_grad() nothing is kept for backward (old-policy log-probs).
+    """
+    if target.shape != logits.shape[:-1]:
+        raise ValueError(f"target shape {tuple(target.shape)} must equal logits shape without the "
+                         f"vocabulary dim {tuple(logits.shape[:-1])}")
+    shard = _Shard(logits.shape[-1], tp_group, valid_vocab_size, temperature, chunk_tokens)
+    return _VocabParallelLogProbs.apply(logits, target, shard)
+
+
+def vocab_parallel_logprobs_from_hidden(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    temperature: float,
+    tp_group: dist.ProcessGroup | None = None,
+    valid_vocab_size: int | None = None,
+    chunk_tokens: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same from the last hidden states, with the output projection fused into the chunk loop:
+    no [tokens, V_local] tensor exists at all, in forward or backward (memory O(chunk x V_local)).
+
+    Args:
+        hidden: [..., H] final-norm hidden states, the full sequence, the same on every TP rank.
+            Its gradient is this rank's partial sum over its vocabulary slice: pass it through
+            megatron's copy_to_tensor_model_parallel_region (or, under sequence parallelism,
+            gather_from_sequence_parallel_region) as ColumnParallelLinear does; see
+            ``logprobs_output_processor``.
+        weight: [V_local, H] this rank's output-layer (or tied embedding) rows.
+        target, temperature, tp_group, valid_vocab_size, chunk_tokens: as in vocab_parallel_logprobs.
+
+    Returns:
+        (log_probs, entropy): both [...] fp32, differentiable w.r.t. hidden and weight (the
+        weight gradient is accumulated in fp32 and returned in the weight's dtype).
+    """
+    if target.shape != hidden.shape[:-1] or weight.shape[-1] != hidden.shape[-1]:
+        raise ValueError(f"need hidden [..., H], weight [V_local, H], target [...]; got "
+                         f"{tuple(hidden.shape)}, {tuple(weight.shape)}, {tuple(target.shape)}")
+    shard = _Shard(weight.shape[0], tp_group, valid_vocab_size, temperature, chunk_tokens)
+    return _HiddenLogProbs.apply(hidden, weight, target, shard)
+
+
+def logprobs_output_processor(target_bs: torch.Tensor, *, temperature: float, valid_vocab_size: int | None,
+                              chunk_tokens: int | None = None):
+    """A ``GPTModel.forward(output_processor=...)`` hook (megatron-core 0.19.2) that returns
+    (log_probs, entropy), each [b, s] fp32, instead of logits: the fused path above, with the
+    output layer's own TP / sequence-parallel input handling. target_bs: [b, s] token ids."""
+    from megatron.core.tensor_parallel import (
+        copy_to_tensor_model_parallel_region,
+        gather_from_sequence_parallel_region,
+    )
+
+    def processor(*, hidden_states, output_layer, output_weight, **_):
+        weight = output_layer.weight if output_weight is None else output_weight
+        group = output_layer.tp_group
+        if output_layer.sequence_parallel:  # [s/TP, b, H] -> [s, b, H]; backward reduce-scatters
+            hidden = gather_from_sequence_parallel_region(hidden_states, group=group)
+        else:  # identity; backward all-reduces the partial hidden-state gradients
+            hidden = copy_to_tensor_model_parallel_region(hidden_states, group=group)
+        group = group if dist.is_initialized() and dist.get_world_size(group) > 1 else None
+        lp, ent = vocab_parallel_logprobs_from_hidden(
+            hidden, weight, target_bs.t(), temperature=temperature, tp_group=group,
+            valid_vocab_size=valid_vocab_size, chunk_tokens=chunk_tokens)
+        return lp.t(), ent.t()  # [s, b] -> [b, s]
+
+    return processor
+
+
+class _Shard:
+    """Where this rank's vocabulary slice sits, and the arguments shared by both entry points."""
+
+    def __init__(self, v_local, tp_group, valid_vocab_size, temperature, chunk_tokens):
+        if temperature <= 0:
+            raise ValueError(f"temperature must be > 0, got {temperature}")
+        rank = dist.get_rank(tp_group) if tp_group is not None else 0
+        world = dist.get_world_size(tp_group) if tp_group is not None else 1
+        valid = v_local * world if valid_vocab_size is None else valid_vocab_size
+        if not 0 < valid <= v_local * world:
+            raise ValueError(f"valid_vocab_size={valid_vocab_size} must be in (0, {v_local * world}]")
+        self.group, self.temperature = tp_group, float(temperature)
+        self.start = rank * v_local
+        self.valid = max(0, min(v_local, valid - self.start))  # a rank may hold only padding
+        self.chunk = chunk_tokens or max(1, DEFAULT_CHUNK_BYTES // (4 * max(self.valid, 1)))
+
+
+def _chunk_forward(logits, target, shard, buffers):
+    """logits: [C, V_local] this chunk's raw logits, any dtype (read only); buffers: two fp32
+    [>= C, valid] work buffers, reused across chunks. Returns the per-token (M, log S,
+    E_p[x - M], log p, entropy), each [C] fp32, reduced over the TP group."""
+    raw = logits[:, :shard.valid]
+    # max commutes with dividing by T > 0, so take it on the raw logits (no scaled copy yet).
+    m = (raw.amax(-1).float() / shard.temperature if shard.valid
+         else raw.new_full((raw.shape[0],), float("-inf"), dtype=torch.float32))
+    if shard.group is not None:
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=shard.group)
+    # x - M = logits / T - M in one fp32 pass. Everything below works on x - M (<= 0):
+    # subtracting M from a log-sum or a mean afterwards would cost precision at large |logits|.
+    x = torch.add(-m[:, None], raw, alpha=1.0 / shard.temperature, out=buffers[0][: raw.shape[0]])
+    exp = torch.exp(x, out=buffers[1][: raw.shape[0]])
+    local_t, in_shard = _local_target(target, shard)
+    target_x = (torch.where(in_shard, x.gather(1, local_t[:, None]).squeeze(1), 0.0) if shard.valid
+                else torch.zeros_like(m))
+    # One all-reduce for the three partial sums: sum exp, the target's shifted logit (only its
+    # owner has it), and sum exp * shifted logit (a batched dot product: no [C, V] temporary).
+    stats = torch.stack([exp.sum(-1), target_x, torch.bmm(exp[:, None, :], x[:, :, None]).view(-1)])
+    if shard.group is not None:
+        dist.all_reduce(stats, group=shard.group)
+    log_sum, mean_shifted = torch.log(stats[0]), stats[2] / stats[0]
+    return m, log_sum, mean_shifted, stats[1] - log_sum, log_sum - mean_shifted
+
+
+def _chunk_backward(logits, target, shard, m, log_sum, mean_shifted, g_lp, g_h, out, probs):
+    """d(g_lp . log p + g_h . H) / d logits for one chunk: [C, valid] fp32, written into ``out``
+    (e.g. the gradient buffer itself); probs: a [C, valid] fp32 work buffer (used only for an
+    entropy gradient). logits: [C, V_local] raw, read only.
+
+    With log p = x - M - log S, d log p_t / dx = onehot(t) - p and dH/dx = -p (log p + H), so
+    d/d logits = -(p / T) (g_h (log p + H) + g_lp) + onehot(t) g_lp / T  (T the temperature).
+    Without an entropy gradient that is three passes over the chunk and no other buffer."""
+    t = shard.temperature
+    g_lp = torch.zeros_like(m) if g_lp is None else g_lp
+    x = torch.add(-(m + log_sum)[:, None], logits[:, :shard.valid], alpha=1.0 / t, out=out)  # log p
+    if g_h is None:
+        x.exp_().mul_((g_lp / -t)[:, None])
+    else:
+        torch.exp(x, out=probs)
+        x.mul_((g_h / -t)[:, None]).add_((((log_sum - mean_shifted) * g_h + g_lp) / -t)[:, None])
+        x.mul_(probs)
+    if shard.valid:
+        local_t, in_shard = _local_target(target, shard)
+        x.scatter_add_(1, local_t[:, None], torch.where(in_shard, g_lp / t, 0.0)[:, None])
+    return x
+
+
+def _run_forward(ctx, n, target, shard, logits_of):
+    """Loop over token chunks; logits_of(rows) gives [C, V_local] logits of those tokens."""
+    tgt = target.reshape(-1)
+    stats = torch.empty(3, n, dtype=torch.float32, device=target.device)  # M, log S, E_p[x - M]
+    log_probs, entropy = torch.empty_like(stats[0]), torch.empty_like(stats[0])
+    buffers = _work_buffers(2, min(n, shard.chunk), shard, target.device)
+    for start in range(0, n, shard.chunk):
+        rows = slice(start, min(start + shard.chunk, n))
+        m, log_sum, mean, log_probs[rows], entropy[rows] = _chunk_forward(
+            logits_of(rows), tgt[rows], shard, buffers)
+        stats[:, rows] = torch.stack([m, log_sum, mean])
+    ctx.shard = shard
+    return log_probs.view(target.shape), entropy.view(target.shape), stats
+
+
+def _work_buffers(count, rows, shard, device):
+    """fp32 [rows, valid] buffers allocated once per call: reusing them (instead of allocating per
+    chunk) keeps the CPU allocator from returning and page-faulting the memory on every chunk."""
+    return [torch.empty(rows, shard.valid, dtype=torch.float32, device=device) for _ in range(count)]
+
+
+def _chunk_projection(hidden, weight, shard):
+    """rows -> hidden[rows] @ weight.T ([C, V_local], weight's dtype) in one reused buffer."""
+    out = torch.empty(min(hidden.shape[0], shard.chunk), weight.shape[0], dtype=weight.dtype,
+                      device=weight.device)
+    return lambda rows: torch.matmul(hidden[rows], weight.t(), out=out[: rows.stop - rows.start])
+
+
+def _grads_out(grad_log_probs, grad_entropy):
+    g_lp = None if grad_log_probs is None else grad_log_probs.reshape(-1).float()
+    g_h = None if grad_entropy is None else grad_entropy.reshape(-1).float()
+    return g_lp, g_h
+
+
+class _VocabParallelLogProbs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target, shard):
+        flat = logits.reshape(-1, logits.shape[-1])  # a view for contiguous logits
+        lp, ent, stats = _run_forward(ctx, flat.shape[0], target, shard, lambda rows: flat[rows])
+        ctx.save_for_backward(logits, target, stats)
+        return lp, ent
+
+    @staticmethod
+    def backward(ctx, grad_log_probs, grad_entropy):
+        logits, target, stats = ctx.saved_tensors
+        shard, (g_lp, g_h) = ctx.shard, _grads_out(grad_log_probs, grad_entropy)
+        flat, tgt = logits.reshape(-1, logits.shape[-1]), target.reshape(-1)
+        grad = torch.empty_like(flat)
+        grad[:, shard.valid:] = 0  # padding columns
+        fp32 = grad.dtype == torch.float32  # then compute straight in the gradient buffer
+        buffers = _work_buffers(1 if fp32 else 2, min(flat.shape[0], shard.chunk), shard, grad.device)
+        for start in range(0, flat.shape[0], shard.chunk):
+            rows = slice(start, min(start + shard.chunk, flat.shape[0]))
+            c, out = rows.stop - rows.start, grad[rows, :shard.valid]
+            x = _chunk_backward(flat[rows], tgt[rows], shard, *stats[:, rows],
+                                None if g_lp is None else g_lp[rows], None if g_h is None else g_h[rows],
+                                out if fp32 else buffers[1][:c], buffers[0][:c])
+            if not fp32:
+                out.copy_(x)
+        return grad.view_as(logits), None, None
+
+
+class _HiddenLogProbs(torch.autograd.Function):
+    """The output layer fused in: logits exist one chunk at a time, in forward and backward."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, target, shard):
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        logits_of = _chunk_projection(flat, weight, shard)
+        lp, ent, stats = _run_forward(ctx, flat.shape[0], target, shard, logits_of)
+        ctx.save_for_backward(hidden, weight, target, stats)
+        return lp, ent
+
+    @staticmethod
+    def backward(ctx, grad_log_probs, grad_entropy):
+        hidden, weight, target, stats = ctx.saved_tensors
+        shard, (g_lp, g_h) = ctx.shard, _grads_out(grad_log_probs, grad_entropy)
+        flat, tgt, w = hidden.reshape(-1, hidden.shape[-1]), target.reshape(-1), weight[:shard.valid]
+        grad_hidden = torch.empty_like(flat)
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)  # accumulates
+        buffers = _work_buffers(2, min(flat.shape[0], shard.chunk), shard, hidden.device)
+        logits_of = _chunk_projection(flat, weight, shard)
+        for start in range(0, flat.shape[0], shard.chunk):
+            rows = slice(start, min(start + shard.chunk, flat.shape[0]))
+            c = rows.stop - rows.start
+            gx = _chunk_backward(logits_of(rows), tgt[rows], shard, *stats[:, rows],
+                                 None if g_lp is None else g_lp[rows], None if g_h is None else g_h[rows],
+                                 buffers[1][:c], buffers[0][:c])
+            grad_hidden[rows] = (gx.to(w.dtype) @ w).to(grad_hidden.dtype)
+            grad_weight[:shard.valid].addmm_(gx.t(), flat[rows].float())  # in place: no [V, H] temporary
+        return grad_hidden.view_as(hidden), grad_weight.to(weight.dtype), None, None
+
+
+def _local_target(target: torch.Tensor, shard: _Shard):
+    """Column of each target in this shard (0 where it is not here) and whether it is here."""
+    local = target - shard.start
+    in_shard = (local >= 0) & (local < shard.valid)
+    return torch.where(in_shard, local, 0), in_shard

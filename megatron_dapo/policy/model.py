@@ -1,0 +1,267 @@
+"""A megatron-core ``GPTModel`` for a Qwen2 / Qwen2.5 architecture, built from its HF config.json.
+
+Qwen2 in Megatron terms: grouped-query attention (num_query_groups = num_key_value_heads), a bias
+on the QKV projection only (add_qkv_bias, no add_bias_linear), RMSNorm, SwiGLU (gated linear unit
++ SiLU), RoPE with base ``rope_theta`` over the whole head, tied or untied embeddings.
+References: shared/reference/nvidia_stack.md 4.2 (Qwen2.5-32B flags) and megatron-core 0.19.2
+``TransformerConfig`` / ``GPTModel``.
+
+Two layer specs: Transformer Engine (``get_gpt_layer_with_transformer_engine_spec``; GPU, bf16,
+optional FP8) and megatron's local spec (``get_gpt_layer_local_spec(normalization="RMSNorm")``;
+CPU, fp32). Parameter names are Megatron's own and differ between the two (the TE spec fuses the
+input norm into ``linear_qkv.layer_norm_weight``); the conversion code maps both.
+
+Fused kernels (RoPE, bias-activation, masked softmax) stay off: NeMo-RL #1801 traced most
+trainer/vLLM log-prob spikes to them, and the log-probs here must match the rollout engine's.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+import torch.nn.functional as F
+
+from megatron_dapo.config import ModelConfig, ParallelConfig
+
+
+@dataclass(frozen=True)
+class HFArch:
+    """The architecture fields of a Qwen2 config.json, named as Megatron names them."""
+
+    vocab_size: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_layers: int
+    num_attention_heads: int
+    num_query_groups: int
+    kv_channels: int
+    norm_eps: float
+    rope_theta: float
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+    init_std: float
+    attention_dropout: float
+
+
+def hf_arch(hf_config: Mapping[str, Any] | Any) -> HFArch:
+    """Read a Qwen2 config: a config.json dict, its path or directory, or a transformers config.
+
+    Raises ValueError for features this model does not implement (sliding window, scaled RoPE,
+    an activation other than SiLU) rather than building a model that silently differs.
+    """
+    cfg = _as_dict(hf_config)
+    model_type = cfg.get("model_type", "qwen2")
+    if model_type != "qwen2":
+        raise ValueError(f"expected a Qwen2 / Qwen2.5 config (model_type 'qwen2'), got {model_type!r}")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"Qwen2 uses SwiGLU; hidden_act={cfg['hidden_act']!r} is not supported")
+    if cfg.get("use_sliding_window"):
+        raise ValueError("use_sliding_window=true is not supported (Qwen2.5 checkpoints ship false)")
+    # transformers >= 5 keeps RoPE settings in rope_parameters; config.json files written by 4.x
+    # keep rope_theta (and an optional rope_scaling) at the top level.
+    rope = dict(cfg.get("rope_parameters") or {})
+    scaling = cfg.get("rope_scaling") or {}
+    scaling_type = scaling.get("rope_type", scaling.get("type", "default"))
+    for rope_type in (rope.get("rope_type", "default"), scaling_type):
+        if rope_type != "default":
+            raise ValueError(f"RoPE scaling {rope_type!r} (rope_scaling / rope_parameters) is not "
+                             "supported; remove it from config.json for contexts within the trained length")
+    heads = cfg["num_attention_heads"]
+    return HFArch(
+        vocab_size=cfg["vocab_size"],
+        hidden_size=cfg["hidden_size"],
+        ffn_hidden_size=cfg["intermediate_size"],
+        num_layers=cfg["num_hidden_layers"],
+        num_attention_heads=heads,
+        num_query_groups=cfg.get("num_key_value_heads") or heads,
+        kv_channels=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+        norm_eps=cfg["rms_norm_eps"],
+        rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        max_position_embeddings=cfg["max_position_embeddings"],
+        init_std=cfg.get("initializer_range", 0.02),
+        attention_dropout=float(cfg.get("attention_dropout", 0.0)),
+    )
+
+
+def _as_dict(hf_config) -> dict:
+    if isinstance(hf_config, (str, os.PathLike)):
+        path = os.path.join(hf_config, "config.json") if os.path.isdir(hf_config) else hf_config
+        with open(path) as f:
+            return json.load(f)
+    if isinstance(hf_config, Mapping):
+        return dict(hf_config)
+    return hf_config.to_dict()  # a transformers PretrainedConfig
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
+    """Round up to a multiple of lcm(divisible_by, TP); unchanged when it divides.
+
+    Deliberately not Megatron-LM's divisible_by x TP: with that rule the padded size depends on TP
+    (Qwen2.5-0.5B's 151936 rows become 152064 at TP=2), so a checkpoint saved at one TP would not
+    load at another. With divisible_by = 128 every power-of-two TP up to 128 gives the same size.
+    The extra rows are never real tokens: log-probs mask them (see logprobs.py, valid_vocab_size)
+    and conversion drops them on export.
+    """
+    multiple = math.lcm(divisible_by, tp)
+    return -(-vocab_size // multiple) * multiple
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """What ModelConfig's "auto" values resolve to on this machine."""
+
+    transformer_impl: str  # "local" | "transformer_engine"
+    params_dtype: torch.dtype
+
+
+def resolve_runtime(model: ModelConfig, on_gpu: bool) -> Runtime:
+    impl = model.transformer_impl
+    if impl == "auto":
+        impl = "transformer_engine" if on_gpu else "local"
+    if impl == "transformer_engine" and not on_gpu:
+        raise ValueError("model.transformer_impl=transformer_engine needs CUDA; use local (or auto) on CPU")
+    if impl == "transformer_engine" and importlib.util.find_spec("transformer_engine") is None:
+        raise ValueError("model.transformer_impl=transformer_engine (the GPU default) needs Transformer "
+                         "Engine: use the NGC container (container/Dockerfile) or set "
+                         "model.transformer_impl=local")
+    if model.fp8 is not None and impl != "transformer_engine":
+        raise ValueError(f"model.fp8={model.fp8!r} needs the Transformer Engine spec (a GPU); "
+                         "set model.fp8=null")
+    dtype = model.dtype if model.dtype != "auto" else ("bf16" if on_gpu else "fp32")
+    return Runtime(impl, torch.bfloat16 if dtype == "bf16" else torch.float32)
+
+
+def transformer_config_from_hf(hf_config, *, model: ModelConfig, parallel: ParallelConfig,
+                               on_gpu: bool | None = None, **overrides):
+    """The megatron ``TransformerConfig`` for a Qwen2 config under the given model / parallel settings.
+
+    ``overrides`` are set on the TransformerConfig last (e.g. calculate_per_token_loss for the
+    train step, hidden_dropout for a test). The architecture part alone is ``hf_arch``.
+    """
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.enums import AttnBackend
+
+    arch = hf_arch(hf_config)
+    on_gpu = torch.cuda.is_available() if on_gpu is None else on_gpu
+    rt = resolve_runtime(model, on_gpu)
+    pp, vpp = parallel.pipeline_model_parallel_size, parallel.virtual_pipeline_model_parallel_size
+    fields: dict[str, Any] = dict(
+        num_layers=arch.num_layers,
+        hidden_size=arch.hidden_size,
+        ffn_hidden_size=arch.ffn_hidden_size,
+        num_attention_heads=arch.num_attention_heads,
+        num_query_groups=arch.num_query_groups,
+        kv_channels=arch.kv_channels,
+        normalization="RMSNorm",
+        layernorm_epsilon=arch.norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_qkv_bias=True,
+        add_bias_linear=False,
+        hidden_dropout=0.0,  # Qwen2 has none, and RL log-probs must be deterministic
+        attention_dropout=arch.attention_dropout,
+        init_method_std=arch.init_std,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        transformer_impl=rt.transformer_impl,
+        attention_backend=AttnBackend.auto if on_gpu else AttnBackend.local,
+        params_dtype=rt.params_dtype,
+        bf16=rt.params_dtype == torch.bfloat16,
+        pipeline_dtype=rt.params_dtype,
+        use_cpu_initialization=not on_gpu,
+        tensor_model_parallel_size=parallel.tensor_model_parallel_size,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp,
+        sequence_parallel=parallel.sequence_parallel,
+        context_parallel_size=parallel.context_parallel_size,
+        # RL micro-batches differ in length, so stages exchange shapes first. TransformerConfig
+        # rejects that with its default MoE dispatcher even for a dense model; none runs here.
+        variable_seq_lengths=pp > 1,
+        moe_token_dispatcher_type="alltoall",
+        # With interleaving and PP=2, prev and next stage are the same rank and the batched p2p
+        # op list pairs sends with the wrong receives: silently wrong results
+        # (megatron_on_cpu.md 3b; megatron-training asserts this case away).
+        batch_p2p_comm=not (vpp is not None and pp == 2),
+    )
+    if model.recompute == "selective":
+        fields.update(recompute_granularity="selective")  # megatron default module: core_attn
+    elif model.recompute == "full":
+        fields.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    if rt.transformer_impl == "transformer_engine" and model.fp8 is not None:
+        fields.update(fp8=model.fp8, fp8_recipe=model.fp8_recipe)
+    fields.update(overrides)
+    return TransformerConfig(**fields)
+
+
+def layer_spec(config):
+    """Megatron's TE spec or local spec (RMSNorm through torch), per config.transformer_impl."""
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec,
+        get_gpt_layer_with_transformer_engine_spec,
+    )
+    if config.transformer_impl == "transformer_engine":
+        return get_gpt_layer_with_transformer_engine_spec()
+    return get_gpt_layer_local_spec(normalization="RMSNorm")
+
+
+def build_model(hf_config, *, model: ModelConfig, parallel: ParallelConfig,
+                on_gpu: bool | None = None, **overrides) -> list:
+    """This rank's model chunks: one ``GPTModel`` per virtual pipeline stage (a list of one
+    without VPP), with pre/post-process set from the pipeline position.
+
+    Needs ``initialize_parallel`` (parallel.py) to have run with the same ``parallel`` settings.
+    Weights are freshly initialised; the conversion code loads real ones. Output logits are
+    vocab-parallel [b, s, padded_vocab / TP].
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+
+    arch = hf_arch(hf_config)
+    _check_parallel_state(parallel)
+    config = transformer_config_from_hf(hf_config, model=model, parallel=parallel, on_gpu=on_gpu, **overrides)
+    vocab = padded_vocab_size(arch.vocab_size, model.make_vocab_size_divisible_by,
+                              parallel.tensor_model_parallel_size)
+    spec = layer_spec(config)
+    vpp = parallel.virtual_pipeline_model_parallel_size
+    chunks = []
+    for vp_stage in range(vpp or 1):
+        stage = vp_stage if vpp else None
+        chunks.append(GPTModel(
+            config=config,
+            transformer_layer_spec=spec,
+            vocab_size=vocab,
+            max_sequence_length=arch.max_position_embeddings,
+            pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
+            post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
+            parallel_output=True,  # keep logits vocab-parallel: logprobs.py never gathers them
+            share_embeddings_and_output_weights=arch.tie_word_embeddings,
+            position_embedding_type="rope",
+            rotary_percent=1.0,
+            rotary_base=arch.rope_theta,
+            vp_stage=stage,
+        ))
+    return chunks
+
+
+def _check_parallel_state(parallel: ParallelConfig) -> None:
+    from megatron.core import parallel_state as ps
+    if not ps.model_parallel_is_initialized():
+        raise RuntimeError("call megatron_dapo.policy.parallel.initialize_parallel(...) before build_model")
+    have = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
+            ps.get_virtual_pipeline_model_parallel_world_size(), ps.get_context_parallel_world_size())
+    want = (parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size,
+            parallel.virtual_pipeline_model_parallel_size, parallel.context_parallel_size)
+    if have != want:
+        raise ValueError(f"parallel state (TP, PP, VPP, CP) = {have} but the ParallelConfig asks for "
+                         f"{want}; initialise with the same ParallelConfig")

@@ -1,0 +1,97 @@
+"""torch.distributed and Megatron's parallel state, checked against the model before anything is built.
+
+``validate_parallel`` names every inconsistency (world size, heads, KV groups, layers per stage,
+context parallelism on the local spec) with the values and the fix; ``initialize_parallel`` runs it,
+then starts the process group (gloo on CPU, NCCL on GPU) and ``initialize_model_parallel``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+from megatron_dapo.config import ModelConfig, ParallelConfig
+from megatron_dapo.policy.model import hf_arch, padded_vocab_size, resolve_runtime
+
+
+def validate_parallel(hf_config, *, parallel: ParallelConfig, model: ModelConfig, world_size: int,
+                      on_gpu: bool | None = None) -> dict[str, int]:
+    """Raise ValueError on the first inconsistency; return the derived sizes
+    (data_parallel_size, padded_vocab_size, layers_per_chunk)."""
+    arch = hf_arch(hf_config)
+    on_gpu = torch.cuda.is_available() if on_gpu is None else on_gpu
+    tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
+    vpp = parallel.virtual_pipeline_model_parallel_size or 1
+    dp = parallel.data_parallel_size(world_size)  # raises with the numbers when TP x PP x CP does not divide
+    heads, groups = arch.num_attention_heads, arch.num_query_groups
+    if heads % tp:
+        raise ValueError(f"num_attention_heads={heads} is not divisible by tensor_model_parallel_size={tp}; "
+                         f"use a TP that divides it ({_divisors(heads)})")
+    # megatron-core 0.19.2 shards KV groups when TP divides them and replicates them when they
+    # divide TP (attention.py: num_query_groups < world_size gathers the QKV output).
+    if groups % tp and tp % groups:
+        raise ValueError(f"num_key_value_heads={groups} and tensor_model_parallel_size={tp}: one must "
+                         f"divide the other; use a TP that divides {groups} or is a multiple of it")
+    if arch.num_layers % (pp * vpp):
+        raise ValueError(f"num_hidden_layers={arch.num_layers} is not divisible by pipeline_model_parallel"
+                         f"_size x virtual_pipeline_model_parallel_size = {pp} x {vpp}; pick sizes whose "
+                         f"product divides {arch.num_layers} ({_divisors(arch.num_layers)})")
+    if arch.hidden_size % tp or arch.ffn_hidden_size % tp:
+        raise ValueError(f"hidden_size={arch.hidden_size} and intermediate_size={arch.ffn_hidden_size} "
+                         f"must be divisible by tensor_model_parallel_size={tp}")
+    runtime = resolve_runtime(model, on_gpu)
+    if parallel.context_parallel_size > 1 and runtime.transformer_impl != "transformer_engine":
+        raise ValueError(f"context_parallel_size={parallel.context_parallel_size} needs the Transformer "
+                         "Engine spec (megatron's local DotProductAttention has no CP); set it to 1 on CPU")
+    return dict(data_parallel_size=dp,
+                padded_vocab_size=padded_vocab_size(arch.vocab_size, model.make_vocab_size_divisible_by, tp),
+                layers_per_chunk=arch.num_layers // (pp * vpp))
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def initialize_parallel(hf_config, *, parallel: ParallelConfig, model: ModelConfig, seed: int,
+                        timeout_minutes: int = 30) -> dict[str, int]:
+    """Validate, then start torch.distributed (env:// as torchrun sets it; a one-process world
+    when started without a launcher) and megatron's model-parallel groups and RNG tracker.
+    Returns ``validate_parallel``'s sizes.
+
+    ``seed`` seeds megatron's RNG tracker (model_parallel_cuda_manual_seed), which attention
+    dropout and recompute fork even when dropout is 0.
+    """
+    from megatron.core import parallel_state, tensor_parallel
+
+    on_gpu = torch.cuda.is_available()
+    world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    sizes = validate_parallel(hf_config, parallel=parallel, model=model, world_size=world_size, on_gpu=on_gpu)
+    if not dist.is_initialized():
+        if on_gpu:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        backend, timeout = "nccl" if on_gpu else "gloo", datetime.timedelta(minutes=timeout_minutes)
+        if "RANK" in os.environ:
+            dist.init_process_group(backend, timeout=timeout)
+        else:  # plain `python ...`: no launcher, no rendezvous address needed
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=parallel.tensor_model_parallel_size,
+        pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
+        context_parallel_size=parallel.context_parallel_size,
+        distributed_timeout_minutes=timeout_minutes,
+    )
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    return sizes
+
+
+def destroy_parallel(process_group: bool = True) -> None:
+    """Tear down megatron's groups and, unless told not to, the process group (gloo can abort at
+    interpreter exit when it is left alive)."""
+    from megatron.core import parallel_state
+    parallel_state.destroy_model_parallel()
+    if process_group and dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,117 @@
+"""HF -> Megatron dist checkpoint -> HF on a random tiny Qwen2, in one process (TP = PP = 1).
+
+Bit-exact round trips in fp32 and bf16, untied (GQA, q/k/v bias, sharded input) and tied; the
+output loads with transformers; logits match; CLI errors name the problem.
+"""
+
+import json
+
+import pytest
+import torch
+
+from megatron_dapo.convert.checkpoint import hf_to_megatron, megatron_to_hf  # noqa: I001  (before policy)
+from megatron_dapo.convert import ConversionError, SafetensorsReader
+from megatron_dapo.convert.synthetic import QWEN25_CONFIGS
+from megatron_dapo.convert.verify import verify
+from tools.convert_ckpt import hf_to_megatron as hf_to_megatron_cli
+
+DIVISIBLE_BY = 64  # vocab 100 -> 128 rows at TP 1 and 2 alike, so one checkpoint serves both
+
+
+def save_tiny_hf(path, *, tied=False, dtype=torch.float32, seed=0, num_layers=2):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen2Config(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied,
+                         rope_parameters={"rope_theta": 1e6, "rope_type": "default"})
+    model = Qwen2ForCausalLM(config).to(dtype)
+    with torch.no_grad():  # HF initialises norms to exactly 1: make them random so a mix-up shows
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(path, max_shard_size="60KB")
+    (path / "tokenizer_config.json").write_text("{}\n")  # side files must travel along
+    return path
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _parallel_state_torn_down():
+    yield
+    from megatron_dapo.policy import destroy_parallel
+    destroy_parallel()
+
+
+def assert_same_checkpoint(a, b):
+    with SafetensorsReader(a) as ra, SafetensorsReader(b) as rb:
+        assert sorted(ra.names()) == sorted(rb.names())
+        for name in ra.names():
+            x, y = ra.get(name), rb.get(name)
+            assert x.dtype == y.dtype and torch.equal(x, y), name
+
+
+@pytest.mark.parametrize("tied,dtype", [(False, torch.float32), (False, torch.bfloat16),
+                                        (True, torch.float32), (True, torch.bfloat16)],
+                         ids=["untied-fp32", "untied-bf16", "tied-fp32", "tied-bf16"])
+def test_roundtrip_is_bit_exact(tmp_path, tied, dtype):
+    from transformers import AutoModelForCausalLM
+
+    hf = save_tiny_hf(tmp_path / "hf", tied=tied, dtype=dtype)
+    assert len(json.loads((hf / "model.safetensors.index.json").read_text())["weight_map"]) > 1
+    meta = hf_to_megatron(hf, tmp_path / "ckpt", make_vocab_size_divisible_by=DIVISIBLE_BY, progress=False)
+    assert meta["dtype"] == {torch.float32: "fp32", torch.bfloat16: "bf16"}[dtype]
+    assert (tmp_path / "ckpt" / "hf" / "tokenizer_config.json").is_file()
+    files = megatron_to_hf(tmp_path / "ckpt", tmp_path / "out", max_shard_bytes=40_000, progress=False)
+    assert len(files) > 1 and (tmp_path / "out" / "tokenizer_config.json").is_file()
+    assert_same_checkpoint(hf, tmp_path / "out")
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    assert loaded.dtype == dtype and loaded.config.tie_word_embeddings == tied
+
+
+def test_verify_tp1_logits_match_and_a_wrong_model_fails(tmp_path):
+    hf = save_tiny_hf(tmp_path / "hf")
+    hf_to_megatron(hf, tmp_path / "ckpt", make_vocab_size_divisible_by=DIVISIBLE_BY, progress=False)
+    report = verify(hf, tmp_path / "ckpt")
+    assert report.ok and report.max_logit_diff <= 1e-5 and len(report.weight_rows) == 27
+    other = save_tiny_hf(tmp_path / "other", seed=1)
+    bad = verify(other, tmp_path / "ckpt")
+    assert not bad.ok and not bad.weights_ok and bad.max_logit_diff > 1e-3
+    assert "NO" in bad.format() and "FAIL" in bad.format()
+
+
+def test_cli_refuses_non_empty_out_and_unsupported_architecture(tmp_path, capsys):
+    hf = save_tiny_hf(tmp_path / "hf")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "keep").write_text("x")
+    assert hf_to_megatron_cli.main(["--hf-dir", str(hf), "--out", str(tmp_path / "out")]) == 2
+    assert "is not empty; pass --force" in capsys.readouterr().err
+    config = json.loads((hf / "config.json").read_text())
+    (hf / "config.json").write_text(json.dumps({**config, "architectures": ["MistralForCausalLM"]}))
+    assert hf_to_megatron_cli.main(["--hf-dir", str(hf), "--out", str(tmp_path / "new")]) == 2
+    err = capsys.readouterr().err
+    assert "unsupported architecture MistralForCausalLM; supported: ['Qwen2ForCausalLM']" in err
+
+
+def test_misshapen_checkpoint_fails_before_writing(tmp_path):
+    from safetensors.torch import save_file
+
+    hf = save_tiny_hf(tmp_path / "hf")
+    index = json.loads((hf / "model.safetensors.index.json").read_text())
+    file = hf / index["weight_map"]["model.layers.1.self_attn.k_proj.weight"]
+    with SafetensorsReader(file) as r:
+        tensors = {n: r.get(n) for n in r.names()}
+    tensors["model.layers.1.self_attn.k_proj.weight"] = torch.zeros(48, 64)
+    save_file(tensors, file, metadata={"format": "pt"})
+    expected = r"'model.layers.1.self_attn.k_proj.weight' has shape \(48, 64\), expected \(32, 64\)"
+    with pytest.raises(ConversionError, match=expected):
+        hf_to_megatron(hf, tmp_path / "ckpt", progress=False)
+    assert not (tmp_path / "ckpt" / "metadata.json").exists()
+
+
+def test_dry_run_32b_tp8_pp2_prints_per_rank_sizes(tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps(QWEN25_CONFIGS["32B"]))
+    assert hf_to_megatron_cli.main(["--hf-dir", str(tmp_path), "--dry-run", "--tp", "8", "--pp", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "vocabulary 152064 padded to 152064" in out
+    rows = [line.split() for line in out.splitlines() if line.split()[:1] and line.split()[0].isdigit()]
+    assert len(rows) == 16 and {r[1] for r in rows} == {str(t) for t in range(8)}

@@ -1,0 +1,77 @@
+"""Streaming safetensors I/O: sharded reads, bounded shard writes that transformers can load."""
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from megatron_dapo.convert import (
+    ConversionError, SafetensorsReader, ShardedSafetensorsWriter, copy_side_files,
+)
+from megatron_dapo.convert.synthetic import write_random_hf_checkpoint
+
+TINY = dict(vocab_size=100, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2)
+
+
+@pytest.fixture
+def hf_dir(tmp_path):
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(**TINY))
+    model.save_pretrained(tmp_path / "hf", max_shard_size="20KB")
+    return tmp_path / "hf", {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_reader_reads_sharded_checkpoint_one_tensor_at_a_time(hf_dir):
+    path, sd = hf_dir
+    assert (path / "model.safetensors.index.json").is_file()
+    with SafetensorsReader(path, max_open_files=1) as r:
+        assert set(r.names()) == set(sd)
+        for name in r.names():
+            assert r.shape(name) == tuple(sd[name].shape)
+            assert torch.equal(r.get(name), sd[name])
+        assert r.get("model.norm.weight", torch.bfloat16).dtype == torch.bfloat16
+        with pytest.raises(ConversionError, match="no tensor 'nope'"):
+            r.get("nope")
+
+
+def test_writer_shards_bound_size_and_from_pretrained_loads(hf_dir, tmp_path):
+    path, sd = hf_dir
+    out = tmp_path / "out"
+    w = ShardedSafetensorsWriter(out, max_shard_bytes=30_000)
+    with SafetensorsReader(path) as r:
+        for name in r.names():
+            w.add(name, r.get(name))
+    files = w.close()
+    # A shard exceeds the limit by at most one tensor (the largest is 12,800 bytes) plus its header.
+    assert len(files) > 1 and all(f.stat().st_size < 30_000 + 12_800 + 4096 for f in files)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == set(sd) and index["metadata"]["total_size"] == w.total_bytes
+    assert "config.json" in copy_side_files(path, out)
+    loaded = AutoModelForCausalLM.from_pretrained(out).state_dict()
+    assert all(torch.equal(loaded[k], v) for k, v in sd.items())
+
+
+def test_writer_single_shard_and_views_of_one_storage(tmp_path):
+    fused = torch.arange(12.0).reshape(6, 2)
+    q, k, v = torch.split(fused, [2, 2, 2])  # views sharing one storage, as after a QKV split
+    w = ShardedSafetensorsWriter(tmp_path)
+    for name, t in zip("qkv", (q, k, v)):
+        w.add(name, t)
+    assert [f.name for f in w.close()] == ["model.safetensors"]
+    with SafetensorsReader(tmp_path) as r:
+        assert torch.equal(r.get("v"), v)
+    with pytest.raises(ConversionError, match="written twice"):
+        w.add("q", q)
+        w.add("q", q)
+
+
+def test_synthetic_checkpoint_has_the_configured_shapes(tmp_path):
+    config = {**TINY, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2",
+              "tie_word_embeddings": True}
+    write_random_hf_checkpoint(config, tmp_path, dtype=torch.float32, max_shard_bytes=20_000)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path)
+    with SafetensorsReader(tmp_path) as r:
+        assert torch.equal(model.model.embed_tokens.weight, r.get("model.embed_tokens.weight"))
+        assert "lm_head.weight" not in r.names()

@@ -1,0 +1,85 @@
+"""Every CPU patch is still NEEDED (its megatron call fails without it) and they are ENOUGH.
+
+Patches are global, so the checks run in fresh interpreters that execute cpu_compat.py as a file
+(not through the package, whose import applies everything): ``--all`` applies all patches, runs
+every probe, then undoes each run-time patch in turn and records the failure of its probe; the
+two import-time patches get a process each that applies everything else. A patch whose probe
+passes without it is obsolete after a megatron-core upgrade: delete it.
+"""
+
+import json
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_dapo.policy import cpu_compat
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the patches apply only without CUDA")
+SCRIPT = Path(cpu_compat.__file__)
+TARGETS = ["--all", *cpu_compat._IMPORT_TIME]
+
+
+def _run(target: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(SCRIPT), target], capture_output=True, text=True, timeout=180)
+
+
+@pytest.fixture(scope="module")
+def needed() -> dict[str, str]:
+    """{patch name: how its probe fails without it}, from 3 concurrent interpreters."""
+    with ThreadPoolExecutor(max_workers=len(TARGETS)) as pool:
+        procs = dict(zip(TARGETS, pool.map(_run, TARGETS)))
+    for target, proc in procs.items():
+        assert proc.returncode == 0, f"{target}:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    line = next(x for x in procs["--all"].stdout.splitlines() if x.startswith("ENOUGH+NEEDED "))
+    out = json.loads(line.split(" ", 1)[1])  # printed only after every probe passed with all patches
+    for name in cpu_compat._IMPORT_TIME:
+        out[name] = procs[name].stdout.split("NEEDED: ", 1)[1].strip()
+    return out
+
+
+@pytest.mark.parametrize("name", list(cpu_compat.PATCHES))
+def test_patch_is_needed_and_probe_passes_with_it(name, needed):
+    assert cpu_compat.PATCHES[name].expect in needed[name], needed[name]
+
+
+def test_applied_in_this_process():
+    """Importing megatron_dapo.policy applied everything; megatron's jit fuser is the identity and
+    torch.compile is torch's own again (the triton stub is gone)."""
+    import megatron.core.jit
+    assert cpu_compat.apply_cpu_compat() is True  # idempotent
+    assert megatron.core.jit.jit_fuser(len) is len
+    assert torch.compile is not cpu_compat._identity_compile
+    assert not isinstance(sys.modules.get("triton"), cpu_compat._TritonStub)
+    assert torch.cuda.current_device() == "cpu" and torch.zeros(1, device="cuda").device.type == "cpu"
+
+
+def test_device_context_still_works():
+    """The factory wrappers must not hide torch's builtins from `with torch.device(...)`, which
+    transformers' from_pretrained uses (meta init, then real RoPE buffers)."""
+    with torch.device("meta"):
+        made = [torch.arange(3), torch.zeros(2), torch.tensor([1.0]), torch.empty(1), torch.ones(1)]
+    assert all(t.device.type == "meta" for t in made)
+
+
+def test_rng_redirect_does_not_recurse():
+    """torch.manual_seed calls torch.cuda.manual_seed_all; redirecting torch.cuda.manual_seed to
+    torch.manual_seed would recurse. The redirect seeds the CPU generator directly."""
+    state = torch.get_rng_state()
+    try:
+        torch.cuda.manual_seed(7)
+        a = torch.rand(3)
+        torch.manual_seed(7)
+        assert torch.equal(a, torch.rand(3))
+    finally:
+        torch.set_rng_state(state)
+
+
+def test_stub_kernel_launch_fails_loudly():
+    stub = cpu_compat._TritonStub("triton")
+    kernel = stub.jit(lambda x: x)
+    with pytest.raises(RuntimeError, match="cannot run on CPU"):
+        kernel[(1,)](0)

@@ -1,0 +1,191 @@
+"""Building the Megatron Qwen2 model: HF config reading, TransformerConfig mapping, parallel checks,
+recompute, and logits parity with transformers' Qwen2ForCausalLM (TP=1, in one process)."""
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+
+from megatron_dapo.config import ModelConfig, ParallelConfig
+from megatron_dapo.policy import (
+    build_model, destroy_parallel, hf_arch, padded_vocab_size, transformer_config_from_hf,
+    validate_parallel, vocab_parallel_logprobs,
+)
+from megatron_dapo.policy.model import resolve_runtime
+from tests.distributed.harness import tiny_hf_config
+
+MODEL = ModelConfig(make_vocab_size_divisible_by=8)
+ONE = ParallelConfig()
+
+
+def test_hf_arch_reads_every_config_form(tmp_path):
+    hf = tiny_hf_config()
+    kwargs = {k: v for k, v in hf.items() if k not in ("model_type", "rope_parameters")}
+    qwen = transformers.Qwen2Config(**kwargs, rope_theta=1e6)
+    legacy = {**hf, "rope_theta": 1e6}  # a transformers 4.x config.json: rope_theta at the top
+    del legacy["rope_parameters"]
+    (tmp_path / "config.json").write_text(json.dumps(legacy))
+    arches = [hf_arch(x) for x in (hf, qwen, legacy, tmp_path, str(tmp_path / "config.json"))]
+    assert all(a == arches[0] for a in arches)
+    a = arches[0]
+    assert (a.num_query_groups, a.kv_channels, a.rope_theta, a.norm_eps) == (2, 16, 1e6, 1e-6)
+
+
+@pytest.mark.parametrize("change,match", [
+    ({"hidden_act": "gelu"}, "SwiGLU"),
+    ({"use_sliding_window": True}, "sliding"),
+    ({"rope_parameters": {"rope_theta": 1e6, "rope_type": "yarn", "factor": 4.0}}, "yarn"),
+    ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "linear"),
+    ({"model_type": "llama"}, "qwen2"),
+])
+def test_hf_arch_rejects_what_it_does_not_build(change, match):
+    with pytest.raises(ValueError, match=match):
+        hf_arch(tiny_hf_config(**change))
+
+
+@pytest.mark.parametrize("vocab,tp,expected", [
+    (152064, 1, 152064), (152064, 4, 152064), (152064, 8, 152064),  # Qwen2.5-7B/32B
+    (151936, 1, 151936), (151936, 2, 151936), (151936, 8, 151936),  # Qwen2.5-0.5B..3B
+    (151655, 1, 151680), (151655, 8, 151680),  # a tokenizer-sized vocab: padded, same at any TP
+    (120, 3, 120), (121, 3, 144),  # TP that does not divide divisible_by: multiple of lcm
+])
+def test_padded_vocab_size(vocab, tp, expected):
+    assert padded_vocab_size(vocab, 128 if vocab > 1000 else 8, tp) == expected
+
+
+def test_transformer_config_fields():
+    cfg = transformer_config_from_hf(tiny_hf_config(), model=MODEL, parallel=ONE, on_gpu=False)
+    assert (cfg.num_layers, cfg.hidden_size, cfg.ffn_hidden_size) == (2, 64, 128)
+    assert (cfg.num_attention_heads, cfg.num_query_groups, cfg.kv_channels) == (4, 2, 16)
+    assert cfg.add_qkv_bias and not cfg.add_bias_linear and cfg.gated_linear_unit
+    assert cfg.activation_func is F.silu and cfg.normalization == "RMSNorm" and cfg.layernorm_epsilon == 1e-6
+    assert cfg.transformer_impl == "local" and cfg.params_dtype == torch.float32 and not cfg.bf16
+    assert cfg.hidden_dropout == 0.0 and not cfg.apply_rope_fusion and not cfg.bias_activation_fusion
+
+
+def test_recompute_and_interleaving_settings():
+    sel = transformer_config_from_hf(tiny_hf_config(), model=ModelConfig(recompute="selective"), parallel=ONE)
+    assert sel.recompute_granularity == "selective" and sel.recompute_modules == ["core_attn"]
+    full = transformer_config_from_hf(tiny_hf_config(), model=ModelConfig(recompute="full"), parallel=ONE)
+    assert (full.recompute_granularity, full.recompute_method) == ("full", "uniform")
+    assert full.recompute_num_layers == 1
+    hf = tiny_hf_config(num_hidden_layers=8)
+    for pp, batch_p2p in ((2, False), (4, True)):  # megatron_on_cpu.md 3b: only PP=2 pairs prev == next
+        par = ParallelConfig(pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=2)
+        cfg = transformer_config_from_hf(hf, model=MODEL, parallel=par)
+        assert cfg.batch_p2p_comm is batch_p2p and cfg.variable_seq_lengths
+        assert cfg.pipeline_dtype == torch.float32
+
+
+def test_runtime_resolution(monkeypatch):
+    import importlib.util
+    if importlib.util.find_spec("transformer_engine") is None:
+        with pytest.raises(ValueError, match="needs Transformer Engine"):
+            resolve_runtime(ModelConfig(), on_gpu=True)
+        monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object())  # pretend it is there
+    gpu = resolve_runtime(ModelConfig(), on_gpu=True)
+    assert (gpu.transformer_impl, gpu.params_dtype) == ("transformer_engine", torch.bfloat16)
+    cpu = resolve_runtime(ModelConfig(), on_gpu=False)
+    assert (cpu.transformer_impl, cpu.params_dtype) == ("local", torch.float32)
+    with pytest.raises(ValueError, match="needs CUDA"):
+        resolve_runtime(ModelConfig(transformer_impl="transformer_engine"), on_gpu=False)
+    with pytest.raises(ValueError, match="fp8"):
+        resolve_runtime(ModelConfig(fp8="hybrid"), on_gpu=False)
+
+
+@pytest.mark.parametrize("hf_change,parallel,world,match", [
+    ({}, dict(tensor_model_parallel_size=3), 3, "num_attention_heads=4 is not divisible"),
+    ({"num_attention_heads": 12, "num_key_value_heads": 4}, dict(tensor_model_parallel_size=3), 3,
+     "num_key_value_heads=4 and tensor_model_parallel_size=3"),
+    ({"num_hidden_layers": 6}, dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2),
+     2, "num_hidden_layers=6 is not divisible by .* 2 x 2"),
+    ({}, dict(tensor_model_parallel_size=2), 3, "world size 3 is not divisible"),
+    ({}, dict(context_parallel_size=2), 2, "context_parallel_size=2 needs the Transformer Engine"),
+])
+def test_validate_parallel_names_values_and_fix(hf_change, parallel, world, match):
+    with pytest.raises(ValueError, match=match):
+        validate_parallel(tiny_hf_config(**hf_change), parallel=ParallelConfig(**parallel), model=MODEL,
+                          world_size=world, on_gpu=False)
+
+
+def test_validate_parallel_accepts_replicated_kv_groups():
+    """megatron-core 0.19.2 replicates KV groups when there are fewer than TP ranks."""
+    sizes = validate_parallel(tiny_hf_config(num_attention_heads=8, num_key_value_heads=2, vocab_size=151936),
+                              parallel=ParallelConfig(tensor_model_parallel_size=4), model=ModelConfig(),
+                              world_size=8, on_gpu=False)
+    assert sizes == dict(data_parallel_size=2, padded_vocab_size=151936, layers_per_chunk=2)
+
+
+@pytest.fixture
+def world_of_one(monkeypatch):
+    """initialize_parallel without a launcher (no RANK in the environment) starts a one-process
+    gloo world; torn down after the test."""
+    from megatron_dapo.policy import initialize_parallel
+
+    monkeypatch.delenv("RANK", raising=False)
+    yield lambda hf, model=MODEL: initialize_parallel(hf, parallel=ONE, model=model, seed=3)
+    destroy_parallel()
+
+
+def test_recompute_gives_identical_grads(world_of_one):
+    hf = tiny_hf_config()
+    world_of_one(hf)
+    ids = torch.randint(0, 120, (2, 9), generator=torch.Generator().manual_seed(0))
+    pos = torch.arange(9).expand(2, 9)
+    grads = {}
+    for mode in ("none", "selective", "full"):
+        model_cfg = ModelConfig(make_vocab_size_divisible_by=8, recompute=mode)
+        (model,) = build_model(hf, model=model_cfg, parallel=ONE)
+        if mode != "none":
+            model.load_state_dict(state)
+        state = model.state_dict()
+        lp, ent = vocab_parallel_logprobs(model(ids, pos, None), torch.roll(ids, -1, 1), temperature=1.0)
+        (lp.sum() + ent.sum()).backward()
+        grads[mode] = torch.cat([p.grad.flatten() for p in model.parameters()])
+    assert torch.equal(grads["none"], grads["selective"]) and torch.equal(grads["none"], grads["full"])
+
+
+def hf_to_megatron(hf_sd, arch):
+    """Qwen2 HF names -> megatron local-spec names (TP=1). linear_qkv rows are grouped per KV group:
+    [q heads of group g, k_g, v_g] for g = 0..groups-1; linear_fc1 is [gate; up]."""
+    groups, hd = arch.num_query_groups, arch.kv_channels
+    out = {"embedding.word_embeddings.weight": hf_sd["model.embed_tokens.weight"],
+           "decoder.final_layernorm.weight": hf_sd["model.norm.weight"]}
+    if not arch.tie_word_embeddings:
+        out["output_layer.weight"] = hf_sd["lm_head.weight"]
+    for i in range(arch.num_layers):
+        hf_p, mg = f"model.layers.{i}.", f"decoder.layers.{i}."
+        for kind in ("weight", "bias"):
+            q, k, v = (hf_sd[f"{hf_p}self_attn.{n}_proj.{kind}"] for n in "qkv")
+            q = q.reshape(groups, -1, *q.shape[1:])
+            k, v = (t.reshape(groups, hd, *t.shape[1:]) for t in (k, v))
+            out[f"{mg}self_attention.linear_qkv.{kind}"] = torch.cat([q, k, v], 1).reshape(-1, *q.shape[2:])
+        out[f"{mg}self_attention.linear_proj.weight"] = hf_sd[f"{hf_p}self_attn.o_proj.weight"]
+        out[f"{mg}input_layernorm.weight"] = hf_sd[f"{hf_p}input_layernorm.weight"]
+        out[f"{mg}pre_mlp_layernorm.weight"] = hf_sd[f"{hf_p}post_attention_layernorm.weight"]
+        out[f"{mg}mlp.linear_fc1.weight"] = torch.cat([hf_sd[f"{hf_p}mlp.gate_proj.weight"],
+                                                      hf_sd[f"{hf_p}mlp.up_proj.weight"]])
+        out[f"{mg}mlp.linear_fc2.weight"] = hf_sd[f"{hf_p}mlp.down_proj.weight"]
+    return out
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_logits_match_transformers_qwen2(world_of_one, tied):
+    hf = tiny_hf_config(tie_word_embeddings=tied)
+    world_of_one(hf)
+    torch.manual_seed(0)
+    kwargs = {k: v for k, v in hf.items() if k not in ("model_type", "rope_parameters")}
+    ref = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**kwargs, rope_theta=1e6,
+                                                                 attn_implementation="eager")).eval()
+    (model,) = build_model(hf, model=MODEL, parallel=ONE)
+    missing = model.load_state_dict(hf_to_megatron(ref.state_dict(), hf_arch(hf)), strict=True)
+    assert not missing.missing_keys and not missing.unexpected_keys
+    ids = torch.randint(0, 120, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours = model(ids, torch.arange(16).expand(2, 16), None)
+        theirs = ref(ids).logits
+        fresh = build_model(hf, model=MODEL, parallel=ONE)[0](ids, torch.arange(16).expand(2, 16), None)
+    assert (fresh - theirs).abs().max() > 0.1  # the comparison can fail
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-6)  # measured: bit-identical
