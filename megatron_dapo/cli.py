@@ -31,6 +31,13 @@ def cmd_score(args: argparse.Namespace) -> int:
     return run_selfcheck(args.data or list(cfg.data.val_files), on_bad_row=cfg.data.on_bad_row, **kw)
 
 
+def cmd_train(args: argparse.Namespace) -> int:
+    """DAPO training (resumes automatically from the run's latest checkpoint)."""
+    from megatron_dapo.train import main as train_main
+
+    return train_main(load_config(args.config, args.overrides))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megatron-dapo", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -38,6 +45,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p)
     p.add_argument("--defaults", action="store_true", help="print every key with its default and comment")
     p.set_defaults(func=cmd_config)
+
+    p = sub.add_parser("train", help="DAPO training; also under torchrun")
+    _add_config_args(p)
+    p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("score", help="score a JSONL of responses, or self-check the reward on a data set")
     _add_config_args(p)

@@ -258,6 +258,25 @@ class LoggingConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class ToyConfig:
+    enable: bool = _f(False, "CPU demo: make the toy task and a tiny warmed-up base under logging.dir, train on it")
+    num_digits: int = _f(5, "digits per problem; the answer is the largest")
+    num_train: int = _f(2000, "training problems (unique, disjoint from validation)")
+    num_val: int = _f(128, "held-out problems for evaluation")
+    hidden_size: int = _f(64, "model width")
+    intermediate_size: int = _f(192, "SwiGLU MLP width")
+    num_layers: int = _f(2, "transformer layers")
+    num_attention_heads: int = _f(4, "query heads")
+    num_key_value_heads: int = _f(2, "key/value heads (GQA, as Qwen2.5)")
+    tie_word_embeddings: bool = _f(True, "share input embedding and output layer (as Qwen2.5-0.5B)")
+    max_position_embeddings: int = _f(128, "RoPE context the model is built for")
+    warmup_steps: int = _f(150, "supervised warm-up steps (teaches the format with random answers)")
+    warmup_batch_size: int = _f(64, "sequences per warm-up step")
+    warmup_lr: float = _f(3e-3, "AdamW learning rate of the warm-up")
+    reasoning_prob: float = _f(0.5, "fraction of warm-up responses with the optional reasoning line")
+
+
+@dataclass(frozen=True, kw_only=True)
 class DAPOConfig:
     seed: int = _f(1, "seeds data order, sampling and initialisation")
     model: ModelConfig = _sub(ModelConfig, "the policy model")
@@ -272,6 +291,7 @@ class DAPOConfig:
     eval: EvalConfig = _sub(EvalConfig, "evaluation")
     checkpoint: CheckpointConfig = _sub(CheckpointConfig, "checkpoints and resume")
     logging: LoggingConfig = _sub(LoggingConfig, "metrics and progress")
+    toy: ToyConfig = _sub(ToyConfig, "the synthetic task and tiny base of the CPU demo")
 
     def __post_init__(self):
         _validate_cross_section(self)

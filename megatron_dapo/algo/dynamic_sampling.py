@@ -75,6 +75,11 @@ class DynamicSampler:
         return len(self._held) >= self.prompts_per_step
 
     @property
+    def num_gen_batches(self) -> int:
+        """Generation batches added since ``start_step``."""
+        return self._counts.num_gen_batches
+
+    @property
     def num_held(self) -> int:
         return len(self._held)
 

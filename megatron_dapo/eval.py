@@ -1,0 +1,26 @@
+"""Evaluation: n samples per problem, scored with the reward fn, reported as avg@n, pass@k, cons@n.
+
+DAPO's AIME protocol (reference dapo.md 1.4): the 30 problems, 32 samples each, temperature 1.0,
+top-p 0.7, metric avg@32 (mean accuracy over the samples). The AIME file ships each problem 32
+times; the loader merges the copies and ``eval.n`` draws the samples instead.
+"""
+
+from megatron_dapo.eval_metrics import eval_metrics
+from megatron_dapo.rollout.engine import RolloutEngine, SamplingParams
+
+
+def evaluate(engine: RolloutEngine, prompt_ids: list[list[int]], ground_truths: list[str], *, tokenizer,
+             params: SamplingParams, n: int, pool, prefix: str = "eval/") -> dict[str, float]:
+    """Generates ``n`` responses per prompt and returns {prefix + avg@n, pass@1, pass@n, cons@n,
+    response_length_mean, truncation_rate}."""
+    outputs = engine.generate(prompt_ids, n, params)
+    flat = [r for group in outputs for r in group]
+    texts = tokenizer.batch_decode([r.response_ids for r in flat], skip_special_tokens=True)
+    results = pool.score(texts, [gt for gt in ground_truths for _ in range(n)])
+    problems = [[(res["acc"], res["pred"]) for res in results[i * n:(i + 1) * n]] for i in range(len(prompt_ids))]
+    summary, _ = eval_metrics(problems)
+    out = {prefix + k: v for k, v in summary.items()}
+    out[prefix + "response_length_mean"] = sum(len(r.response_ids) for r in flat) / len(flat)
+    out[prefix + "truncation_rate"] = sum(r.finish_reason == "length" for r in flat) / len(flat)
+    out[prefix + "num_timeouts"] = float(sum(r.get("timed_out", False) for r in results))
+    return out

@@ -1,0 +1,134 @@
+"""``MegatronActor``: the policy behind NeMo-Aligner's actor method names (nvidia_stack.md 1.3).
+
+One object per rank holds this rank's model chunks (DDP-wrapped), the optimizer and the
+lr schedule, built from a DAPOConfig and an HF config.json. Batches are lists of
+``batching.Sample``: the whole mini-batch, the same list on every rank. Each DP rank takes its
+share (``split_for_data_parallel``, token-balanced), so callers never deal with the layout.
+
+What NeMo-Aligner's hooks do here: ``prepare_for_inference`` / ``finish_inference`` switch
+train / eval mode; on a GPU with a colocated rollout engine they are where optimizer-state and
+weight offloading belong (not implemented yet; nothing to do on CPU). ``export_hf_weights``
+streams full HF tensors (megatron_dapo.convert.export) for the rollout engine's weight sync.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+from megatron_dapo.config import DAPOConfig
+from megatron_dapo.policy import checkpoint
+from megatron_dapo.policy.batching import Sample, split_for_data_parallel
+from megatron_dapo.policy.model import build_model, hf_arch, padded_vocab_size
+from megatron_dapo.policy.optimizer import build_optimizer, build_scheduler, wrap_model
+from megatron_dapo.policy.parallel import initialize_parallel
+from megatron_dapo.policy.train_step import StepSettings, _device, compute_log_probs, train_step
+
+
+class MegatronActor:
+    def __init__(self, cfg: DAPOConfig, hf_config, *, initialize: bool = True, **model_overrides):
+        """``initialize``: start torch.distributed / megatron's parallel state here (False when
+        the caller already did, with the same cfg.parallel). ``model_overrides`` go to the
+        TransformerConfig (build_model)."""
+        if initialize:
+            initialize_parallel(hf_config, parallel=cfg.parallel, model=cfg.model, seed=cfg.seed)
+        self.cfg, self.hf_config = cfg, hf_config
+        use_dist_opt = cfg.parallel.use_distributed_optimizer
+        chunks = build_model(hf_config, model=cfg.model, parallel=cfg.parallel, **model_overrides)
+        self.model = wrap_model(chunks, use_distributed_optimizer=use_dist_opt)
+        self.optimizer = build_optimizer(self.model, cfg.optim, use_distributed_optimizer=use_dist_opt)
+        self.scheduler = build_scheduler(self.optimizer, cfg.optim, updates_per_step=cfg.updates_per_step)
+        self.settings = StepSettings.from_config(cfg, hf_arch(hf_config).vocab_size)
+
+    # -- training -----------------------------------------------------------------------------
+    def prepare_for_training(self) -> None:
+        for chunk in self.model:
+            chunk.train()
+
+    def finish_training(self) -> None:
+        """NeMo-Aligner's counterpart of prepare_for_training; nothing to release here."""
+
+    def get_loss_and_metrics(self, batch: list[Sample], forward_only: bool = False) -> dict[str, float]:
+        """One optimizer update on the mini-batch (or, ``forward_only``, its loss and metrics
+        without one). Every sample needs ``old_log_probs``. Returns metrics, equal on all ranks."""
+        missing = [i for i, x in enumerate(batch) if x.old_log_probs is None]
+        if missing:
+            raise ValueError(f"samples {missing[:8]} have no old_log_probs; compute them with "
+                             "get_inference_log_probs (or pass the rollout engine's)")
+        return train_step(self.model, self.optimizer, self.scheduler, self._local(batch), self.settings,
+                          forward_only=forward_only)
+
+    # -- inference ----------------------------------------------------------------------------
+    def prepare_for_inference(self) -> None:
+        for chunk in self.model:
+            chunk.eval()
+
+    def finish_inference(self) -> None:
+        self.prepare_for_training()
+
+    def get_inference_log_probs(self, batch: list[Sample]) -> list[torch.Tensor]:
+        """Log-probs of every sample's response tokens ([R] fp32 each, CPU), at the rollout
+        temperature, for the whole batch on every rank."""
+        from megatron.core import parallel_state as ps
+
+        shards = split_for_data_parallel(batch, ps.get_data_parallel_world_size())
+        mine = shards[ps.get_data_parallel_rank()]
+        log_probs, _ = compute_log_probs(self.model, [batch[i] for i in mine], self.settings)
+        # All-gather over DP: every rank knows every shard's lengths, so pad to the longest.
+        sizes = [sum(batch[i].num_response_tokens for i in shard) for shard in shards]
+        flat = torch.zeros(max(sizes), dtype=torch.float32, device=_device())
+        flat[: sizes[ps.get_data_parallel_rank()]] = torch.cat(log_probs).to(flat.device) if mine else 0
+        gathered = [torch.empty_like(flat) for _ in shards]
+        dist.all_gather(gathered, flat, group=ps.get_data_parallel_group())
+        out: list[torch.Tensor | None] = [None] * len(batch)
+        for shard, size, values in zip(shards, sizes, gathered):
+            lengths = [batch[i].num_response_tokens for i in shard]
+            for i, lp in zip(shard, torch.split(values[:size].cpu(), lengths)):
+                out[i] = lp
+        return out
+
+    def _local(self, batch: list[Sample]) -> list[Sample]:
+        from megatron.core import parallel_state as ps
+        shards = split_for_data_parallel(batch, ps.get_data_parallel_world_size())
+        return [batch[i] for i in shards[ps.get_data_parallel_rank()]]
+
+    # -- weights and checkpoints ----------------------------------------------------------------
+    def export_hf_weights(self, *, bucket_bytes: int | None = None,
+                          dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, full tensor) for every weight, on every rank; all ranks of the model-parallel
+        group must consume the whole iterator (it runs collectives). A tensor that needs no
+        gather (TP-replicated norms, everything at TP = PP = 1) may be the parameter itself:
+        copy what must outlive the next update."""
+        from megatron.core import parallel_state as ps
+
+        from megatron_dapo.convert import conversion_table
+        from megatron_dapo.convert.export import DEFAULT_BUCKET_BYTES, export_hf_weights
+
+        tp, pp = self.cfg.parallel.tensor_model_parallel_size, self.cfg.parallel.pipeline_model_parallel_size
+        vocab = padded_vocab_size(hf_arch(self.hf_config).vocab_size,
+                                  self.cfg.model.make_vocab_size_divisible_by, tp)
+        table = conversion_table(self.hf_config, padded_vocab_size=vocab)
+        return export_hf_weights(
+            self.model, table,
+            tp_group=ps.get_tensor_model_parallel_group() if tp > 1 else None,
+            pp_group=ps.get_pipeline_model_parallel_group() if pp > 1 else None,
+            bucket_bytes=bucket_bytes or DEFAULT_BUCKET_BYTES, dtype=dtype)
+
+    def save_checkpoint(self, dir: str, trainer_state: dict) -> str:
+        """Save under the checkpoint root ``dir`` as step ``trainer_state["step"]``; collective."""
+        if not isinstance(trainer_state.get("step"), int):
+            raise ValueError("trainer_state must hold the rollout step as an int under 'step'")
+        path = checkpoint.save_checkpoint(dir, trainer_state["step"], model=self.model,
+                                          optimizer=self.optimizer, scheduler=self.scheduler,
+                                          trainer_state=trainer_state,
+                                          keep_last=self.cfg.checkpoint.keep_last)
+        return str(path)
+
+    def load_checkpoint(self, dir: str) -> dict | None:
+        """Resume from ``dir`` (a checkpoint, or a root: its latest); returns the trainer state,
+        None when there is nothing to resume. A model-only dist checkpoint (converted from HF)
+        loads the weights and returns {}."""
+        return checkpoint.load_checkpoint(dir, model=self.model, optimizer=self.optimizer,
+                                          scheduler=self.scheduler)

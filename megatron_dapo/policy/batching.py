@@ -1,0 +1,221 @@
+"""Rollout samples -> padded micro-batches: token-budget packing, label / mask alignment, DP balance.
+
+A ``Sample`` is one prompt + response. A micro-batch holds whole samples, right-padded to one
+length ``s`` (a multiple of ``pad_multiple``: TP under sequence parallelism, 2 x CP under context
+parallelism). In a micro-batch of ``b`` rows, for the sample in row i with P prompt and R response
+tokens (L = P + R):
+
+    input_ids[i, t]     token t, t < L; 0 beyond
+    position_ids[i, t]  t
+    labels[i, t]        input_ids[i, t + 1]: the token that position t predicts (0 where none)
+    loss_mask[i, t]     1 where labels[i, t] is a response token that counts: t in [P - 1, L - 2]
+    old_log_probs, advantages: per response token, at the same positions as their labels
+
+No attention mask is built: with right padding, the causal mask already keeps every real token
+from seeing the padding after it, and padded positions are masked out of the loss.
+
+Sizing (verl's dynamic batch size, ``ppo_max_token_len_per_gpu``): with a token budget, samples
+are packed first-fit-decreasing into micro-batches of at most ``max_tokens`` padded tokens
+(rows x padded length); with a budget of 0, consecutive groups of ``micro_batch_size`` samples.
+Both are deterministic functions of the sample lengths. A pipeline whose stages cannot exchange
+shapes needs ``uniform`` micro-batches (all [b, s] alike). Megatron's schedules take one
+``num_microbatches`` per call; ranks that should agree on it (the DP ranks of a step) pad with
+empty micro-batches: one row of ``pad_multiple`` padding tokens, loss mask 0.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One rollout. ``advantages``: a float or 0-d tensor (per sequence) or [R] (per token);
+    ``old_log_probs``: [R] log pi_old of the response tokens (None for a forward-only pass);
+    ``loss_mask``: [R], None = every response token counts (0 e.g. for overlong filtering)."""
+
+    prompt_ids: Tensor  # [P] int, P >= 1
+    response_ids: Tensor  # [R] int
+    advantages: Tensor | float = 0.0
+    old_log_probs: Tensor | None = None
+    loss_mask: Tensor | None = None
+
+    def __post_init__(self):
+        if self.prompt_ids.dim() != 1 or self.response_ids.dim() != 1 or self.prompt_ids.numel() < 1:
+            raise ValueError(f"need prompt_ids [P >= 1] and response_ids [R]; got shapes "
+                             f"{tuple(self.prompt_ids.shape)}, {tuple(self.response_ids.shape)}")
+        r = self.response_ids.numel()
+        for name in ("old_log_probs", "loss_mask"):
+            value = getattr(self, name)
+            if value is not None and tuple(value.shape) != (r,):
+                raise ValueError(f"{name} must have shape [R] = ({r},), got {tuple(value.shape)}")
+        adv = torch.as_tensor(self.advantages)
+        if adv.dim() > 1 or (adv.dim() == 1 and adv.numel() != r):
+            raise ValueError(f"advantages must be a scalar or [R] = ({r},), got {tuple(adv.shape)}")
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return self.prompt_ids.numel()
+
+    @property
+    def num_response_tokens(self) -> int:
+        return self.response_ids.numel()
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prompt_tokens + self.num_response_tokens
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """Padded tensors, all [b, s] (see the module docstring); ``sample_index``: the position of
+    each row's sample in the list it was built from, -1 for a padding row."""
+
+    input_ids: Tensor
+    position_ids: Tensor
+    labels: Tensor
+    loss_mask: Tensor  # fp32
+    old_log_probs: Tensor  # fp32
+    advantages: Tensor  # fp32
+    sample_index: tuple[int, ...]
+    prompt_lengths: tuple[int, ...]
+    response_lengths: tuple[int, ...]
+
+    @property
+    def num_padded_tokens(self) -> int:
+        return self.input_ids.numel()
+
+
+def pad_multiple(*, tensor_parallel: int = 1, sequence_parallel: bool = False, context_parallel: int = 1,
+                 base: int = 1) -> int:
+    """The multiple every padded length must be: sequence parallelism splits the sequence over TP
+    ranks, context parallelism into 2 x CP load-balanced chunks; ``base`` e.g. for kernels."""
+    multiple = base
+    if sequence_parallel:
+        multiple = math.lcm(multiple, tensor_parallel)
+    if context_parallel > 1:
+        multiple = math.lcm(multiple, 2 * context_parallel)
+    return multiple
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def plan_micro_batches(lengths: Sequence[int], *, max_tokens: int, micro_batch_size: int,
+                       multiple: int = 1) -> list[list[int]]:
+    """Group sample indices into micro-batches. ``max_tokens`` > 0: first-fit decreasing by
+    length (ties by index), a group costing rows x padded length of its longest sample;
+    0: consecutive groups of ``micro_batch_size``. Raises when one sample exceeds the budget."""
+    if max_tokens < 0 or micro_batch_size < 1:
+        raise ValueError(f"need max_tokens >= 0 and micro_batch_size >= 1, got {max_tokens}, "
+                         f"{micro_batch_size}")
+    if max_tokens == 0:
+        return [list(range(i, min(i + micro_batch_size, len(lengths))))
+                for i in range(0, len(lengths), micro_batch_size)]
+    groups: list[list[int]] = []
+    padded: list[int] = []  # the padded length of each group: that of its first (longest) sample
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        length = _round_up(lengths[i], multiple)
+        if length > max_tokens:
+            raise ValueError(f"sample {i} has {lengths[i]} tokens ({length} padded to a multiple of "
+                             f"{multiple}), more than the micro-batch budget max_tokens={max_tokens}")
+        for g, group in enumerate(groups):
+            if (len(group) + 1) * padded[g] <= max_tokens:
+                group.append(i)
+                break
+        else:
+            groups.append([i])
+            padded.append(length)
+    return [sorted(group) for group in groups]
+
+
+def build_micro_batch(samples: Sequence[Sample], indices: Sequence[int], *, multiple: int = 1,
+                      shape: tuple[int, int] | None = None) -> MicroBatch:
+    """Pad ``samples[indices]`` into one micro-batch (an empty ``indices`` gives a padding row);
+    ``shape``: pad to exactly (rows, length) instead of the smallest that fits."""
+    rows = [samples[i] for i in indices]
+    s = _round_up(max([x.num_tokens for x in rows], default=1), multiple)
+    b = max(len(rows), 1)
+    if shape is not None:
+        if shape[0] < b or shape[1] < s:
+            raise ValueError(f"{b} samples of up to {s} tokens do not fit the shape {shape}")
+        b, s = shape
+    ids = torch.zeros(b, s, dtype=torch.long)
+    labels = torch.zeros(b, s, dtype=torch.long)
+    mask, old, adv = (torch.zeros(b, s, dtype=torch.float32) for _ in range(3))
+    for row, x in enumerate(rows):
+        p, r = x.num_prompt_tokens, x.num_response_tokens
+        full = torch.cat([x.prompt_ids, x.response_ids]).long()
+        ids[row, : p + r] = full
+        labels[row, : p + r - 1] = full[1:]
+        span = slice(p - 1, p - 1 + r)  # positions whose label is a response token
+        mask[row, span] = 1.0 if x.loss_mask is None else x.loss_mask.float()
+        if x.old_log_probs is not None:
+            old[row, span] = x.old_log_probs.float()
+        adv[row, span] = torch.as_tensor(x.advantages, dtype=torch.float32)
+    return MicroBatch(
+        input_ids=ids, position_ids=torch.arange(s).expand(b, s).contiguous(), labels=labels,
+        loss_mask=mask, old_log_probs=old, advantages=adv,
+        sample_index=tuple(indices) + (-1,) * (b - len(rows)),
+        prompt_lengths=tuple(x.num_prompt_tokens for x in rows) + (0,) * (b - len(rows)),
+        response_lengths=tuple(x.num_response_tokens for x in rows) + (0,) * (b - len(rows)))
+
+
+def make_micro_batches(samples: Sequence[Sample], *, max_tokens: int, micro_batch_size: int,
+                       multiple: int = 1, min_count: int = 1, count_multiple: int = 1,
+                       uniform: bool = False) -> list[MicroBatch]:
+    """All of ``samples`` as micro-batches (see ``plan_micro_batches``), padded with empty ones
+    to at least ``min_count`` and to a multiple of ``count_multiple`` (interleaved PP needs a
+    multiple of the PP size).
+
+    ``uniform``: every micro-batch gets the same [b, s] (pipelines that cannot exchange shapes):
+    s fits the longest sample, b = max_tokens // s rows (or micro_batch_size without a budget),
+    consecutive samples per micro-batch."""
+    lengths = [x.num_tokens for x in samples]
+    shape = None
+    if uniform:
+        s = _round_up(max(lengths, default=1), multiple)
+        if max_tokens and s > max_tokens:
+            raise ValueError(f"the longest sample has {max(lengths)} tokens ({s} padded), more than the "
+                             f"micro-batch budget max_tokens={max_tokens}")
+        shape = (max_tokens // s if max_tokens else micro_batch_size, s)
+        plan = plan_micro_batches(lengths, max_tokens=0, micro_batch_size=shape[0])
+    else:
+        plan = plan_micro_batches(lengths, max_tokens=max_tokens, micro_batch_size=micro_batch_size,
+                                  multiple=multiple)
+    count = _round_up(max(len(plan), min_count, 1), count_multiple)
+    plan += [[] for _ in range(count - len(plan))]
+    return [build_micro_batch(samples, group, multiple=multiple, shape=shape) for group in plan]
+
+
+def split_for_data_parallel(samples: Sequence[Sample], num_ranks: int) -> list[list[int]]:
+    """Sample indices per DP rank, balancing tokens: longest first, each to the rank with the
+    fewest tokens so far (ties: fewer samples, then lower rank). Indices stay in input order."""
+    loads = [(0, 0, rank) for rank in range(num_ranks)]
+    shards: list[list[int]] = [[] for _ in range(num_ranks)]
+    for i in sorted(range(len(samples)), key=lambda i: (-samples[i].num_tokens, i)):
+        tokens, count, rank = min(loads)
+        shards[rank].append(i)
+        loads[rank] = (tokens + samples[i].num_tokens, count + 1, rank)
+    return [sorted(shard) for shard in shards]
+
+
+def unpack_responses(values: Sequence[Tensor], micro_batches: Sequence[MicroBatch],
+                     num_samples: int) -> list[Tensor]:
+    """Per-position values of each micro-batch ([b, s], aligned with labels, e.g. log-probs) ->
+    one [R] tensor per sample, in the order of the list the micro-batches were built from."""
+    out: list[Tensor | None] = [None] * num_samples
+    for value, mb in zip(values, micro_batches):
+        for row, (i, p, r) in enumerate(zip(mb.sample_index, mb.prompt_lengths, mb.response_lengths)):
+            if i >= 0:
+                out[i] = value[row, p - 1: p - 1 + r]
+    missing = [i for i, v in enumerate(out) if v is None]
+    if missing:
+        raise ValueError(f"samples {missing[:8]} are in none of the micro-batches")
+    return out

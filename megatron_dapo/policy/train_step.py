@@ -1,0 +1,265 @@
+"""One optimizer update over a mini-batch, and the forward-only log-prob pass, through megatron's schedules.
+
+The loss. Every micro-batch on every DP rank calls the policy loss (algo/losses.py) with the
+valid-token count of the *whole* mini-batch (``global_num_tokens``, and ``global_num_seqs`` for
+the seq-mean modes), all-gathered over DP before the schedule runs. The sum of those
+micro-batch losses over micro-batches and DP ranks is then the mini-batch token-mean, and its
+gradient is what the update must use.
+
+The scaling megatron-core 0.19.2 applies on the way, with ``calculate_per_token_loss=False``
+(TransformerConfig's default; optimizer.py refuses the other) and a loss_func returning
+``(loss, metrics)``:
+  1. schedules.py:340-341 (forward_step_calc_loss): ``loss *= cp_size; loss /= num_microbatches``,
+     in place, before backward;
+  2. distributed_data_parallel.py:212 with param_and_grad_buffer.py:661: DDP multiplies each
+     gradient by 1 / (DP x CP) and then sums it over the DP x CP group (SUM, line 663);
+  3. finalize_model_grads.py: scales by 1 / num_tokens only when calculate_per_token_loss is
+     set (not here); with PP it only all-reduces the tied embedding over the first and last stage.
+So the reduced gradient is sum_{dp, cp, mb} CP / (M x DP x CP) x d loss_mb = (1 / (M x DP))
+x d(mini-batch loss); each micro-batch loss is multiplied by M x DP before it is returned, and the
+gradient becomes exactly d(global token-mean) / d theta. (Megatron's own per-token path, a
+3-tuple with calculate_per_token_loss=True, divides by a token count that finalize_model_grads
+sums over DP; the pre-divided loss here also covers the seq-mean modes.)
+
+Metrics: the loss's metrics are pre-divided by the global count, so they are summed over
+micro-batches (``*_max`` keys: max) on the last pipeline stage, then all ranks exchange one
+stacked tensor (one all-gather over DP, reduced locally: sum or max per key) and the last
+stage broadcasts the result over PP. One host sync per step.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megatron_dapo.algo import get_policy_loss_fn
+from megatron_dapo.config import DAPOConfig
+from megatron_dapo.policy.batching import (
+    MicroBatch, Sample, make_micro_batches, pad_multiple, unpack_responses,
+)
+from megatron_dapo.policy.logprobs import logprobs_output_processor
+from megatron_dapo.policy.optimizer import current_lr
+
+
+@dataclass(frozen=True)
+class StepSettings:
+    """What the step needs from the config, resolved once (see ``from_config``)."""
+
+    policy_loss: str
+    clip_ratio_low: float
+    clip_ratio_high: float
+    clip_ratio_c: float | None
+    loss_agg_mode: str
+    temperature: float  # the rollout temperature: log-probs must be those of the sampler
+    valid_vocab_size: int  # the real vocabulary; padded rows are excluded from the softmax
+    max_tokens_per_micro_batch: int
+    micro_batch_size: int
+    pad_multiple: int
+    chunk_tokens: int | None = None  # log-prob chunking; None = logprobs.py's memory default
+
+    @classmethod
+    def from_config(cls, cfg: DAPOConfig, vocab_size: int) -> "StepSettings":
+        p = cfg.parallel
+        return cls(policy_loss=cfg.loss.policy_loss, clip_ratio_low=cfg.loss.clip_ratio_low,
+                   clip_ratio_high=cfg.loss.clip_ratio_high, clip_ratio_c=cfg.loss.clip_ratio_c,
+                   loss_agg_mode=cfg.loss.loss_agg_mode, temperature=cfg.rollout.temperature,
+                   valid_vocab_size=vocab_size,
+                   max_tokens_per_micro_batch=cfg.train.max_tokens_per_micro_batch,
+                   micro_batch_size=cfg.train.micro_batch_size,
+                   pad_multiple=pad_multiple(tensor_parallel=p.tensor_model_parallel_size,
+                                             sequence_parallel=p.sequence_parallel,
+                                             context_parallel=p.context_parallel_size))
+
+    def policy_loss_fn(self):
+        return functools.partial(get_policy_loss_fn(self.policy_loss), clip_ratio_low=self.clip_ratio_low,
+                                 clip_ratio_high=self.clip_ratio_high, clip_ratio_c=self.clip_ratio_c,
+                                 loss_agg_mode=self.loss_agg_mode)
+
+
+def _device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _groups():
+    from megatron.core import parallel_state as ps
+    return ps.get_data_parallel_group(), ps.get_pipeline_model_parallel_group()
+
+
+def _is_last_stage() -> bool:
+    from megatron.core import parallel_state as ps
+    return ps.is_pipeline_last_stage(ignore_virtual=True)
+
+
+def _pp_last_rank() -> int:
+    from megatron.core import parallel_state as ps
+    return ps.get_pipeline_model_parallel_last_rank()
+
+
+def _batching(model, settings: StepSettings) -> dict:
+    config = model[0].config
+    pp, vpp = config.pipeline_model_parallel_size, config.virtual_pipeline_model_parallel_size
+    return dict(max_tokens=settings.max_tokens_per_micro_batch, micro_batch_size=settings.micro_batch_size,
+                multiple=settings.pad_multiple,
+                count_multiple=pp if vpp else 1,  # the interleaved schedule needs M % PP == 0
+                uniform=pp > 1 and not config.variable_seq_lengths)  # stages cannot exchange shapes
+
+
+def _micro_batches(model, samples: list[Sample],
+                   settings: StepSettings) -> tuple[list[MicroBatch], torch.Tensor]:
+    """This rank's micro-batches, as many on every DP rank, and the mini-batch's global
+    (valid tokens, valid sequences), from one all-gather over DP."""
+    kwargs = _batching(model, settings)
+    mbs = make_micro_batches(samples, **kwargs)
+    valid = [x.loss_mask.sum(-1) for x in mbs]
+    local = torch.tensor([sum(float(v.sum()) for v in valid), sum(float((v > 0).sum()) for v in valid),
+                          float(len(mbs))], dtype=torch.float64, device=_device())
+    dp_group, _ = _groups()
+    gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(dp_group))]
+    dist.all_gather(gathered, local, group=dp_group)
+    table = torch.stack(gathered)
+    num_mbs = int(table[:, 2].max())
+    if num_mbs > len(mbs):
+        mbs = make_micro_batches(samples, min_count=num_mbs, **kwargs)
+    return mbs, table[:, :2].sum(0).float()
+
+
+def _forward_step(settings: StepSettings, counts, scale: float, data_iterator, model):
+    mb = next(data_iterator)
+    device = _device()
+    processor = logprobs_output_processor(mb.labels.to(device), temperature=settings.temperature,
+                                          valid_vocab_size=settings.valid_vocab_size,
+                                          chunk_tokens=settings.chunk_tokens)
+    # Last stage: (log_probs, entropy), each [b, s] fp32; other stages: hidden states.
+    output = model(mb.input_ids.to(device), mb.position_ids.to(device), None, output_processor=processor)
+    return output, functools.partial(_loss_func, settings, counts, scale, mb)
+
+
+def _loss_func(settings: StepSettings, counts, scale: float, mb: MicroBatch, output, non_loss_data=False):
+    log_probs, entropy = output
+    if non_loss_data:  # forward-only log-prob pass: collected per micro-batch, [2, b, s]
+        return torch.stack([log_probs.detach(), entropy.detach()])
+    device = log_probs.device
+    mask = mb.loss_mask.to(device)
+    loss, metrics = settings.policy_loss_fn()(
+        log_probs, mb.old_log_probs.to(device), mb.advantages.to(device), mask,
+        global_num_tokens=counts[0], global_num_seqs=counts[1])
+    metrics["actor/entropy"] = (entropy.detach() * mask).sum() / counts[0].clamp(min=1.0)
+    # x (M x DP): undoes the schedule's 1 / M and DDP's 1 / DP (module docstring). A new tensor,
+    # so the schedule's in-place division does not reach the metrics.
+    return loss * scale, metrics
+
+
+def _run_schedule(model, mbs: list[MicroBatch], settings: StepSettings, counts, *, forward_only: bool,
+                  collect_non_loss_data: bool = False) -> list:
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    scale = float(len(mbs) * ps.get_data_parallel_world_size())
+    iters = [iter(mbs) for _ in model]
+    return get_forward_backward_func()(
+        forward_step_func=functools.partial(_forward_step, settings, counts, scale),
+        data_iterator=iters if len(model) > 1 else iters[0],
+        model=model,
+        num_microbatches=len(mbs),
+        # The p2p shape without variable_seq_lengths (uniform micro-batches); ignored with it.
+        seq_length=max(mb.input_ids.shape[1] for mb in mbs),
+        micro_batch_size=max(mb.input_ids.shape[0] for mb in mbs),
+        forward_only=forward_only,
+        collect_non_loss_data=collect_non_loss_data,
+    )
+
+
+@functools.lru_cache(maxsize=8)
+def _metric_keys(settings: StepSettings) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(sum-reduced keys, max-reduced keys) of the loss's metrics, from a 1-token dry run, so
+    that every rank (also those without the loss) sizes the exchange buffers alike."""
+    one = torch.zeros(1, 1)
+    _, metrics = settings.policy_loss_fn()(one, one, one, torch.ones(1, 1), global_num_tokens=1.0,
+                                           global_num_seqs=1.0)
+    keys = sorted(metrics) + ["actor/entropy"]
+    return tuple(k for k in keys if not k.endswith("_max")), tuple(k for k in keys if k.endswith("_max"))
+
+
+def _reduce_metrics(per_mb: list[dict], settings: StepSettings) -> dict[str, torch.Tensor]:
+    """Sum (or max) over micro-batches here, then over DP (one all-gather), then the last stage's
+    values to every PP rank (one broadcast)."""
+    sum_keys, max_keys = _metric_keys(settings)
+    local = torch.zeros(len(sum_keys) + len(max_keys), dtype=torch.float32, device=_device())
+    if per_mb:  # the last pipeline stage
+        values = ([torch.stack([m[k] for m in per_mb]).sum() for k in sum_keys]
+                  + [torch.stack([m[k] for m in per_mb]).max() for k in max_keys])
+        local.copy_(torch.stack(values))
+    dp_group, pp_group = _groups()
+    gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(dp_group))]
+    dist.all_gather(gathered, local, group=dp_group)
+    table = torch.stack(gathered)
+    reduced = torch.cat([table[:, : len(sum_keys)].sum(0), table[:, len(sum_keys):].amax(0)])
+    if dist.get_world_size(pp_group) > 1:
+        dist.broadcast(reduced, src=_pp_last_rank(), group=pp_group)
+    return dict(zip(sum_keys + max_keys, reduced))
+
+
+def train_step(model: list, optimizer, scheduler, samples: list[Sample], settings: StepSettings, *,
+               forward_only: bool = False) -> dict[str, float]:
+    """One optimizer update on this DP rank's ``samples`` (every TP / PP rank of a model replica
+    passes the same list; DP ranks pass disjoint parts of the mini-batch, of any sizes).
+
+    ``forward_only``: the loss and metrics without an update (no gradients, no optimizer step).
+    Returns the mini-batch's metrics, identical on every rank: the loss's metrics (global
+    token-means), ``actor/entropy``, ``actor/num_tokens``, ``actor/num_seqs``,
+    ``actor/num_micro_batches`` (per DP rank) and, for an update, ``actor/grad_norm`` and
+    ``actor/lr`` (the lr this update used).
+    """
+    if model[0].config.context_parallel_size > 1:
+        raise NotImplementedError("context parallelism needs per-rank sequence slicing, not implemented yet")
+    mbs, counts = _micro_batches(model, samples, settings)
+    if forward_only:
+        with torch.no_grad():
+            per_mb = _run_schedule(model, mbs, settings, counts, forward_only=True)
+    else:
+        for chunk in model:
+            chunk.zero_grad_buffer()
+        optimizer.zero_grad()
+        per_mb = _run_schedule(model, mbs, settings, counts, forward_only=False)
+    metrics = _reduce_metrics(per_mb, settings)
+    metrics["actor/num_tokens"], metrics["actor/num_seqs"] = counts[0], counts[1]
+    metrics["actor/num_micro_batches"] = torch.tensor(float(len(mbs)))
+    if not forward_only:
+        scheduler.step(increment=1)  # before the update: update k uses warmup fraction k / W
+        ok, grad_norm, _ = optimizer.step()
+        if not ok:
+            raise RuntimeError("optimizer step skipped (inf / nan gradients); bf16 and fp32 do not overflow, "
+                               "so the loss or the data is broken")
+        if grad_norm is None:  # clip_grad = 0 computes no norm
+            grad_norm = optimizer.get_grad_norm()
+        metrics["actor/grad_norm"] = torch.as_tensor(grad_norm, dtype=torch.float32)
+        metrics["actor/lr"] = torch.tensor(current_lr(optimizer))
+    values = torch.stack([v.detach().float().cpu() for v in metrics.values()]).tolist()
+    return dict(zip(metrics, values))
+
+
+def compute_log_probs(model: list, samples: list[Sample], settings: StepSettings) -> tuple[list, list]:
+    """Forward-only log-probs and entropies of each sample's response tokens at the rollout
+    temperature: ([R] fp32 per sample, [R] fp32 per sample), on every rank of the replica.
+    ``old_log_probs`` / advantages of the samples are not read."""
+    from megatron.core import parallel_state as ps
+
+    mbs = make_micro_batches(samples, **_batching(model, settings))
+    with torch.no_grad():
+        collected = _run_schedule(model, mbs, settings, None, forward_only=True, collect_non_loss_data=True)
+    lengths = [x.num_response_tokens for x in samples]
+    flat = torch.empty(2, sum(lengths), dtype=torch.float32, device=_device())
+    if collected:  # the last stage: [2, b, s] per micro-batch -> [2, sum R]
+        lp = unpack_responses([c[0] for c in collected], mbs, len(samples))
+        ent = unpack_responses([c[1] for c in collected], mbs, len(samples))
+        flat = torch.stack([torch.cat(lp), torch.cat(ent)]) if samples else flat
+    pp_group = ps.get_pipeline_model_parallel_group()
+    if dist.get_world_size(pp_group) > 1:
+        dist.broadcast(flat, src=_pp_last_rank(), group=pp_group)
+    flat = flat.cpu()
+    return list(torch.split(flat[0], lengths)), list(torch.split(flat[1], lengths))

@@ -1,0 +1,303 @@
+"""The tiny base model of the CPU demo: a Qwen2 architecture that knows the format, not the task.
+
+``make_toy_base`` builds a ``transformers.Qwen2ForCausalLM`` from scratch (grouped-query attention,
+QKV bias, RMSNorm, RoPE, SwiGLU: the Qwen2.5 layout at toy width) and trains it for a few seconds
+by supervised warm-up on toy prompts whose responses have the right FORMAT (optional reasoning
+line, then "Answer: N", then <|im_end|>) but a uniformly RANDOM digit as the answer. Cross-entropy
+on random labels teaches the answer marginal (uniform over 0..9) and nothing about the question,
+so the base emits parsable answers but is right 1 time in 10: RL has to do all the learning, as
+DAPO does from a base model that only follows the prompt's output format.
+
+Output directory (what ``model.hf_path`` points at, loaded like a Qwen2.5 checkpoint):
+config.json, generation_config.json (eos = [<|im_end|>, <|endoftext|>]), model.safetensors, the
+tokenizer files of ``data/toy_tokenizer.py``, and warmup.json (settings and the base's measured
+format rate and accuracy).
+
+Determinism: everything is seeded from ``seed``; on the same machine and thread count the weights
+are bit-identical run to run.
+
+``generate`` is a minimal sampler with a KV cache (temperature sampling, per-token log-probs),
+shared by the warm-up check and benchmarks/toy_rl_prototype.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import inspect
+import json
+import random
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from megatron_dapo.data import toy_task, toy_tokenizer
+
+
+def _f(default: Any, help: str) -> Any:
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass(frozen=True, kw_only=True)
+class ToyConfig:
+    """Settings of the toy task and its base model (proposed ``toy:`` section of config.py)."""
+
+    num_digits: int = _f(5, "digits per problem; the answer is the largest")
+    num_train: int = _f(2000, "training problems (unique, disjoint from validation)")
+    num_val: int = _f(128, "held-out problems for evaluation")
+    hidden_size: int = _f(64, "model width")
+    intermediate_size: int = _f(192, "SwiGLU MLP width")
+    num_layers: int = _f(2, "transformer layers")
+    num_attention_heads: int = _f(4, "query heads")
+    num_key_value_heads: int = _f(2, "key/value heads (GQA, as Qwen2.5)")
+    tie_word_embeddings: bool = _f(True, "share input embedding and output layer (as Qwen2.5-0.5B)")
+    max_position_embeddings: int = _f(128, "RoPE context the model is built for")
+    warmup_steps: int = _f(150, "supervised warm-up steps (format only: random answers)")
+    warmup_batch_size: int = _f(64, "sequences per warm-up step")
+    warmup_lr: float = _f(3e-3, "AdamW learning rate of the warm-up")
+    reasoning_prob: float = _f(0.5, "fraction of warm-up responses with the optional reasoning line")
+
+
+def qwen2_config(cfg: ToyConfig, tokenizer) -> Any:
+    from transformers import Qwen2Config
+
+    return Qwen2Config(
+        vocab_size=len(tokenizer), hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_key_value_heads, max_position_embeddings=cfg.max_position_embeddings,
+        tie_word_embeddings=cfg.tie_word_embeddings, rms_norm_eps=1e-6, hidden_act="silu",
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, use_sliding_window=False,
+        bos_token_id=None, eos_token_id=stop_token_ids(tokenizer), pad_token_id=tokenizer.pad_token_id,
+        architectures=["Qwen2ForCausalLM"],
+    )
+
+
+def stop_token_ids(tokenizer) -> list[int]:
+    """<|im_end|> ends an assistant turn; <|endoftext|> ends a document (Qwen2.5-Instruct's list)."""
+    return [tokenizer.convert_tokens_to_ids(toy_tokenizer.IM_END), tokenizer.eos_token_id]
+
+
+def batch_prompt_ids(tokenizer, questions: list[str]) -> list[list[int]]:
+    """Chat-templated token ids of one-message user prompts (the trainer's apply_chat_template path)."""
+    from megatron_dapo.data.tokenize import apply_chat_template
+
+    return [apply_chat_template(tokenizer, [{"role": "user", "content": q}]) for q in questions]
+
+
+def _fast_prompt_ids(tokenizer, questions: list[str]) -> list[list[int]]:
+    """``batch_prompt_ids`` with the chat template rendered once instead of once per question.
+
+    Rendering the Jinja template costs ~0.6 ms per prompt, most of the warm-up's data time. The
+    question sits between special tokens, which tokenize apart from their neighbours, so
+    splicing it into the rendered text gives the same ids (tests/unit/test_toy_base.py checks).
+    """
+    marker = "{question}"
+    text = tokenizer.apply_chat_template([{"role": "user", "content": marker}], tokenize=False,
+                                         add_generation_prompt=True)
+    prefix, suffix = text.split(marker)
+    return tokenizer([prefix + q + suffix for q in questions], add_special_tokens=False)["input_ids"]
+
+
+def warmup_batch(tokenizer, rng: random.Random, cfg: ToyConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """input_ids [B, S] and labels [B, S] (-100 outside the response) with random answers."""
+    im_end = tokenizer.convert_tokens_to_ids(toy_tokenizer.IM_END)
+    problems = [toy_task.sample_problem(rng, cfg.num_digits)[0] for _ in range(cfg.warmup_batch_size)]
+    prompts = _fast_prompt_ids(tokenizer, [toy_task.format_question(d) for d in problems])
+    # Uniform answers, independent of the question: the base must learn the format, not the task.
+    responses = [toy_task.format_response(d, rng.randrange(10), reasoning=rng.random() < cfg.reasoning_prob)
+                 for d in problems]
+    targets = [ids + [im_end] for ids in tokenizer(responses, add_special_tokens=False)["input_ids"]]
+    seqs = [p + t for p, t in zip(prompts, targets)]
+    labels = [[-100] * len(p) + t for p, t in zip(prompts, targets)]
+    width = max(map(len, seqs))
+    pad = tokenizer.pad_token_id
+    ids = torch.tensor([s + [pad] * (width - len(s)) for s in seqs])
+    lab = torch.tensor([s + [-100] * (width - len(s)) for s in labels])
+    return ids, lab
+
+
+def warm_up(model, tokenizer, cfg: ToyConfig, *, seed: int, log_every: int = 0) -> list[float]:
+    """Supervised warm-up in place; returns the loss of every step."""
+    rng = random.Random(f"toy-warmup-{seed}")
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.warmup_lr, weight_decay=0.0)
+    model.train()
+    losses = []
+    for step in range(cfg.warmup_steps):
+        ids, labels = warmup_batch(tokenizer, rng, cfg)
+        # Padding sits after each sequence's end and is excluded from the loss by -100 labels,
+        # so causal attention never lets a real token see it: no attention mask is needed.
+        logits = model(input_ids=ids).logits[:, :-1]
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        losses.append(loss.item())
+        if log_every and (step % log_every == 0 or step == cfg.warmup_steps - 1):
+            print(f"warmup step {step:4d} loss {losses[-1]:.4f}", flush=True)
+    model.eval()
+    return losses
+
+
+@torch.no_grad()
+def generate(model, prompts: torch.Tensor, *, max_new_tokens: int, temperature: float, top_p: float,
+             stop_ids: list[int], pad_id: int, generator: torch.Generator | None
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sample continuations of equal-length prompts with a KV cache.
+
+    Args:
+        prompts: [B, P] prompt ids (equal lengths: all toy prompts of one num_digits are).
+        temperature: > 0 samples from softmax(logits / temperature); 0 is greedy.
+        top_p: nucleus sampling: keep the smallest set of tokens whose probability reaches top_p.
+
+    Returns:
+        tokens [B, T] (pad_id after each response's stop token), logprobs [B, T] (fp32 log-probs
+        of the sampled tokens under softmax(logits / temperature), before top-p, which is what
+        the trainer recomputes; 0 at padding), lengths [B] (tokens including the stop token).
+    """
+    batch = prompts.shape[0]
+    stop = torch.tensor(stop_ids)
+    done = torch.zeros(batch, dtype=torch.bool)
+    lengths = torch.zeros(batch, dtype=torch.long)
+    tokens, logps = [], []
+    # transformers 5 names the KV cache `cache`; 4.x (and 5.x before the rename) `past_key_values`.
+    cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    out = model(input_ids=prompts, use_cache=True)
+    for _ in range(max_new_tokens):
+        logits = out.logits[:, -1].float()
+        logp_all = F.log_softmax(logits / (temperature if temperature > 0 else 1.0), dim=-1)
+        if temperature > 0:
+            nxt = torch.multinomial(_top_p_probs(logp_all.exp(), top_p), 1, generator=generator).squeeze(-1)
+        else:
+            nxt = logits.argmax(-1)
+        logp = logp_all.gather(-1, nxt[:, None]).squeeze(-1)
+        nxt = torch.where(done, torch.full_like(nxt, pad_id), nxt)
+        tokens.append(nxt)
+        logps.append(torch.where(done, torch.zeros_like(logp), logp))
+        lengths += (~done).long()
+        done |= torch.isin(nxt, stop)
+        if done.all():
+            break
+        out = model(input_ids=nxt[:, None], use_cache=True, **{cache_kw: getattr(out, cache_kw)})
+    return torch.stack(tokens, 1), torch.stack(logps, 1), lengths
+
+
+def _top_p_probs(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """[B, V] probabilities with everything outside the top-p nucleus zeroed (not renormalised:
+    torch.multinomial normalises)."""
+    if top_p >= 1.0:
+        return probs
+    sorted_p, order = probs.sort(dim=-1, descending=True)
+    # A token stays if the mass before it is below top_p; the most likely token always stays.
+    keep_sorted = (sorted_p.cumsum(-1) - sorted_p) < top_p
+    keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+    return probs * keep
+
+
+_INTEGER_RE = re.compile(r"-?\d+")
+
+
+@torch.no_grad()
+def evaluate(model, tokenizer, prompts: list[list[int]], ground_truths: list[str], *, num_samples: int,
+             temperature: float, top_p: float, max_new_tokens: int, seed: int) -> dict[str, float]:
+    """Held-out metrics: ``num_samples`` responses to each of the (equal-length) ``prompts``.
+
+    Returns ``acc_mean`` (avg@k: mean correctness over all samples, the paper's avg@32),
+    ``pass_at_k`` (any sample right), ``format_rate`` (the last Answer line holds an integer) and
+    ``response_length_mean`` (tokens, including the stop token).
+    """
+    from megatron_dapo.reward import compute_score
+
+    was_training = model.training
+    model.eval()
+    gen = torch.Generator().manual_seed(seed)
+    tokens, _, lengths = generate(model, torch.tensor(prompts).repeat_interleave(num_samples, dim=0),
+                                  max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                                  stop_ids=stop_token_ids(tokenizer), pad_id=tokenizer.pad_token_id, generator=gen)
+    model.train(was_training)
+    texts = tokenizer.batch_decode(tokens, skip_special_tokens=True)
+    truths = [gt for gt in ground_truths for _ in range(num_samples)]
+    scores = [compute_score(t, gt) for t, gt in zip(texts, truths)]
+    acc = torch.tensor([s["acc"] for s in scores], dtype=torch.float32).view(len(prompts), num_samples)
+    return {
+        "acc_mean": acc.mean().item(),
+        "pass_at_k": acc.amax(dim=1).mean().item(),
+        "format_rate": sum(bool(_INTEGER_RE.fullmatch(s["pred"])) for s in scores) / len(scores),
+        "response_length_mean": lengths.float().mean().item(),
+    }
+
+
+def make_toy_base(out_dir: str | Path, *, seed: int, cfg: ToyConfig, eval_rows: list[dict] | None = None,
+                  log_every: int = 0) -> Path:
+    """Build, warm up and save the toy base model into ``out_dir``; returns ``out_dir``.
+
+    ``eval_rows`` (DAPO-schema rows, e.g. the validation split): when given, the base's format
+    rate and accuracy at temperature 1 are measured and stored in warmup.json.
+    """
+    from transformers import AutoTokenizer, GenerationConfig, Qwen2ForCausalLM
+
+    out_dir = Path(out_dir)
+    toy_tokenizer.save_toy_tokenizer(out_dir)
+    tokenizer = AutoTokenizer.from_pretrained(out_dir)  # the path the trainer takes
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(qwen2_config(cfg, tokenizer)).float()
+    start = time.perf_counter()
+    losses = warm_up(model, tokenizer, cfg, seed=seed, log_every=log_every)
+    report: dict[str, Any] = {"seed": seed, "config": dataclasses.asdict(cfg),
+                              "num_parameters": sum(p.numel() for p in model.parameters()),
+                              "final_loss": losses[-1] if losses else None,
+                              "warmup_seconds": round(time.perf_counter() - start, 2)}
+    if eval_rows:
+        prompts = batch_prompt_ids(tokenizer, [r["prompt"][0]["content"] for r in eval_rows])
+        truths = [r["reward_model"]["ground_truth"] for r in eval_rows]
+        report["eval_temperature_1"] = evaluate(model, tokenizer, prompts, truths, num_samples=4, temperature=1.0,
+                                                top_p=1.0, max_new_tokens=2 * max_response_tokens(cfg), seed=seed)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    stops = stop_token_ids(tokenizer)
+    GenerationConfig(eos_token_id=stops, pad_token_id=tokenizer.pad_token_id, bos_token_id=None,
+                     do_sample=True, temperature=1.0, top_p=1.0).save_pretrained(out_dir)
+    (out_dir / "warmup.json").write_text(json.dumps(report, indent=2) + "\n")
+    return out_dir
+
+
+def max_response_tokens(cfg: ToyConfig) -> int:
+    """Tokens of the longest well-formed response (with reasoning), including <|im_end|>."""
+    # "Check", " ", the digits, ".\n", "Answer", ":", " ", the answer digit, <|im_end|>
+    return cfg.num_digits + 8
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Build the toy base model (format-only warm-up).")
+    parser.add_argument("--out", required=True, help="output directory (HF format)")
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--data", help="also write train/val parquet files of the toy task here")
+    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads; 0 = torch's default")
+    for f in dataclasses.fields(ToyConfig):
+        parser.add_argument("--" + f.name.replace("_", "-"), type=type(f.default) if f.type != "bool" else _bool,
+                            default=f.default, help=f.metadata["help"])
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cfg = ToyConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ToyConfig)})
+    _, val = toy_task.make_splits(seed=args.seed, num_train=cfg.num_train, num_val=cfg.num_val,
+                                  num_digits=cfg.num_digits)
+    if args.data:
+        print("\n".join(map(str, toy_task.write_toy_dataset(args.data, seed=args.seed, num_train=cfg.num_train,
+                                                          num_val=cfg.num_val, num_digits=cfg.num_digits))))
+    out = make_toy_base(args.out, seed=args.seed, cfg=cfg, eval_rows=val, log_every=25)
+    print((out / "warmup.json").read_text())
+
+
+def _bool(text: str) -> bool:
+    if text.lower() not in ("true", "false", "1", "0"):
+        raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
+    return text.lower() in ("true", "1")
+
+
+if __name__ == "__main__":
+    main()

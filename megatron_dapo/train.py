@@ -1,0 +1,166 @@
+"""The DAPO training loop, top to bottom (DESIGN.md "One step").
+
+Run: ``megatron-dapo train --config conf/cpu_tiny.yaml [key=value ...]``, also under
+``torchrun --nproc-per-node N``. Rank 0 generates and scores (the engine holds full weights) and
+broadcasts the kept groups, so every rank trains on the same batch; the actor splits it over DP.
+Resume is automatic: a rerun of the same command continues from the latest checkpoint.
+"""
+
+import dataclasses
+import logging
+
+import torch
+import torch.distributed as dist
+
+from megatron_dapo.algo import DynamicSampler
+from megatron_dapo.collect import Group, generate_groups, rollout_metrics, to_samples
+from megatron_dapo.config import DAPOConfig
+from megatron_dapo.config_loading import dump_yaml, to_dict
+from megatron_dapo.eval import evaluate
+from megatron_dapo.metrics_log import MetricsLogger, format_progress
+from megatron_dapo.rollout.engine import Rollout, eval_sampling_params, rollout_sampling_params
+from megatron_dapo.rollout.weight_sync import logprob_mismatch, sync_weights
+from megatron_dapo.setup import Run, setup_run
+
+logger = logging.getLogger("megatron_dapo.train")
+
+
+def train(cfg: DAPOConfig) -> dict[str, float]:
+    """Runs (or resumes) DAPO training; returns the last evaluation's metrics (rank 0)."""
+    run: Run = setup_run(cfg)
+    actor, engine, pool, tok = run.actor, run.engine, run.pool, run.tokenizer
+    dyn = DynamicSampler(prompts_per_step=cfg.data.prompts_per_step, group_size=cfg.rollout.n,
+                         max_num_gen_batches=cfg.algorithm.filter_groups.max_num_gen_batches,
+                         enabled=cfg.algorithm.filter_groups.enable, surplus=cfg.algorithm.filter_groups.surplus)
+    start = run.state.get("step", 0)
+    if run.state:
+        run.sampler.load_state_dict(run.state["sampler"])
+        dyn.load_state_dict({"held": [_group_from_dict(g) for g in run.state["held_groups"]]})
+    log = MetricsLogger(run.dir, tensorboard=cfg.logging.tensorboard, wandb=cfg.logging.wandb,
+                        wandb_project=cfg.logging.wandb_project, config=to_dict(cfg), enabled=run.rank == 0,
+                        start_step=start)
+    if run.rank == 0:
+        (run.dir / "config.yaml").write_text(dump_yaml(cfg))
+    _sync(run)
+    final = {}
+    if cfg.eval.before_train and start == 0:
+        final = _log(log, 0, _evaluate(run, cfg), cfg, start)
+
+    for step in range(start, cfg.train.total_steps):
+        metrics: dict[str, float] = {}
+        with log.timer("rollout"):
+            dyn.start_step()
+            while not dyn.is_full:  # dynamic sampling: draw generation batches until the batch is full
+                groups = None
+                if run.rank == 0:
+                    indices = run.sampler.next_indices(cfg.data.gen_prompts_per_batch)
+                    params = rollout_sampling_params(cfg.rollout, seed=_seed(cfg, step, dyn), stop_token_ids=run.stops)
+                    groups = generate_groups(engine, run.train_ids, indices, ground_truths=run.train_truths,
+                                             tokenizer=tok, params=params, n=cfg.rollout.n, pool=pool, cfg=cfg)
+                else:
+                    run.sampler.next_indices(cfg.data.gen_prompts_per_batch)  # keep sampler states equal
+                groups = _broadcast(groups, run)
+                dyn.add(groups, torch.tensor([g.acc for g in groups]))
+            groups, ds_metrics = dyn.pop()
+        metrics.update(ds_metrics | rollout_metrics(groups))
+        samples = to_samples(groups, cfg)
+
+        with log.timer("old_log_probs"):
+            actor.prepare_for_inference()
+            old = actor.get_inference_log_probs(samples)
+            actor.finish_inference()
+        engine_lp = [torch.tensor(r.logprobs) for g in groups for r in g.rollouts]
+        metrics.update(_mismatch(engine_lp, old))
+        samples = [dataclasses.replace(s, old_log_probs=lp) for s, lp in zip(samples, old)]
+
+        with log.timer("train"):
+            actor.prepare_for_training()
+            size = cfg.train.mini_batch_prompts * cfg.rollout.n
+            for _ in range(cfg.train.ppo_epochs):
+                for i in range(0, len(samples), size):  # e.g. 512 responses -> 16 updates per step
+                    _accumulate(metrics, actor.get_loss_and_metrics(samples[i:i + size]))
+        with log.timer("weight_sync"):
+            _sync(run)
+        if cfg.eval.every and (step + 1) % cfg.eval.every == 0 or step + 1 == cfg.train.total_steps:
+            with log.timer("eval"):
+                metrics.update(_evaluate(run, cfg))
+        # Log before saving: a crash between the two resumes from the previous checkpoint and
+        # rewrites this step's record, never leaves a step without one.
+        final = _log(log, step + 1, metrics, cfg, start) or final
+        if cfg.checkpoint.save_every and (step + 1) % cfg.checkpoint.save_every == 0 \
+                or step + 1 == cfg.train.total_steps:
+            held = [dataclasses.asdict(g) for g in dyn.state_dict()["held"]]
+            actor.save_checkpoint(str(run.ckpt_dir), {"step": step + 1, "sampler": run.sampler.state_dict(),
+                                                      "held_groups": held})
+    log.close()
+    if pool is not None:
+        pool.close()
+    return final
+
+
+def _sync(run: Run) -> None:
+    """Streams the trained weights into rank 0's engine; every rank runs the export's collectives."""
+    weights = run.actor.export_hf_weights()
+    if run.engine is not None:
+        sync_weights(run.engine, weights, run.cfg.rollout.weight_sync_bucket_mb << 20)
+    else:
+        for _ in weights:
+            pass
+
+
+def _evaluate(run: Run, cfg: DAPOConfig) -> dict[str, float]:
+    result = None
+    if run.rank == 0:
+        params = eval_sampling_params(cfg.eval, seed=cfg.seed, stop_token_ids=run.stops)
+        result = evaluate(run.engine, run.val_ids, run.val_truths, tokenizer=run.tokenizer, params=params,
+                          n=cfg.eval.n, pool=run.pool)
+    return _broadcast(result, run)
+
+
+def _log(log: MetricsLogger, step: int, metrics: dict, cfg: DAPOConfig, start: int) -> dict[str, float]:
+    values = log.log(step, metrics)
+    if log.enabled and cfg.logging.progress:
+        print(format_progress(step, values, total_steps=cfg.train.total_steps), flush=True)
+    return {k: v for k, v in values.items() if k.startswith("eval/")}
+
+
+def _accumulate(metrics: dict, update: dict) -> None:
+    """Averages per-update metrics over the step's updates (counts under actor/num_updates)."""
+    n = metrics.get("actor/num_updates", 0.0)
+    for k, v in update.items():
+        v = float(v)
+        metrics[k] = max(metrics.get(k, v), v) if k.endswith("_max") else (metrics.get(k, 0.0) * n + v) / (n + 1)
+    metrics["actor/num_updates"] = n + 1
+
+
+def _mismatch(engine_lp: list[torch.Tensor], trainer_lp: list[torch.Tensor]) -> dict[str, float]:
+    pad = torch.nn.utils.rnn.pad_sequence
+    mask = pad([torch.ones(len(x)) for x in engine_lp], batch_first=True)
+    out = logprob_mismatch(pad(engine_lp, batch_first=True), pad(trainer_lp, batch_first=True), mask)
+    return {k: float(v) for k, v in out.items()}
+
+
+def _seed(cfg: DAPOConfig, step: int, dyn: DynamicSampler) -> int:
+    """Rollout seed of this step's next generation batch: reproducible across a resume."""
+    return (cfg.seed * 1_000_003 + step) * 1_009 + dyn.num_gen_batches
+
+
+def _broadcast(obj, run: Run):
+    if run.world_size == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _group_from_dict(d: dict) -> Group:
+    return Group(**{**d, "rollouts": [Rollout(**r) for r in d["rollouts"]]})
+
+
+def main(cfg: DAPOConfig) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    final = train(cfg)
+    if final and dist.is_initialized() and dist.get_rank() == 0 or not dist.is_initialized():
+        print("final evaluation: " + ", ".join(f"{k}={v:.4f}" for k, v in sorted(final.items())), flush=True)
+    return 0
+
