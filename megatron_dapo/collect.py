@@ -69,15 +69,18 @@ def to_samples(groups: list[Group], cfg: DAPOConfig):
 
 
 def rollout_metrics(groups: list[Group]) -> dict[str, float]:
-    """The paper's monitoring set for the kept batch: reward, accuracy, lengths, truncation."""
+    """The paper's monitoring set for the kept batch: accuracy, rewards, lengths, truncation."""
     rollouts = [r for g in groups for r in g.rollouts]
     lengths = torch.tensor([len(r.response_ids) for r in rollouts], dtype=torch.float32)
     acc = torch.tensor([a for g in groups for a in g.acc], dtype=torch.float32)
+    scores = torch.tensor([x for g in groups for x in g.scores])
     rewards = torch.tensor([x for g in groups for x in g.rewards])
     return {
-        "rollout/reward_mean": rewards.mean().item(),
-        "rollout/score_acc": acc.mean().item(),
-        "rollout/response_length_mean": lengths.mean().item(),
-        "rollout/response_length_max": lengths.max().item(),
-        "rollout/truncation_rate": sum(r.finish_reason == "length" for r in rollouts) / len(rollouts),
+        "reward/acc_mean": acc.mean().item(),
+        "reward/score_mean": scores.mean().item(),
+        "reward/overlong_penalty_mean": (rewards - scores).mean().item(),
+        "reward/shaped_mean": rewards.mean().item(),
+        "response_length/mean": lengths.mean().item(),
+        "response_length/max": lengths.max().item(),
+        "response_length/clip_ratio": sum(r.finish_reason == "length" for r in rollouts) / len(rollouts),
     }

@@ -11,8 +11,8 @@ from megatron_dapo.rollout.engine import RolloutEngine, SamplingParams
 
 def evaluate(engine: RolloutEngine, prompt_ids: list[list[int]], ground_truths: list[str], *, tokenizer,
              params: SamplingParams, n: int, pool, prefix: str = "eval/") -> dict[str, float]:
-    """Generates ``n`` responses per prompt and returns {prefix + avg@n, pass@1, pass@n, cons@n,
-    response_length_mean, truncation_rate}."""
+    """Generates ``n`` responses per prompt and returns {prefix + avg@n (also as acc_mean), pass@1,
+    pass@n, cons@n, response_length_mean, truncation_rate, num_timeouts}."""
     outputs = engine.generate(prompt_ids, n, params)
     flat = [r for group in outputs for r in group]
     texts = tokenizer.batch_decode([r.response_ids for r in flat], skip_special_tokens=True)
@@ -20,6 +20,7 @@ def evaluate(engine: RolloutEngine, prompt_ids: list[list[int]], ground_truths: 
     problems = [[(res["acc"], res["pred"]) for res in results[i * n:(i + 1) * n]] for i in range(len(prompt_ids))]
     summary, _ = eval_metrics(problems)
     out = {prefix + k: v for k, v in summary.items()}
+    out[prefix + "acc_mean"] = summary[f"avg@{n}"]  # mean accuracy over all samples (avg@n)
     out[prefix + "response_length_mean"] = sum(len(r.response_ids) for r in flat) / len(flat)
     out[prefix + "truncation_rate"] = sum(r.finish_reason == "length" for r in flat) / len(flat)
     out[prefix + "num_timeouts"] = float(sum(r.get("timed_out", False) for r in results))

@@ -8,6 +8,10 @@ Resume is automatic: a rerun of the same command continues from the latest check
 
 import dataclasses
 import logging
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -23,6 +27,7 @@ from megatron_dapo.rollout.weight_sync import logprob_mismatch, sync_weights
 from megatron_dapo.setup import Run, setup_run
 
 logger = logging.getLogger("megatron_dapo.train")
+_PLOT = Path(__file__).resolve().parents[1] / "tools" / "plot_metrics.py"
 
 
 def train(cfg: DAPOConfig) -> dict[str, float]:
@@ -48,6 +53,7 @@ def train(cfg: DAPOConfig) -> dict[str, float]:
 
     for step in range(start, cfg.train.total_steps):
         metrics: dict[str, float] = {}
+        step_start = time.perf_counter()
         with log.timer("rollout"):
             dyn.start_step()
             while not dyn.is_full:  # dynamic sampling: draw generation batches until the batch is full
@@ -84,6 +90,7 @@ def train(cfg: DAPOConfig) -> dict[str, float]:
         if cfg.eval.every and (step + 1) % cfg.eval.every == 0 or step + 1 == cfg.train.total_steps:
             with log.timer("eval"):
                 metrics.update(_evaluate(run, cfg))
+        metrics["timing_s/step"] = time.perf_counter() - step_start
         # Log before saving: a crash between the two resumes from the previous checkpoint and
         # rewrites this step's record, never leaves a step without one.
         final = _log(log, step + 1, metrics, cfg, start) or final
@@ -159,8 +166,12 @@ def _group_from_dict(d: dict) -> Group:
 
 def main(cfg: DAPOConfig) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    logging.getLogger("megatron").setLevel(logging.WARNING)  # per-parameter and config dumps
     final = train(cfg)
-    if final and dist.is_initialized() and dist.get_rank() == 0 or not dist.is_initialized():
+    if not dist.is_initialized() or dist.get_rank() == 0:
         print("final evaluation: " + ", ".join(f"{k}={v:.4f}" for k, v in sorted(final.items())), flush=True)
+        run_dir = Path(cfg.logging.dir)
+        subprocess.run([sys.executable, str(_PLOT), "--metrics", str(run_dir / "metrics.jsonl"),
+                        "--out", str(run_dir / "curves.png")], check=False)
     return 0
 

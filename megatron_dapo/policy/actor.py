@@ -24,7 +24,7 @@ from megatron_dapo.policy.batching import Sample, split_for_data_parallel
 from megatron_dapo.policy.model import build_model, hf_arch, padded_vocab_size
 from megatron_dapo.policy.optimizer import build_optimizer, build_scheduler, wrap_model
 from megatron_dapo.policy.parallel import initialize_parallel
-from megatron_dapo.policy.train_step import StepSettings, _device, compute_log_probs, train_step
+from megatron_dapo.policy.train_step import StepSettings, compute_device, compute_log_probs, train_step
 
 
 class MegatronActor:
@@ -78,7 +78,7 @@ class MegatronActor:
         log_probs, _ = compute_log_probs(self.model, [batch[i] for i in mine], self.settings)
         # All-gather over DP: every rank knows every shard's lengths, so pad to the longest.
         sizes = [sum(batch[i].num_response_tokens for i in shard) for shard in shards]
-        flat = torch.zeros(max(sizes), dtype=torch.float32, device=_device())
+        flat = torch.zeros(max(sizes), dtype=torch.float32, device=compute_device())
         flat[: sizes[ps.get_data_parallel_rank()]] = torch.cat(log_probs).to(flat.device) if mine else 0
         gathered = [torch.empty_like(flat) for _ in shards]
         dist.all_gather(gathered, flat, group=ps.get_data_parallel_group())

@@ -13,7 +13,9 @@ Layout under the checkpoint root:
 
 A crash at any point of a save leaves ``latest`` and the previous checkpoints untouched; the
 stray ``.tmp`` directory is removed by the next successful save, which then deletes all but
-the newest ``keep_last`` checkpoints.
+the newest ``keep_last`` checkpoints. (Re-saving an existing step moves the old copy aside
+first: a crash between those two renames leaves ``latest`` dangling, and loading falls back to
+the newest complete checkpoint.)
 
 Resharding: model and optimizer tensors are global, keyed by Megatron name, so a checkpoint
 loads at another TP / PP / DP (dist checkpointing reshards). The distributed optimizer is
@@ -109,10 +111,10 @@ def _set_rng_state(state: dict) -> None:
     tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
 
 
-def _write_json(path: Path, obj) -> None:
-    """Write, flush and fsync (so the later rename never publishes an empty file)."""
+def _write_text(path: Path, text: str) -> None:
+    """Write, flush and fsync (so that the later rename never publishes an empty file)."""
     with open(path, "w") as f:
-        json.dump(obj, f, indent=1, sort_keys=True)
+        f.write(text)
         f.flush()
         os.fsync(f.fileno())
 
@@ -179,10 +181,11 @@ def save_checkpoint(root: str | os.PathLike, step: int, *, model: list, optimize
         os.fsync(f.fileno())
     dist.barrier()  # every rank's files are written
     if rank == 0:
-        (tmp / TRAINER_STATE).write_text(trainer_json)
-        _write_json(tmp / META, dict(format_version=FORMAT_VERSION, step=step, layout=_layout(),
-                                     padded_vocab_size=_unwrap(model[0]).vocab_size,
-                                     distributed_optimizer=_uses_distributed_optimizer(optimizer)))
+        _write_text(tmp / TRAINER_STATE, trainer_json)
+        dist_opt = None if optimizer is None else _uses_distributed_optimizer(optimizer)
+        meta = dict(format_version=FORMAT_VERSION, step=step, layout=_layout(),
+                    padded_vocab_size=_unwrap(model[0]).vocab_size, distributed_optimizer=dist_opt)
+        _write_text(tmp / META, json.dumps(meta, indent=1, sort_keys=True))
         _publish(root, tmp, final)
         _prune(root, keep_last, keep=final)
     dist.barrier()
@@ -198,10 +201,7 @@ def _publish(root: Path, tmp: Path, final: Path) -> None:
         final.rename(old)
     tmp.rename(final)
     pointer_tmp = root / (LATEST + ".tmp")
-    with open(pointer_tmp, "w") as f:
-        f.write(final.name + "\n")
-        f.flush()
-        os.fsync(f.fileno())
+    _write_text(pointer_tmp, final.name + "\n")
     os.replace(pointer_tmp, root / LATEST)
     _fsync_dir(root)
     if old.exists():
@@ -239,11 +239,14 @@ def load_checkpoint(path: str | os.PathLike, *, model: list, optimizer=None, sch
             return None
     meta = json.loads((path / META).read_text())
     if meta["padded_vocab_size"] != _unwrap(model[0]).vocab_size:
-        # Megatron pads the vocabulary to a multiple of divisible_by x TP, so it can change with
-        # TP; the dist-checkpoint loader would only report a shape mismatch deep inside.
-        raise ValueError(f"{path} holds a vocabulary padded to {meta['padded_vocab_size']} rows, this model "
-                         f"pads to {_unwrap(model[0]).vocab_size}: choose model.make_vocab_size_divisible_by "
-                         f"so that both TP sizes give the same padding")
+        # The padding depends on make_vocab_size_divisible_by (and on TP when that does not
+        # divide it, model.padded_vocab_size); the dist-checkpoint loader would only report a
+        # shape mismatch deep inside.
+        raise ValueError(f"{path} holds a vocabulary padded to {meta['padded_vocab_size']} rows, this "
+                         f"model pads to {_unwrap(model[0]).vocab_size}: load with the "
+                         f"make_vocab_size_divisible_by it was saved with, and a TP that divides it")
+    if optimizer is not None and meta["distributed_optimizer"] is None:
+        raise ValueError(f"{path} holds no optimizer state; load it without an optimizer")
     if optimizer is not None and meta["distributed_optimizer"] != _uses_distributed_optimizer(optimizer):
         raise ValueError(f"{path} was saved with use_distributed_optimizer={meta['distributed_optimizer']}; "
                          "load it with the same setting (or without the optimizer)")
@@ -275,10 +278,10 @@ def _torch_adam_load_fixes(optimizer):
       create (step 0, zero moments) before the load builds its state dict;
     * ``load_state_dict`` first puts the loaded ``step`` into each param's state (:1024-1031),
       then every load_parameter_state_* path drops ``step`` from the tensors it copies (:2108,
-      :2389) while ``_set_main_param_and_optimizer_states`` looks every state key up (:1223):
+      :2390) while ``_set_main_param_and_optimizer_states`` looks every state key up (:1223):
       KeyError 'step'. Offering ``step`` as a non-tensor makes that copy skip it, keeping the
       loaded step;
-    * that loaded ``step`` is one tensor shared by every param's state (:1027-1031), and AdamW
+    * that loaded ``step`` is one tensor shared by every param's state (:1028-1032), and AdamW
       increments it in place once per param: after N params the bias correction of the next
       update used step + N. Each param gets its own copy."""
     from megatron.core.optimizer import ChainedOptimizer

@@ -40,7 +40,7 @@ def wrap_model(chunks: list, *, use_distributed_optimizer: bool,
 
     config = chunks[0].config
     if config.virtual_pipeline_model_parallel_size and config.pipeline_model_parallel_size == 2:
-        # p2p_communication._communicate_shapes always batches its four ops, even with
+        # p2p_communication.py:186-259 (_communicate_shapes) always batches its four ops, even with
         # batch_p2p_comm=False; with PP=2 prev and next are the same rank and interleaving sends
         # both ways at once, so shapes get swapped (gloo: "Received data size doesn't match").
         # Exchange no shapes: train_step.py then pads all micro-batches to one shape.
@@ -57,8 +57,8 @@ def wrap_model(chunks: list, *, use_distributed_optimizer: bool,
     for i, chunk in enumerate(chunks):
         if config.bf16 or config.fp16:
             chunk = Float16Module(config, chunk)
-        # Bucketing only pays off for overlap; chunks after the first never overlap their
-        # first bucket with backward anyway (megatron-training does the same).
+        # Buckets exist to overlap the reduce with backward: none without overlap, and (as in
+        # megatron-training) none after the first chunk, whose reduce overlaps other chunks' compute.
         wrapped.append(DistributedDataParallel(config, ddp_config, chunk,
                                                disable_bucketing=i > 0 or not overlap))
     for chunk in wrapped:

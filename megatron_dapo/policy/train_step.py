@@ -12,9 +12,10 @@ The scaling megatron-core 0.19.2 applies on the way, with ``calculate_per_token_
   1. schedules.py:340-341 (forward_step_calc_loss): ``loss *= cp_size; loss /= num_microbatches``,
      in place, before backward;
   2. distributed_data_parallel.py:212 with param_and_grad_buffer.py:661: DDP multiplies each
-     gradient by 1 / (DP x CP) and then sums it over the DP x CP group (SUM, line 663);
-  3. finalize_model_grads.py: scales by 1 / num_tokens only when calculate_per_token_loss is
-     set (not here); with PP it only all-reduces the tied embedding over the first and last stage.
+     gradient by 1 / (DP x CP) and then sums it over the DP x CP group (SUM, line 664);
+  3. finalize_model_grads.py:680: scales by 1 / num_tokens only when calculate_per_token_loss
+     is set (not here); otherwise it adds no scaling (the tied-embedding all-reduce over the
+     first and last stage, :659, sums the two copies' grads).
 So the reduced gradient is sum_{dp, cp, mb} CP / (M x DP x CP) x d loss_mb = (1 / (M x DP))
 x d(mini-batch loss); each micro-batch loss is multiplied by M x DP before it is returned, and the
 gradient becomes exactly d(global token-mean) / d theta. (Megatron's own per-token path, a
@@ -79,7 +80,7 @@ class StepSettings:
                                  loss_agg_mode=self.loss_agg_mode)
 
 
-def _device() -> torch.device:
+def compute_device() -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
@@ -88,11 +89,6 @@ def _device() -> torch.device:
 def _groups():
     from megatron.core import parallel_state as ps
     return ps.get_data_parallel_group(), ps.get_pipeline_model_parallel_group()
-
-
-def _is_last_stage() -> bool:
-    from megatron.core import parallel_state as ps
-    return ps.is_pipeline_last_stage(ignore_virtual=True)
 
 
 def _pp_last_rank() -> int:
@@ -117,7 +113,7 @@ def _micro_batches(model, samples: list[Sample],
     mbs = make_micro_batches(samples, **kwargs)
     valid = [x.loss_mask.sum(-1) for x in mbs]
     local = torch.tensor([sum(float(v.sum()) for v in valid), sum(float((v > 0).sum()) for v in valid),
-                          float(len(mbs))], dtype=torch.float64, device=_device())
+                          float(len(mbs))], dtype=torch.float64, device=compute_device())
     dp_group, _ = _groups()
     gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(dp_group))]
     dist.all_gather(gathered, local, group=dp_group)
@@ -130,7 +126,7 @@ def _micro_batches(model, samples: list[Sample],
 
 def _forward_step(settings: StepSettings, counts, scale: float, data_iterator, model):
     mb = next(data_iterator)
-    device = _device()
+    device = compute_device()
     processor = logprobs_output_processor(mb.labels.to(device), temperature=settings.temperature,
                                           valid_vocab_size=settings.valid_vocab_size,
                                           chunk_tokens=settings.chunk_tokens)
@@ -189,7 +185,7 @@ def _reduce_metrics(per_mb: list[dict], settings: StepSettings) -> dict[str, tor
     """Sum (or max) over micro-batches here, then over DP (one all-gather), then the last stage's
     values to every PP rank (one broadcast)."""
     sum_keys, max_keys = _metric_keys(settings)
-    local = torch.zeros(len(sum_keys) + len(max_keys), dtype=torch.float32, device=_device())
+    local = torch.zeros(len(sum_keys) + len(max_keys), dtype=torch.float32, device=compute_device())
     if per_mb:  # the last pipeline stage
         values = ([torch.stack([m[k] for m in per_mb]).sum() for k in sum_keys]
                   + [torch.stack([m[k] for m in per_mb]).max() for k in max_keys])
@@ -211,9 +207,9 @@ def train_step(model: list, optimizer, scheduler, samples: list[Sample], setting
 
     ``forward_only``: the loss and metrics without an update (no gradients, no optimizer step).
     Returns the mini-batch's metrics, identical on every rank: the loss's metrics (global
-    token-means), ``actor/entropy``, ``actor/num_tokens``, ``actor/num_seqs``,
-    ``actor/num_micro_batches`` (per DP rank) and, for an update, ``actor/grad_norm`` and
-    ``actor/lr`` (the lr this update used).
+    token-means), ``actor/entropy``, ``actor/num_tokens``, ``actor/num_seqs`` (valid ones, whole
+    mini-batch), ``actor/num_micro_batches`` (per DP rank, padded to a common count) and, for an
+    update, ``actor/grad_norm`` (before clipping) and ``actor/lr`` (the lr this update used).
     """
     if model[0].config.context_parallel_size > 1:
         raise NotImplementedError("context parallelism needs per-rank sequence slicing, not implemented yet")
@@ -253,7 +249,7 @@ def compute_log_probs(model: list, samples: list[Sample], settings: StepSettings
     with torch.no_grad():
         collected = _run_schedule(model, mbs, settings, None, forward_only=True, collect_non_loss_data=True)
     lengths = [x.num_response_tokens for x in samples]
-    flat = torch.empty(2, sum(lengths), dtype=torch.float32, device=_device())
+    flat = torch.empty(2, sum(lengths), dtype=torch.float32, device=compute_device())
     if collected:  # the last stage: [2, b, s] per micro-batch -> [2, sum R]
         lp = unpack_responses([c[0] for c in collected], mbs, len(samples))
         ent = unpack_responses([c[1] for c in collected], mbs, len(samples))

@@ -31,11 +31,12 @@ pytestmark = pytest.mark.distributed
 SAMPLER = {"epoch": 0, "cursor": 8, "order_seed": 17}
 
 
-def with_actor_log_probs(actor, xs, seed):
+def with_actor_log_probs(actor, xs, seed, log_probs=None):
     """Old log-probs from the actor itself, plus noise so that ratios spread over the clip range."""
     g = torch.Generator().manual_seed(seed)
+    log_probs = actor.get_inference_log_probs(xs) if log_probs is None else log_probs
     return [dataclasses.replace(x, old_log_probs=lp + 0.3 * torch.randn(lp.shape, generator=g))
-            for x, lp in zip(xs, actor.get_inference_log_probs(xs))]
+            for x, lp in zip(xs, log_probs)]
 
 
 def hf_weights(actor) -> dict:
@@ -107,13 +108,16 @@ def _worker(rank, root, dist_opt):
             names = sorted(p.name for p in root.iterdir())
             assert names == ["latest", checkpoint_name(2), checkpoint_name(3)], names
             assert latest_checkpoint(root) == root / checkpoint_name(3)
-            xs3 = with_actor_log_probs(resumed, make_samples(2), seed=3)
+            lp3 = resumed.get_inference_log_probs(make_samples(2))  # DP=2: each rank half, all-gathered
+            xs3 = with_actor_log_probs(resumed, make_samples(2), seed=3, log_probs=lp3)
             want3 = dict(metrics=resumed.get_loss_and_metrics(xs3), weights=hf_weights(resumed))
         destroy_parallel(process_group=False)
 
     # The DP=2 checkpoint back at TP=2, from the root's latest: update 3 as in the DP=2 run.
     again = MegatronActor(tiny_cfg(tp=2, dist_opt=dist_opt), hf)
     assert again.load_checkpoint(str(root)) == {"step": 3}
+    for i, (got, want_lp) in enumerate(zip(again.get_inference_log_probs(make_samples(2)), lp3)):
+        assert_close(got, want_lp, f"log-probs of sample {i}: TP=2 vs TP=1 x DP=2")
     check_update(again, xs3, want3, "TP=1 x DP=2 -> TP=2")
     destroy_parallel(process_group=False)
 

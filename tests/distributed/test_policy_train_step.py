@@ -37,7 +37,7 @@ SHAPES = [(3, 9), (5, 14), (2, 6), (7, 20), (4, 11), (6, 3), (3, 17), (8, 8)]  #
 
 def tiny_cfg(*, tp=1, pp=1, vpp=None, sp=False, dist_opt=True, budget=40, micro_batch_size=1, warmup=1):
     """Sizes for a 2-process CPU run. make_vocab_size_divisible_by=64 pads the vocabulary (120)
-    to 128 at TP=1 and TP=2 alike, so checkpoints reshard between them. 4 prompts per step in
+    to 128 (at TP=1 and 2 alike), so the reference needs the padding mask. 4 prompts per step in
     mini-batches of 2: 2 updates per rollout step, so warmup=1 step means lr / 2 on update 1."""
     return DAPOConfig(
         seed=1,
