@@ -80,13 +80,15 @@ class MetricsLogger:
         self.path = self.run_dir / METRICS_FILE
         num_dropped = truncate_from_step(self.path, start_step)
         if num_dropped:
-            logger.info("Dropped %d records at step >= %d from %s (resumed run)", num_dropped, start_step, self.path)
+            logger.info("Dropped %d records at step >= %d from %s (resumed run)", num_dropped, start_step,
+                        self.path)
         self._file = self.path.open("a", encoding="utf-8")
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
             self._tb = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=start_step)
-            self._tb.add_text("config", "```\n" + json.dumps(config, indent=2, default=str) + "\n```", start_step)
+            config_text = json.dumps(config, indent=2, default=str)
+            self._tb.add_text("config", "```\n" + config_text + "\n```", start_step)
         if wandb:
             self._wandb = _init_wandb(self.run_dir, wandb_project, config, resume=start_step > 0)
 
@@ -146,7 +148,7 @@ def to_floats(metrics: Mapping[str, float | int | torch.Tensor]) -> dict[str, fl
     for key, value in metrics.items():
         if isinstance(value, torch.Tensor):
             if value.numel() != 1:
-                raise ValueError(f"metric {key!r} must be a scalar, got a tensor of shape {tuple(value.shape)}")
+                raise ValueError(f"metric {key!r} must be a scalar, got shape {tuple(value.shape)}")
             by_device[value.device].append((key, value))
         else:
             out[key] = float(value)

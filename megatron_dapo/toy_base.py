@@ -218,7 +218,8 @@ def evaluate(model, tokenizer, prompts: list[list[int]], ground_truths: list[str
     gen = torch.Generator().manual_seed(seed)
     tokens, _, lengths = generate(model, torch.tensor(prompts).repeat_interleave(num_samples, dim=0),
                                   max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                                  stop_ids=stop_token_ids(tokenizer), pad_id=tokenizer.pad_token_id, generator=gen)
+                                  stop_ids=stop_token_ids(tokenizer), pad_id=tokenizer.pad_token_id,
+                                  generator=gen)
     model.train(was_training)
     texts = tokenizer.batch_decode(tokens, skip_special_tokens=True)
     truths = [gt for gt in ground_truths for _ in range(num_samples)]
@@ -255,8 +256,9 @@ def make_toy_base(out_dir: str | Path, *, seed: int, cfg: ToyConfig, eval_rows: 
     if eval_rows:
         prompts = batch_prompt_ids(tokenizer, [r["prompt"][0]["content"] for r in eval_rows])
         truths = [r["reward_model"]["ground_truth"] for r in eval_rows]
-        report["eval_temperature_1"] = evaluate(model, tokenizer, prompts, truths, num_samples=4, temperature=1.0,
-                                                top_p=1.0, max_new_tokens=2 * max_response_tokens(cfg), seed=seed)
+        report["eval_temperature_1"] = evaluate(
+            model, tokenizer, prompts, truths, num_samples=4, temperature=1.0, top_p=1.0,
+            max_new_tokens=2 * max_response_tokens(cfg), seed=seed)
     model.save_pretrained(out_dir, safe_serialization=True)
     stops = stop_token_ids(tokenizer)
     GenerationConfig(eos_token_id=stops, pad_token_id=tokenizer.pad_token_id, bos_token_id=None,
@@ -278,8 +280,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--data", help="also write train/val parquet files of the toy task here")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads; 0 = torch's default")
     for f in dataclasses.fields(ToyConfig):
-        parser.add_argument("--" + f.name.replace("_", "-"), type=type(f.default) if f.type != "bool" else _bool,
-                            default=f.default, help=f.metadata["help"])
+        kind = _bool if isinstance(f.default, bool) else type(f.default)
+        parser.add_argument("--" + f.name.replace("_", "-"), type=kind, default=f.default,
+                            help=f.metadata["help"])
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -287,8 +290,9 @@ def main(argv: list[str] | None = None) -> None:
     _, val = toy_task.make_splits(seed=args.seed, num_train=cfg.num_train, num_val=cfg.num_val,
                                   num_digits=cfg.num_digits)
     if args.data:
-        print("\n".join(map(str, toy_task.write_toy_dataset(args.data, seed=args.seed, num_train=cfg.num_train,
-                                                          num_val=cfg.num_val, num_digits=cfg.num_digits))))
+        paths = toy_task.write_toy_dataset(args.data, seed=args.seed, num_train=cfg.num_train,
+                                           num_val=cfg.num_val, num_digits=cfg.num_digits)
+        print("\n".join(map(str, paths)))
     out = make_toy_base(args.out, seed=args.seed, cfg=cfg, eval_rows=val, log_every=25)
     print((out / "warmup.json").read_text())
 

@@ -187,7 +187,9 @@ def transformer_config_from_hf(hf_config, *, model: ModelConfig, parallel: Paral
         context_parallel_size=parallel.context_parallel_size,
         # RL micro-batches differ in length, so stages exchange shapes first. TransformerConfig
         # rejects that with its default MoE dispatcher even for a dense model; none runs here.
-        variable_seq_lengths=pp > 1,
+        # Not for interleaved PP=2: p2p_communication._communicate_shapes always batches its ops
+        # and pairs them wrongly when prev == next; train_step then pads micro-batches to one shape.
+        variable_seq_lengths=pp > 1 and not (vpp is not None and pp == 2),
         moe_token_dispatcher_type="alltoall",
         # With interleaving and PP=2, prev and next stage are the same rank and the batched p2p
         # op list pairs sends with the wrong receives: silently wrong results

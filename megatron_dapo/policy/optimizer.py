@@ -39,12 +39,6 @@ def wrap_model(chunks: list, *, use_distributed_optimizer: bool,
     from megatron.core.transformer.module import Float16Module
 
     config = chunks[0].config
-    if config.virtual_pipeline_model_parallel_size and config.pipeline_model_parallel_size == 2:
-        # p2p_communication.py:186-259 (_communicate_shapes) always batches its four ops, even with
-        # batch_p2p_comm=False; with PP=2 prev and next are the same rank and interleaving sends
-        # both ways at once, so shapes get swapped (gloo: "Received data size doesn't match").
-        # Exchange no shapes: train_step.py then pads all micro-batches to one shape.
-        config.variable_seq_lengths = False
     if config.calculate_per_token_loss:
         raise ValueError("train_step.py's loss scaling assumes calculate_per_token_loss=False")
     overlap = torch.cuda.is_available() if overlap_grad_reduce is None else overlap_grad_reduce

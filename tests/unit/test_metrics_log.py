@@ -26,7 +26,8 @@ def test_one_valid_json_line_per_step_written_before_close(tmp_path):
     log.log(1, {"actor/loss": torch.tensor(float("nan")), "actor/entropy": torch.tensor([1.5])})
     records = lines(tmp_path)  # flushed on every write: readable while the logger is open
     assert [r["step"] for r in records] == [0, 1]
-    assert records[0]["actor/loss"] == 0.5 and records[0]["reward/acc_mean"] == 0.25 and records[0]["count"] == 3
+    assert records[0]["actor/loss"] == 0.5 and records[0]["reward/acc_mean"] == 0.25
+    assert records[0]["count"] == 3
     assert records[1]["actor/loss"] is None  # NaN is not JSON
     assert records[1]["actor/entropy"] == 1.5
     assert all("time" in r for r in records)

@@ -20,8 +20,9 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 def metrics_path(tmp_path):
     records = []
     for step in range(12):
-        r = {"step": step, "time": 1000.0 + step, "reward/acc_mean": step / 12, "response_length/mean": 5 + step % 3,
-             "response_length/max": 9, "actor/entropy": 1 / (step + 1), "actor/pg_clipfrac_high": 0.01,
+        r = {"step": step, "time": 1000.0 + step, "reward/acc_mean": step / 12,
+             "response_length/mean": 5 + step % 3, "response_length/max": 9, "actor/entropy": 1 / (step + 1),
+             "actor/pg_clipfrac_high": 0.01,
              "dynamic_sampling/num_gen_batches": 1 + step // 6, "timing_s/step": 0.5, "actor/pg_loss": None}
         if step % 4 == 0:
             r["eval/acc_mean"] = step / 12

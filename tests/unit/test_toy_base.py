@@ -63,7 +63,8 @@ def test_reloaded_model_answers_in_format(base_dir, one_thread):
 
     tok = AutoTokenizer.from_pretrained(base_dir)
     model = AutoModelForCausalLM.from_pretrained(base_dir)
-    prompts = torch.tensor(toy_base.batch_prompt_ids(tok, ["Largest digit of 31415?", "Largest digit of 27182?"]))
+    questions = ["Largest digit of 31415?", "Largest digit of 27182?"]
+    prompts = torch.tensor(toy_base.batch_prompt_ids(tok, questions))
     tokens, logps, lengths = toy_base.generate(model, prompts, max_new_tokens=20, temperature=0.0, top_p=1.0,
                                                stop_ids=toy_base.stop_token_ids(tok), pad_id=tok.pad_token_id,
                                                generator=None)

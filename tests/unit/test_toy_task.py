@@ -65,7 +65,8 @@ def test_too_many_problems_for_the_digit_count_is_an_error():
 
 
 def test_parquet_files_load_through_the_project_loader(tmp_path):
-    train_path, val_path = toy_task.write_toy_dataset(tmp_path, seed=1, num_train=40, num_val=16, num_digits=5)
+    train_path, val_path = toy_task.write_toy_dataset(tmp_path, seed=1, num_train=40, num_val=16,
+                                                      num_digits=5)
     train = load_prompts(train_path)
     val = load_prompts(val_path)
     assert len(train.records) == 40 and len(val.records) == 16 and train.num_skipped == 0

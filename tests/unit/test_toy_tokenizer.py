@@ -80,7 +80,8 @@ def test_any_printable_ascii_round_trips(tok):
 def test_stored_pipeline_equals_the_one_transformers_rebuilds(tok, tok_dir):
     # transformers 4.x uses tokenizer.json as stored; 5.x rebuilds Qwen2's pipeline: same ids.
     raw = Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
-    text = render([{"role": "user", "content": "Largest digit of 90210?"}]) + "Check 90210.\nAnswer: 9<|im_end|>"
+    text = render([{"role": "user", "content": "Largest digit of 90210?"}])
+    text += "Check 90210.\nAnswer: 9<|im_end|>"
     assert raw.encode(text).ids == tok(text, add_special_tokens=False)["input_ids"]
 
 
