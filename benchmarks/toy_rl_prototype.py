@@ -50,7 +50,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add = p.add_argument
     add("--seed", type=int, default=1)
-    add("--threads", type=int, default=1, help="torch threads (1 beats 2 for this size, by far when cores are shared)")
+    add("--threads", type=int, default=1, help="torch threads (1 is far faster on shared cores)")
     add("--base", help="an existing toy base dir; default: build one (timed)")
     add("--run-dir", default="runs/toy_rl_prototype")
     add("--steps", type=int, default=100, help="rollout steps")
@@ -62,7 +62,7 @@ def parse_args(argv=None):
     add("--group-size", type=int, default=8)
     add("--max-num-gen-batches", type=int, default=8)
     add("--on-exhausted", choices=("error", "partial"), default="partial",
-        help="generation batches spent before the batch is full: raise (verl), or train on the mixed groups held")
+        help="generation batches spent before the batch is full: raise (verl), or train on the groups held")
     add("--mini-batch-prompts", type=int, default=4, help="groups per optimizer update (4 updates per step)")
     add("--lr", type=float, default=1e-3)
     add("--lr-warmup-steps", type=int, default=3)
@@ -79,6 +79,8 @@ def parse_args(argv=None):
     add("--eval-n", type=int, default=4, help="samples per held-out problem (avg@n)")
     add("--eval-top-p", type=float, default=0.7, help="DAPO eval: temperature 1.0, top-p 0.7")
     for f in dataclasses.fields(ToyConfig):
+        if f.name == "enable":  # the trainer's switch; the prototype always uses the toy task
+            continue
         kind = (lambda s: s.lower() in ("1", "true")) if isinstance(f.default, bool) else type(f.default)
         add("--toy-" + f.name.replace("_", "-"), dest="toy_" + f.name, default=f.default, type=kind)
     return p.parse_args(argv)
@@ -95,7 +97,8 @@ def rollout(model, tokenizer, prompts, truths, args, gen):
     scores = [compute_score(t, truths[i // G]) for i, t in enumerate(texts)]
     score = torch.tensor([s["score"] for s in scores]).view(-1, G)
     acc = torch.tensor([s["acc"] for s in scores]).view(-1, G)
-    penalty = overlong_penalty(lengths, max_response_len=args.max_response_length, buffer_len=args.overlong_buffer,
+    penalty = overlong_penalty(lengths, max_response_len=args.max_response_length,
+                               buffer_len=args.overlong_buffer,
                                penalty_factor=args.overlong_penalty_factor).view(-1, G)
     last = tokens.gather(1, (lengths - 1).clamp(min=0)[:, None]).squeeze(1)
     truncated = ~torch.isin(last, torch.tensor(stops)).view(-1, G)
@@ -125,8 +128,8 @@ def collect_batch(model, tokenizer, train_ids, train_truths, sampler, dyn, args,
     else:
         batch = dyn.state_dict()["held"]
         dyn.load_state_dict({"held": []})
-        metrics = {"dynamic_sampling/num_gen_batches": num_batches, "dynamic_sampling/num_groups_kept": len(batch),
-                   "dynamic_sampling/partial_batch": 1.0}
+        metrics = {"dynamic_sampling/num_gen_batches": num_batches,
+                   "dynamic_sampling/num_groups_kept": len(batch), "dynamic_sampling/partial_batch": 1.0}
     lengths = torch.cat([g["lengths"] for g in groups_seen]).float()
     metrics.update({
         "reward/acc_mean": torch.stack(accs).mean(),  # every response generated this step
@@ -162,9 +165,9 @@ def train_on(model, opt, groups, args, pad_id):
         logits = model(input_ids=torch.cat([prompt, resp], 1)).logits[:, Lp - 1:Lp - 1 + T].float()
         logp_all = F.log_softmax(logits, -1)  # temperature 1.0, as sampled
         logp = logp_all.gather(-1, resp[..., None]).squeeze(-1)
-        loss, metrics = compute_policy_loss(logp, old, adv, mask, clip_ratio_low=args.clip_ratio_low,
-                                            clip_ratio_high=args.clip_ratio_high, clip_ratio_c=args.clip_ratio_c,
-                                            loss_agg_mode=args.loss_agg_mode)
+        loss, metrics = compute_policy_loss(
+            logp, old, adv, mask, clip_ratio_low=args.clip_ratio_low, clip_ratio_high=args.clip_ratio_high,
+            clip_ratio_c=args.clip_ratio_c, loss_agg_mode=args.loss_agg_mode)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         metrics["actor/grad_norm"] = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad)
@@ -183,7 +186,8 @@ def train_on(model, opt, groups, args, pad_id):
 
 @torch.no_grad()
 def print_samples(model, tokenizer, prompts, truths, args):
-    tokens, _, lengths = generate(model.eval(), torch.tensor(prompts), max_new_tokens=args.max_response_length,
+    tokens, _, lengths = generate(model.eval(), torch.tensor(prompts),
+                                  max_new_tokens=args.max_response_length,
                                   temperature=1.0, top_p=1.0, stop_ids=stop_token_ids(tokenizer),
                                   pad_id=tokenizer.pad_token_id, generator=torch.Generator().manual_seed(0))
     for p, t, n, gt in zip(prompts, tokens, lengths.tolist(), truths):
@@ -196,7 +200,8 @@ def main(argv=None):
     torch.manual_seed(args.seed)
     from transformers import AutoTokenizer, Qwen2ForCausalLM
 
-    cfg = ToyConfig(**{f.name: getattr(args, "toy_" + f.name) for f in dataclasses.fields(ToyConfig)})
+    cfg = ToyConfig(**{f.name: getattr(args, "toy_" + f.name) for f in dataclasses.fields(ToyConfig)
+                       if f.name != "enable"})
     t_start = time.perf_counter()
     work = Path(tempfile.mkdtemp(prefix="toy_rl_"))
     train_path, val_path = write_toy_dataset(work / "data", seed=args.seed, num_train=cfg.num_train,
@@ -210,18 +215,21 @@ def main(argv=None):
     train_truths, val_truths = [r.ground_truth for r in train], [r.ground_truth for r in val]
 
     def held_out(step, *, n=args.eval_n, top_p=args.eval_top_p, temperature=1.0):
-        return evaluate(model, tokenizer, val_ids, val_truths, num_samples=n, temperature=temperature, top_p=top_p,
-                        max_new_tokens=args.max_response_length, seed=args.seed * 1000 + step)
+        return evaluate(model, tokenizer, val_ids, val_truths, num_samples=n, temperature=temperature,
+                        top_p=top_p, max_new_tokens=args.max_response_length, seed=args.seed * 1000 + step)
 
     def all_evals(step):
-        return {"eval": held_out(step), "t1": held_out(step, top_p=1.0), "greedy": held_out(step, n=1, temperature=0.0)}
+        return {"eval": held_out(step), "t1": held_out(step, top_p=1.0),
+                "greedy": held_out(step, n=1, temperature=0.0)}
 
     before = all_evals(0)
     num_params = sum(p.numel() for p in model.parameters())
     print(f"base ready in {t_base:.1f}s ({num_params} params); held-out before RL: "
-          + "  ".join(f"{k} acc {v['acc_mean']:.3f} fmt {v['format_rate']:.3f}" for k, v in before.items()), flush=True)
+          + "  ".join(f"{k} acc {v['acc_mean']:.3f} fmt {v['format_rate']:.3f}" for k, v in before.items()),
+          flush=True)
 
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.999), weight_decay=args.weight_decay)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.999),
+                            weight_decay=args.weight_decay)
     sampler = PromptSampler(len(train), seed=args.seed)
     # With "partial" the loop enforces the bound (collect_batch); with "error" the sampler raises.
     dyn = DynamicSampler(prompts_per_step=args.prompts_per_step, group_size=args.group_size,
@@ -237,7 +245,8 @@ def main(argv=None):
         model.train()
         with log.timer("step"):
             with log.timer("gen"):
-                batch, metrics = collect_batch(model, tokenizer, train_ids, train_truths, sampler, dyn, args, gen)
+                batch, metrics = collect_batch(model, tokenizer, train_ids, train_truths, sampler, dyn, args,
+                                               gen)
             if batch:
                 with log.timer("train"):
                     metrics.update(train_on(model, opt, batch, args, tokenizer.pad_token_id))

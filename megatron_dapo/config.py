@@ -279,6 +279,7 @@ class ToyConfig:
 @dataclass(frozen=True, kw_only=True)
 class DAPOConfig:
     seed: int = _f(1, "seeds data order, sampling and initialisation")
+    num_threads: int = _f(0, "torch intra-op threads per process on CPU; 0 = torch's default")
     model: ModelConfig = _sub(ModelConfig, "the policy model")
     parallel: ParallelConfig = _sub(ParallelConfig, "Megatron parallelism")
     data: DataConfig = _sub(DataConfig, "prompts and batch sizes")

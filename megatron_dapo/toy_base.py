@@ -29,38 +29,18 @@ import json
 import random
 import re
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from megatron_dapo.config import ToyConfig
 from megatron_dapo.data import toy_task, toy_tokenizer
 
-
-def _f(default: Any, help: str) -> Any:
-    return field(default=default, metadata={"help": help})
-
-
-@dataclass(frozen=True, kw_only=True)
-class ToyConfig:
-    """Settings of the toy task and its base model (proposed ``toy:`` section of config.py)."""
-
-    num_digits: int = _f(5, "digits per problem; the answer is the largest")
-    num_train: int = _f(2000, "training problems (unique, disjoint from validation)")
-    num_val: int = _f(128, "held-out problems for evaluation")
-    hidden_size: int = _f(64, "model width")
-    intermediate_size: int = _f(192, "SwiGLU MLP width")
-    num_layers: int = _f(2, "transformer layers")
-    num_attention_heads: int = _f(4, "query heads")
-    num_key_value_heads: int = _f(2, "key/value heads (GQA, as Qwen2.5)")
-    tie_word_embeddings: bool = _f(True, "share input embedding and output layer (as Qwen2.5-0.5B)")
-    max_position_embeddings: int = _f(128, "RoPE context the model is built for")
-    warmup_steps: int = _f(150, "supervised warm-up steps (format only: random answers)")
-    warmup_batch_size: int = _f(64, "sequences per warm-up step")
-    warmup_lr: float = _f(3e-3, "AdamW learning rate of the warm-up")
-    reasoning_prob: float = _f(0.5, "fraction of warm-up responses with the optional reasoning line")
+# Settings of this module (task size, model shape, warm-up) are ``config.ToyConfig`` (the ``toy:``
+# section); ``enable`` there is the trainer's switch and is not used here.
+_CLI_SKIP = ("enable",)
 
 
 def qwen2_config(cfg: ToyConfig, tokenizer) -> Any:
@@ -280,13 +260,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--data", help="also write train/val parquet files of the toy task here")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads; 0 = torch's default")
     for f in dataclasses.fields(ToyConfig):
+        if f.name in _CLI_SKIP:
+            continue
         kind = _bool if isinstance(f.default, bool) else type(f.default)
         parser.add_argument("--" + f.name.replace("_", "-"), type=kind, default=f.default,
                             help=f.metadata["help"])
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    cfg = ToyConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ToyConfig)})
+    cfg = ToyConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ToyConfig)
+                       if f.name not in _CLI_SKIP})
     _, val = toy_task.make_splits(seed=args.seed, num_train=cfg.num_train, num_val=cfg.num_val,
                                   num_digits=cfg.num_digits)
     if args.data:

@@ -24,7 +24,8 @@ from pathlib import Path
 PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("Held-out accuracy", ("eval/acc*", "eval/pass*", "eval/avg@*", "eval/cons@*", "val*/acc*")),
     ("Train reward", ("reward/acc_mean", "reward/score_mean", "reward/overlong_penalty_mean")),
-    ("Response length (tokens)", ("response_length/mean", "response_length/max", "eval/response_length_mean")),
+    ("Response length (tokens)",
+     ("response_length/mean", "response_length/max", "eval/response_length_mean")),
     ("Entropy", ("actor/entropy*",)),
     ("Clip fractions", ("actor/pg_clipfrac*", "response_length/clip_ratio")),
     ("Dynamic sampling", ("dynamic_sampling/num_gen_batches", "dynamic_sampling/num_groups_kept",
@@ -101,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Plot metrics.jsonl training curves to a PNG.")
     parser.add_argument("--metrics", required=True, help="path to a run's metrics.jsonl")
     parser.add_argument("--out", required=True, help="output image (.png)")
-    parser.add_argument("--keys", nargs="+", help="metric keys or globs, one panel each (default: the standard grid)")
+    parser.add_argument("--keys", nargs="+",
+                        help="metric keys or globs, one panel each (default: the standard grid)")
     args = parser.parse_args(argv)
     series = load_series(args.metrics)
     if not series:
