@@ -41,9 +41,11 @@ def train(cfg: DAPOConfig) -> dict[str, float]:
     if run.state:
         run.sampler.load_state_dict(run.state["sampler"])
         dyn.load_state_dict({"held": [_group_from_dict(g) for g in run.state["held_groups"]]})
+    # Records are numbered by completed steps; a checkpoint at step N already holds step N's
+    # record, so a resume drops only what came after it (a fresh run drops everything).
     log = MetricsLogger(run.dir, tensorboard=cfg.logging.tensorboard, wandb=cfg.logging.wandb,
                         wandb_project=cfg.logging.wandb_project, config=to_dict(cfg), enabled=run.rank == 0,
-                        start_step=start)
+                        start_step=start + 1 if start else 0)
     if run.rank == 0:
         (run.dir / "config.yaml").write_text(dump_yaml(cfg))
     _sync(run)
