@@ -38,6 +38,18 @@ def cmd_train(args: argparse.Namespace) -> int:
     return train_main(load_config(args.config, args.overrides))
 
 
+def cmd_eval(args: argparse.Namespace) -> int:
+    """Evaluates the run's latest checkpoint (logging.dir / checkpoint.dir) on data.val_files."""
+    import logging
+
+    from megatron_dapo.train import evaluate_run
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    logging.getLogger("megatron").setLevel(logging.WARNING)
+    evaluate_run(load_config(args.config, args.overrides))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megatron-dapo", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -49,6 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="DAPO training; also under torchrun")
     _add_config_args(p)
     p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("eval", help="avg@n / pass@k / cons@n of a run's latest checkpoint; also under torchrun")
+    _add_config_args(p)
+    p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser("score", help="score a JSONL of responses, or self-check the reward on a data set")
     _add_config_args(p)

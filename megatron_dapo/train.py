@@ -7,6 +7,7 @@ Resume is automatic: a rerun of the same command continues from the latest check
 """
 
 import dataclasses
+import json
 import logging
 import subprocess
 import sys
@@ -164,6 +165,20 @@ def _broadcast(obj, run: Run):
 
 def _group_from_dict(d: dict) -> Group:
     return Group(**{**d, "rollouts": [Rollout(**r) for r in d["rollouts"]]})
+
+
+def evaluate_run(cfg: DAPOConfig) -> dict[str, float]:
+    """``megatron-dapo eval``: the run's latest checkpoint (or its starting weights) on data.val_files,
+    with the eval settings; writes <logging.dir>/eval.json on rank 0."""
+    run = setup_run(cfg)
+    _sync(run)
+    result = _evaluate(run, cfg)
+    if run.rank == 0:
+        result = {"step": run.state.get("step", 0), **result}
+        (run.dir / "eval.json").write_text(json.dumps(result, indent=2) + "\n")
+        print("evaluation: " + ", ".join(f"{k}={v:.4f}" for k, v in sorted(result.items())), flush=True)
+        run.pool.close()
+    return result
 
 
 def main(cfg: DAPOConfig) -> int:

@@ -65,6 +65,19 @@ def test_dynamic_sampling_counts_add_up(learned_run):
         assert kept >= 16 and kept - r["dynamic_sampling/num_surplus_dropped"] == 16
 
 
+def test_eval_command_reproduces_the_final_evaluation(learned_run):
+    """megatron-dapo eval loads the run's last checkpoint and repeats its final evaluation exactly."""
+    cmd = _cmd(learned_run)
+    cmd[cmd.index("train")] = "eval"
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-5000:]
+    result = json.loads((learned_run / "eval.json").read_text())
+    final = [r for r in _records(learned_run) if r.get("eval/avg@4") is not None][-1]
+    assert result["step"] == 30
+    assert result["eval/avg@4"] == pytest.approx(final["eval/avg@4"], abs=1e-9)
+    assert result["eval/pass@4"] == pytest.approx(final["eval/pass@4"], abs=1e-9)
+
+
 def test_killed_run_resumes_from_its_last_checkpoint(learned_run, tmp_path):
     run_dir = tmp_path / "resume"
     run_dir.mkdir()
