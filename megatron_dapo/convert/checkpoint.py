@@ -26,14 +26,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils._device import _device_constructors
 
-# cpu_compat wraps torch factory functions; torch's device context (``with torch.device("meta")``,
-# used by transformers' from_pretrained) caches the set of factory functions on first use and then
-# no longer recognises them, so HF models load with garbage RoPE buffers. Fill the cache with the
-# real functions before the patches go in. Harmless once cpu_compat does this itself.
-_device_constructors()
-import megatron_dapo.policy  # noqa: E402,F401  (CPU patches before anything imports megatron.core)
+import megatron_dapo.policy  # noqa: F401  (CPU patches before anything imports megatron.core)
 
 from megatron_dapo.convert.export import DEFAULT_BUCKET_BYTES, export_hf_weights, load_hf_weights
 from megatron_dapo.convert.mapping import ConversionError

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from megatron_dapo.convert.checkpoint import load_megatron_checkpoint  # first: it primes torch (see there)
+from megatron_dapo.convert.checkpoint import load_megatron_checkpoint
 from megatron_dapo.convert.export import export_hf_weights
 from megatron_dapo.convert.safetensors_io import SafetensorsReader
 
