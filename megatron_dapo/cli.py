@@ -40,12 +40,9 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def cmd_eval(args: argparse.Namespace) -> int:
     """Evaluates the run's latest checkpoint (logging.dir / checkpoint.dir) on data.val_files."""
-    import logging
+    from megatron_dapo.train import evaluate_run, setup_logging
 
-    from megatron_dapo.train import evaluate_run
-
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    logging.getLogger("megatron").setLevel(logging.WARNING)
+    setup_logging()
     evaluate_run(load_config(args.config, args.overrides))
     return 0
 

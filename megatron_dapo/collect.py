@@ -26,15 +26,22 @@ class Group:
     rewards: list[float]  # score + overlong penalty: what the advantages see
 
 
+def generate_and_score(engine: RolloutEngine, prompt_ids: list[list[int]], truths: list[str], *, tokenizer,
+                       params: SamplingParams, n: int, pool) -> tuple[list[list[Rollout]], list[Rollout], list[dict]]:
+    """``n`` responses per prompt, decoded and scored: (per-prompt rollouts, flat rollouts, flat scores)."""
+    outputs = engine.generate(prompt_ids, n, params)
+    flat = [r for group in outputs for r in group]
+    texts = tokenizer.batch_decode([r.response_ids for r in flat], skip_special_tokens=True)
+    return outputs, flat, pool.score(texts, [gt for gt in truths for _ in range(n)])
+
+
 def generate_groups(engine: RolloutEngine, prompt_ids: list[list[int]], indices: list[int], *,
                     ground_truths: list[str], tokenizer, params: SamplingParams, n: int, pool,
                     cfg: DAPOConfig) -> list[Group]:
     """Generates ``n`` responses for each prompt index, scores and shapes them."""
-    outputs = engine.generate([prompt_ids[i] for i in indices], n, params)
-    flat = [r for group in outputs for r in group]
-    texts = tokenizer.batch_decode([r.response_ids for r in flat], skip_special_tokens=True)
-    truths = [ground_truths[i] for i in indices for _ in range(n)]
-    results = pool.score(texts, truths)
+    outputs, flat, results = generate_and_score(engine, [prompt_ids[i] for i in indices],
+                                                [ground_truths[i] for i in indices], tokenizer=tokenizer,
+                                                params=params, n=n, pool=pool)
     scores = torch.tensor([r["score"] for r in results], dtype=torch.float32)
     rewards = scores.clone()
     ob = cfg.reward.overlong_buffer

@@ -5,6 +5,7 @@ top-p 0.7, metric avg@32 (mean accuracy over the samples). The AIME file ships e
 times; the loader merges the copies and ``eval.n`` draws the samples instead.
 """
 
+from megatron_dapo.collect import generate_and_score
 from megatron_dapo.eval_metrics import eval_metrics
 from megatron_dapo.rollout.engine import RolloutEngine, SamplingParams
 
@@ -13,10 +14,8 @@ def evaluate(engine: RolloutEngine, prompt_ids: list[list[int]], ground_truths: 
              params: SamplingParams, n: int, pool, prefix: str = "eval/") -> dict[str, float]:
     """Generates ``n`` responses per prompt and returns {prefix + avg@n (also as acc_mean), pass@1,
     pass@n, cons@n, response_length_mean, truncation_rate, num_timeouts}."""
-    outputs = engine.generate(prompt_ids, n, params)
-    flat = [r for group in outputs for r in group]
-    texts = tokenizer.batch_decode([r.response_ids for r in flat], skip_special_tokens=True)
-    results = pool.score(texts, [gt for gt in ground_truths for _ in range(n)])
+    _, flat, results = generate_and_score(engine, prompt_ids, ground_truths, tokenizer=tokenizer, params=params,
+                                          n=n, pool=pool)
     problems = [[(res["acc"], res["pred"]) for res in results[i * n:(i + 1) * n]] for i in range(len(prompt_ids))]
     summary, _ = eval_metrics(problems)
     out = {prefix + k: v for k, v in summary.items()}

@@ -181,9 +181,13 @@ def evaluate_run(cfg: DAPOConfig) -> dict[str, float]:
     return result
 
 
-def main(cfg: DAPOConfig) -> int:
+def setup_logging() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("megatron").setLevel(logging.WARNING)  # per-parameter and config dumps
+
+
+def main(cfg: DAPOConfig) -> int:
+    setup_logging()
     final = train(cfg)
     if not dist.is_initialized() or dist.get_rank() == 0:
         print("final evaluation: " + ", ".join(f"{k}={v:.4f}" for k, v in sorted(final.items())), flush=True)
