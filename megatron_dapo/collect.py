@@ -1,18 +1,20 @@
 """From prompts to scored prompt groups: generation, reward, overlong shaping, advantages.
 
 The training step's data path (DESIGN.md "One step") minus the model update, engine-agnostic and
-free of megatron: a generation batch becomes ``Group`` objects (one prompt, G rollouts, correctness,
-shaped rewards) that dynamic sampling filters, and a kept set of groups becomes the trainer's
-``Sample`` list with GRPO advantages.
+free of megatron: a generation batch, split over the rollout replicas, becomes ``Group`` objects
+(one prompt, G rollouts, correctness, shaped rewards) that dynamic sampling filters, and a kept set
+of groups becomes the trainer's ``Sample`` list with GRPO advantages.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from megatron_dapo.algo import get_advantage_fn, overlong_filter_mask, overlong_penalty
 from megatron_dapo.config import DAPOConfig
-from megatron_dapo.rollout.engine import Rollout, RolloutEngine, SamplingParams
+from megatron_dapo.rollout.engine import Rollout, SamplingParams
+from megatron_dapo.rollout.placement import RolloutPlacement
 
 
 @dataclass
@@ -26,27 +28,23 @@ class Group:
     rewards: list[float]  # score + overlong penalty: what the advantages see
 
 
-def generate_and_score(engine: RolloutEngine, prompt_ids: list[list[int]], truths: list[str], *, tokenizer,
-                       params: SamplingParams, n: int, pool) -> tuple[list[list[Rollout]], list[Rollout], list[dict]]:
-    """``n`` responses per prompt, decoded and scored: (per-prompt rollouts, flat rollouts, flat scores)."""
-    outputs = engine.generate(prompt_ids, n, params)
+def score_rollouts(outputs: list[list[Rollout]], truths: list[str], *, tokenizer, pool) -> list[dict]:
+    """Decodes and scores every response of ``outputs`` (per prompt, same order as ``truths``):
+    one reward dict per response, flat in prompt-major order."""
     flat = [r for group in outputs for r in group]
     texts = tokenizer.batch_decode([r.response_ids for r in flat], skip_special_tokens=True)
-    return outputs, flat, pool.score(texts, [gt for gt in truths for _ in range(n)])
+    return pool.score(texts, [gt for gt, group in zip(truths, outputs) for _ in group])
 
 
-def generate_groups(engine: RolloutEngine, prompt_ids: list[list[int]], indices: list[int], *,
-                    ground_truths: list[str], tokenizer, params: SamplingParams, n: int, pool,
-                    cfg: DAPOConfig) -> list[Group]:
-    """Generates ``n`` responses for each prompt index, scores and shapes them."""
-    outputs, flat, results = generate_and_score(engine, [prompt_ids[i] for i in indices],
-                                                [ground_truths[i] for i in indices], tokenizer=tokenizer,
-                                                params=params, n=n, pool=pool)
+def shape_groups(indices: list[int], outputs: list[list[Rollout]], results: list[dict],
+                 cfg: DAPOConfig) -> list[Group]:
+    """Scored rollouts of the prompts ``indices`` -> Groups with overlong-shaped rewards."""
+    n = cfg.rollout.n
     scores = torch.tensor([r["score"] for r in results], dtype=torch.float32)
     rewards = scores.clone()
     ob = cfg.reward.overlong_buffer
     if ob.enable:
-        lengths = torch.tensor([len(r.response_ids) for r in flat])
+        lengths = torch.tensor([len(r.response_ids) for group in outputs for r in group])
         rewards += overlong_penalty(lengths, max_response_len=cfg.rollout.max_response_length,
                                     buffer_len=ob.len, penalty_factor=ob.penalty_factor)
     groups = []
@@ -55,6 +53,27 @@ def generate_groups(engine: RolloutEngine, prompt_ids: list[list[int]], indices:
         groups.append(Group(prompt_index=index, rollouts=rollouts, acc=[r["acc"] for r in results[sl]],
                             scores=scores[sl].tolist(), rewards=rewards[sl].tolist()))
     return groups
+
+
+def generate_groups(placement: RolloutPlacement, prompt_ids: list[list[int]], indices: list[int], *,
+                    ground_truths: list[str], tokenizer, params: SamplingParams, pool, cfg: DAPOConfig,
+                    keep: Callable[[torch.Tensor], torch.Tensor]) -> tuple[list[Group | None], torch.Tensor]:
+    """One generation batch (the prompts ``indices``), split over the rollout replicas.
+
+    Each replica generates its share; its leader scores and shapes it and applies ``keep`` (dynamic
+    sampling's filter: [P, G] acc -> [P] bool); only kept groups travel in the gather. Returns, on
+    every rank and in batch order, the groups (None where dropped) and the [P, G] bool correctness.
+    """
+    share, outputs = placement.generate([prompt_ids[i] for i in indices], cfg.rollout.n, params)
+    local: list[tuple[list[bool], Group | None]] = []
+    if placement.is_leader and share:
+        mine = [indices[p] for p in share]
+        results = score_rollouts(outputs, [ground_truths[i] for i in mine], tokenizer=tokenizer, pool=pool)
+        groups = shape_groups(mine, outputs, results, cfg)
+        kept = keep(torch.tensor([g.acc for g in groups], dtype=torch.bool)).tolist()
+        local = [(g.acc, g if k else None) for g, k in zip(groups, kept)]
+    gathered = placement.gather(local)
+    return [g for _, g in gathered], torch.tensor([acc for acc, _ in gathered], dtype=torch.bool)
 
 
 def to_samples(groups: list[Group], cfg: DAPOConfig):
@@ -70,8 +89,11 @@ def to_samples(groups: list[Group], cfg: DAPOConfig):
             if cfg.reward.overlong_filter:
                 keep = float(overlong_filter_mask(torch.tensor([r.finish_reason == "length"]))[0])
             response = torch.tensor(r.response_ids, dtype=torch.long)
+            # The engine's log-probs, for truncated importance sampling (loss.tis_cap).
+            engine_lp = torch.tensor(r.logprobs, dtype=torch.float32) if r.logprobs else None
             samples.append(Sample(prompt_ids=torch.tensor(r.prompt_ids, dtype=torch.long), response_ids=response,
-                                  advantages=adv, loss_mask=torch.full((len(response),), keep)))
+                                  advantages=adv, loss_mask=torch.full((len(response),), keep),
+                                  rollout_log_probs=engine_lp))
     return samples
 
 

@@ -107,8 +107,12 @@ class RolloutConfig:
     top_p: float = _f(1.0, "nucleus sampling for training rollouts")
     top_k: int = _f(-1, "top-k for training rollouts; -1 = off")
     max_response_length: int = _f(20480, "generation limit L_max in tokens (16384 + 4096 soft cache)")
-    tensor_parallel_size: int = _f(1, "vLLM tensor parallelism (independent of training TP)")
-    gpu_memory_utilization: float = _f(0.7, "vLLM KV-cache memory fraction when colocated")
+    tensor_parallel_size: int = _f(1, "rollout TP: ranks per engine replica (independent of Megatron's TP/PP); "
+                                      "world / this = replicas")
+    gpu_memory_utilization: float = _f(0.7, "vLLM: fraction of the device's TOTAL memory the engine may use "
+                                            "(weights + KV cache) while awake")
+    kv_cache_memory_mb: int = _f(0, "vLLM KV cache in MiB, overriding gpu_memory_utilization; 0 = off. Set it "
+                                    "on CPU, where vLLM counts the whole process (trainer too) against the fraction")
     enforce_eager: bool = _f(True, "no CUDA graphs in vLLM (the verl recipe notes graphs hurt accuracy)")
     weight_sync_bucket_mb: int = _f(512, "bytes per bucket when streaming weights into the engine")
     check_logprob_mismatch: bool = _f(True, "log rollout/logprob_mismatch (engine vs trainer) every step")
@@ -122,6 +126,8 @@ class RolloutConfig:
             _fail(f"rollout.top_p must be in (0, 1], got {self.top_p}")
         if self.top_k == 0 or self.top_k < -1:
             _fail(f"rollout.top_k must be -1 (off) or >= 1, got {self.top_k}")
+        if self.kv_cache_memory_mb < 0:
+            _fail(f"rollout.kv_cache_memory_mb must be >= 0 (0 = use gpu_memory_utilization), got {self.kv_cache_memory_mb}")
         if self.max_response_length < 1 or self.tensor_parallel_size < 1 or self.weight_sync_bucket_mb < 1:
             _fail("rollout.max_response_length, tensor_parallel_size and weight_sync_bucket_mb must be >= 1")
         if not 0 < self.gpu_memory_utilization < 1:
@@ -154,6 +160,9 @@ class LossConfig:
     clip_ratio_high: float = _f(0.28, "ratio upper clip 1 + eps_high")
     clip_ratio_c: float | None = _f(10.0, "dual clip for negative advantages (verl recipe; not in the paper); null = off")
     loss_agg_mode: str = _f("token-mean", "token-mean (DAPO), seq-mean-token-mean (GRPO), seq-mean-token-sum")
+    tis_cap: float | None = _f(None, "truncated importance sampling: weight each token's loss by "
+                                     "min(pi_old / pi_rollout, tis_cap) for the engine/trainer mismatch; "
+                                     "null = off (verl's tis_imp_ratio_cap is 2.0)")
 
     def __post_init__(self):
         if not 0 <= self.clip_ratio_low < 1:
@@ -163,6 +172,11 @@ class LossConfig:
         if self.clip_ratio_c is not None and self.clip_ratio_c <= 1 + self.clip_ratio_high:
             _fail(f"loss.clip_ratio_c={self.clip_ratio_c} must exceed 1 + clip_ratio_high = "
                   f"{1 + self.clip_ratio_high} (verl uses 10.0), or be null to disable dual clip")
+        # A cap below 1 would scale down every token, exactly on-policy ones (weight 1) included:
+        # a smaller learning rate, not a mismatch correction.
+        if self.tis_cap is not None and not self.tis_cap >= 1:
+            _fail(f"loss.tis_cap must be >= 1 (verl uses 2.0), got {self.tis_cap}: the weight "
+                  "min(pi_old / pi_rollout, tis_cap) of an on-policy token is 1; or set it to null to disable TIS")
 
 
 @dataclass(frozen=True, kw_only=True)

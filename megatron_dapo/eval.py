@@ -3,24 +3,38 @@
 DAPO's AIME protocol (reference dapo.md 1.4): the 30 problems, 32 samples each, temperature 1.0,
 top-p 0.7, metric avg@32 (mean accuracy over the samples). The AIME file ships each problem 32
 times; the loader merges the copies and ``eval.n`` draws the samples instead.
+
+The problems are split over the rollout replicas like a generation batch (rollout/placement.py):
+each replica's leader scores its share and sends back per-problem summaries (no token ids), so
+every rank computes the same numbers, equal to a one-process evaluation with the same seed.
 """
 
-from megatron_dapo.collect import generate_and_score
+from megatron_dapo.collect import score_rollouts
 from megatron_dapo.eval_metrics import eval_metrics
-from megatron_dapo.rollout.engine import RolloutEngine, SamplingParams
+from megatron_dapo.rollout.engine import SamplingParams
+from megatron_dapo.rollout.placement import RolloutPlacement
 
 
-def evaluate(engine: RolloutEngine, prompt_ids: list[list[int]], ground_truths: list[str], *, tokenizer,
+def evaluate(placement: RolloutPlacement, prompt_ids: list[list[int]], ground_truths: list[str], *, tokenizer,
              params: SamplingParams, n: int, pool, prefix: str = "eval/") -> dict[str, float]:
     """Generates ``n`` responses per prompt and returns {prefix + avg@n (also as acc_mean), pass@1,
-    pass@n, cons@n, response_length_mean, truncation_rate, num_timeouts}."""
-    _, flat, results = generate_and_score(engine, prompt_ids, ground_truths, tokenizer=tokenizer, params=params,
-                                          n=n, pool=pool)
-    problems = [[(res["acc"], res["pred"]) for res in results[i * n:(i + 1) * n]] for i in range(len(prompt_ids))]
-    summary, _ = eval_metrics(problems)
+    pass@n, cons@n, response_length_mean, truncation_rate, num_timeouts}, on every rank."""
+    share, outputs = placement.generate(prompt_ids, n, params)
+    local = []
+    if placement.is_leader and share:
+        results = score_rollouts(outputs, [ground_truths[i] for i in share], tokenizer=tokenizer, pool=pool)
+        for j, rollouts in enumerate(outputs):
+            scored = results[j * n:(j + 1) * n]
+            local.append({"samples": [(r["acc"], r["pred"]) for r in scored],
+                          "lengths": [len(r.response_ids) for r in rollouts],
+                          "truncated": sum(r.finish_reason == "length" for r in rollouts),
+                          "timeouts": sum(r.get("timed_out", False) for r in scored)})
+    problems = placement.gather(local)
+    summary, _ = eval_metrics([p["samples"] for p in problems])
+    num_responses = sum(len(p["lengths"]) for p in problems)
     out = {prefix + k: v for k, v in summary.items()}
     out[prefix + "acc_mean"] = summary[f"avg@{n}"]  # mean accuracy over all samples (avg@n)
-    out[prefix + "response_length_mean"] = sum(len(r.response_ids) for r in flat) / len(flat)
-    out[prefix + "truncation_rate"] = sum(r.finish_reason == "length" for r in flat) / len(flat)
-    out[prefix + "num_timeouts"] = float(sum(r.get("timed_out", False) for r in results))
+    out[prefix + "response_length_mean"] = sum(sum(p["lengths"]) for p in problems) / num_responses
+    out[prefix + "truncation_rate"] = sum(p["truncated"] for p in problems) / num_responses
+    out[prefix + "num_timeouts"] = float(sum(p["timeouts"] for p in problems))
     return out

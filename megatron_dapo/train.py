@@ -1,9 +1,11 @@
 """The DAPO training loop, top to bottom (DESIGN.md "One step").
 
 Run: ``megatron-dapo train --config conf/cpu_tiny.yaml [key=value ...]``, also under
-``torchrun --nproc-per-node N``. Rank 0 generates and scores (the engine holds full weights) and
-broadcasts the kept groups, so every rank trains on the same batch; the actor splits it over DP.
-Resume is automatic: a rerun of the same command continues from the latest checkpoint.
+``torchrun --nproc-per-node N``. Every rank holds a share of a rollout replica: each replica
+generates and scores its share of a generation batch, and the kept groups are gathered in prompt
+order on every rank (rollout/placement.py), so every rank trains on the same batch and the actor
+splits it over DP. Resume is automatic: a rerun of the same command continues from the latest
+checkpoint.
 """
 
 import dataclasses
@@ -24,7 +26,7 @@ from megatron_dapo.config_loading import dump_yaml, to_dict
 from megatron_dapo.eval import evaluate
 from megatron_dapo.metrics_log import MetricsLogger, format_progress
 from megatron_dapo.rollout.engine import Rollout, eval_sampling_params, rollout_sampling_params
-from megatron_dapo.rollout.weight_sync import logprob_mismatch, sync_weights
+from megatron_dapo.rollout.weight_sync import logprob_mismatch
 from megatron_dapo.setup import Run, setup_run
 
 logger = logging.getLogger("megatron_dapo.train")
@@ -32,9 +34,9 @@ _PLOT = Path(__file__).resolve().parents[1] / "tools" / "plot_metrics.py"
 
 
 def train(cfg: DAPOConfig) -> dict[str, float]:
-    """Runs (or resumes) DAPO training; returns the last evaluation's metrics (rank 0)."""
+    """Runs (or resumes) DAPO training; returns the last evaluation's metrics (on every rank)."""
     run: Run = setup_run(cfg)
-    actor, engine, pool, tok = run.actor, run.engine, run.pool, run.tokenizer
+    actor, placement = run.actor, run.placement
     dyn = DynamicSampler(prompts_per_step=cfg.data.prompts_per_step, group_size=cfg.rollout.n,
                          max_num_gen_batches=cfg.algorithm.filter_groups.max_num_gen_batches,
                          enabled=cfg.algorithm.filter_groups.enable, surplus=cfg.algorithm.filter_groups.surplus)
@@ -49,7 +51,7 @@ def train(cfg: DAPOConfig) -> dict[str, float]:
                         start_step=start + 1 if start else 0)
     if run.rank == 0:
         (run.dir / "config.yaml").write_text(dump_yaml(cfg))
-    _sync(run)
+    _sync(run)  # the engines start from the checkpoint's weights (vLLM's from dummy ones)
     final = {}
     if cfg.eval.before_train and start == 0:
         final = _log(log, 0, _evaluate(run, cfg), cfg, start)
@@ -60,17 +62,14 @@ def train(cfg: DAPOConfig) -> dict[str, float]:
         with log.timer("rollout"):
             dyn.start_step()
             while not dyn.is_full:  # dynamic sampling: draw generation batches until the batch is full
-                groups = None
-                if run.rank == 0:
-                    indices = run.sampler.next_indices(cfg.data.gen_prompts_per_batch)
-                    params = rollout_sampling_params(cfg.rollout, seed=_seed(cfg, step, dyn), stop_token_ids=run.stops)
-                    groups = generate_groups(engine, run.train_ids, indices, ground_truths=run.train_truths,
-                                             tokenizer=tok, params=params, n=cfg.rollout.n, pool=pool, cfg=cfg)
-                else:
-                    run.sampler.next_indices(cfg.data.gen_prompts_per_batch)  # keep sampler states equal
-                groups = _broadcast(groups, run)
-                dyn.add(groups, torch.tensor([g.acc for g in groups]))
+                indices = run.sampler.next_indices(cfg.data.gen_prompts_per_batch)
+                params = rollout_sampling_params(cfg.rollout, seed=_seed(cfg, step, dyn), stop_token_ids=run.stops)
+                groups, acc = generate_groups(placement, run.train_ids, indices, ground_truths=run.train_truths,
+                                              tokenizer=run.tokenizer, params=params, pool=run.pool, cfg=cfg,
+                                              keep=dyn.keep_mask)
+                dyn.add(groups, acc)
             groups, ds_metrics = dyn.pop()
+        placement.sleep()  # the engine's memory goes to the trainer until the next sync
         metrics.update(ds_metrics | rollout_metrics(groups))
         samples = to_samples(groups, cfg)
 
@@ -78,8 +77,8 @@ def train(cfg: DAPOConfig) -> dict[str, float]:
             actor.prepare_for_inference()
             old = actor.get_inference_log_probs(samples)
             actor.finish_inference()
-        engine_lp = [torch.tensor(r.logprobs) for g in groups for r in g.rollouts]
-        metrics.update(_mismatch(engine_lp, old))
+        if cfg.rollout.check_logprob_mismatch:
+            metrics.update(_mismatch([torch.tensor(r.logprobs) for g in groups for r in g.rollouts], old))
         samples = [dataclasses.replace(s, old_log_probs=lp) for s, lp in zip(samples, old)]
 
         with log.timer("train"):
@@ -103,28 +102,21 @@ def train(cfg: DAPOConfig) -> dict[str, float]:
             actor.save_checkpoint(str(run.ckpt_dir), {"step": step + 1, "sampler": run.sampler.state_dict(),
                                                       "held_groups": held})
     log.close()
-    if pool is not None:
-        pool.close()
+    if run.pool is not None:
+        run.pool.close()
     return final
 
 
 def _sync(run: Run) -> None:
-    """Streams the trained weights into rank 0's engine; every rank runs the export's collectives."""
-    weights = run.actor.export_hf_weights()
-    if run.engine is not None:
-        sync_weights(run.engine, weights, run.cfg.rollout.weight_sync_bucket_mb << 20)
-    else:
-        for _ in weights:
-            pass
+    """Streams the trained weights into every rank's engine (so into every replica); every rank
+    runs the export's collectives."""
+    run.placement.sync(run.actor.export_hf_weights(), run.cfg.rollout.weight_sync_bucket_mb << 20)
 
 
 def _evaluate(run: Run, cfg: DAPOConfig) -> dict[str, float]:
-    result = None
-    if run.rank == 0:
-        params = eval_sampling_params(cfg.eval, seed=cfg.seed, stop_token_ids=run.stops)
-        result = evaluate(run.engine, run.val_ids, run.val_truths, tokenizer=run.tokenizer, params=params,
-                          n=cfg.eval.n, pool=run.pool)
-    return _broadcast(result, run)
+    params = eval_sampling_params(cfg.eval, seed=cfg.seed, stop_token_ids=run.stops)
+    return evaluate(run.placement, run.val_ids, run.val_truths, tokenizer=run.tokenizer, params=params,
+                    n=cfg.eval.n, pool=run.pool)
 
 
 def _log(log: MetricsLogger, step: int, metrics: dict, cfg: DAPOConfig, start: int) -> dict[str, float]:
@@ -155,14 +147,6 @@ def _seed(cfg: DAPOConfig, step: int, dyn: DynamicSampler) -> int:
     return (cfg.seed * 1_000_003 + step) * 1_009 + dyn.num_gen_batches
 
 
-def _broadcast(obj, run: Run):
-    if run.world_size == 1:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
 def _group_from_dict(d: dict) -> Group:
     return Group(**{**d, "rollouts": [Rollout(**r) for r in d["rollouts"]]})
 
@@ -172,11 +156,11 @@ def evaluate_run(cfg: DAPOConfig) -> dict[str, float]:
     with the eval settings; writes <logging.dir>/eval.json on rank 0."""
     run = setup_run(cfg)
     _sync(run)
-    result = _evaluate(run, cfg)
+    result = {"step": run.state.get("step", 0), **_evaluate(run, cfg)}
     if run.rank == 0:
-        result = {"step": run.state.get("step", 0), **result}
         (run.dir / "eval.json").write_text(json.dumps(result, indent=2) + "\n")
         print("evaluation: " + ", ".join(f"{k}={v:.4f}" for k, v in sorted(result.items())), flush=True)
+    if run.pool is not None:
         run.pool.close()
     return result
 

@@ -83,11 +83,20 @@ class DynamicSampler:
     def num_held(self) -> int:
         return len(self._held)
 
+    def keep_mask(self, acc: torch.Tensor) -> torch.Tensor:
+        """[P, G] correctness -> [P] bool: the groups ``add`` would keep (mixed answers, or all
+        when disabled). Lets a rollout replica filter its share before anything travels."""
+        num_correct = torch.as_tensor(acc).bool().sum(dim=-1)
+        if not self.enabled:
+            return torch.ones_like(num_correct, dtype=torch.bool)
+        return (num_correct > 0) & (num_correct < self.group_size)
+
     def add(self, groups: Sequence[Any], acc: torch.Tensor) -> torch.Tensor:
         """Adds one generation batch.
 
         Args:
-            groups: P opaque per-prompt payloads (the rollouts of one prompt each).
+            groups: P opaque per-prompt payloads (the rollouts of one prompt each); a dropped
+                group's payload is never stored, so it may be None.
             acc: [P, G] bool (or 0/1) correctness of each response.
 
         Returns:
@@ -102,7 +111,7 @@ class DynamicSampler:
         num_correct = acc.sum(dim=-1)
         all_correct = num_correct == self.group_size
         all_wrong = num_correct == 0
-        keep = ~(all_correct | all_wrong) if self.enabled else torch.ones_like(all_correct)
+        keep = self.keep_mask(acc)
 
         c = self._counts
         c.num_gen_batches += 1

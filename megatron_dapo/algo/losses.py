@@ -12,6 +12,12 @@ the local count (verl's legacy actor) only approximates it.
 Metrics follow the same convention: mean-type metrics are divided by the same denominator as the
 loss, so summing them over micro-batches and DP ranks gives the mini-batch mean; keys ending in
 ``_max`` reduce with max. They are detached 0-d tensors (no host sync in the micro-batch path).
+
+Truncated importance sampling (TIS, for the rollout engine / trainer mismatch): the responses
+were sampled from pi_rollout (the engine's log-probs), while the ratio's pi_old comes from the
+trainer's forward; with bf16 / FP8 or other kernels the two differ. Each token's loss is then
+weighted by w = min(pi_old / pi_rollout, tis_cap), detached, before aggregation. Since w > 0 it
+commutes with the clips, so this equals the plain loss with advantages w * A.
 """
 
 import torch
@@ -73,6 +79,8 @@ def compute_policy_loss(
     loss_agg_mode: str = "token-mean",
     global_num_tokens: float | int | torch.Tensor | None = None,
     global_num_seqs: float | int | torch.Tensor | None = None,
+    rollout_log_probs: torch.Tensor | None = None,
+    tis_cap: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped policy-gradient loss with decoupled clip ranges (Clip-Higher).
 
@@ -91,19 +99,35 @@ def compute_policy_loss(
             across micro-batches and DP ranks. None uses this micro-batch's count.
         global_num_seqs: denominator of the seq-mean modes, likewise (sequences with >= 1 valid
             token). None uses this micro-batch's count.
+        rollout_log_probs: [B, T] log pi_rollout of the same tokens as reported by the rollout
+            engine (no gradient); required when ``tis_cap`` is set, ignored otherwise.
+        tis_cap: truncated importance sampling: each token's loss is multiplied by
+            w = min(exp(old_log_probs - rollout_log_probs), tis_cap), detached. None disables it
+            (the loss is then bit-identical to the plain one); it must be >= 1.
 
     Returns:
         (loss, metrics): a 0-d loss and detached 0-d metric tensors: ``actor/pg_clipfrac_high``
         (A > 0 and ratio above 1 + high), ``actor/pg_clipfrac_low`` (A < 0 and ratio below
         1 - low), ``actor/pg_clipfrac_dual`` (A < 0 and ratio above c), ``actor/ratio_mean``,
         ``actor/ratio_max``, ``actor/ppo_kl`` (k3 estimate of KL(pi_old || pi_theta)) and
-        ``actor/pg_loss``. Tokens counted in a clip fraction get exactly zero gradient.
+        ``actor/pg_loss``. Tokens counted in a clip fraction get exactly zero gradient. With
+        TIS also ``actor/tis_clip_frac`` (valid tokens whose pi_old / pi_rollout exceeded the cap)
+        and ``actor/tis_weight_mean`` (token-mean of w).
     """
     if not 0.0 <= clip_ratio_low < 1.0 or clip_ratio_high < 0.0:
         raise ValueError(f"need 0 <= clip_ratio_low < 1 and clip_ratio_high >= 0, got "
                          f"{clip_ratio_low}, {clip_ratio_high}")
     if clip_ratio_c is not None and clip_ratio_c <= 1.0:
         raise ValueError(f"clip_ratio_c must be > 1 (or None to disable), got {clip_ratio_c}")
+    if tis_cap is not None:
+        if not tis_cap >= 1.0:
+            raise ValueError(f"tis_cap must be >= 1 (or None to disable TIS), got {tis_cap}")
+        if rollout_log_probs is None:
+            raise ValueError("tis_cap is set but rollout_log_probs is None: truncated importance sampling "
+                             "needs the rollout engine's log-probs of the response tokens")
+        if rollout_log_probs.shape != log_probs.shape:
+            raise ValueError(f"rollout_log_probs must have the shape of log_probs {tuple(log_probs.shape)}, "
+                             f"got {tuple(rollout_log_probs.shape)}")
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(-1)
     mask = loss_mask.to(log_probs.dtype)
@@ -118,6 +142,12 @@ def compute_policy_loss(
         cap = -advantages * clip_ratio_c
         dual = (advantages < 0) & (per_token > cap)
         per_token = torch.where(advantages < 0, torch.minimum(per_token, cap), per_token)
+    if tis_cap is not None:
+        with torch.no_grad():  # w is a fixed per-token weight, not part of the objective
+            # exp may overflow to inf for a huge mismatch; the min with the cap keeps w finite.
+            tis_ratio = torch.exp(old_log_probs.to(per_token.dtype) - rollout_log_probs.to(per_token.dtype))
+            tis_weight = tis_ratio.clamp(max=tis_cap)
+        per_token = per_token * tis_weight
 
     agg = dict(global_num_tokens=global_num_tokens, global_num_seqs=global_num_seqs)
     loss = aggregate(per_token, mask, loss_agg_mode, **agg)
@@ -139,6 +169,9 @@ def compute_policy_loss(
             "actor/ratio_max": torch.where(valid, ratio, torch.zeros_like(ratio)).max(),
             "actor/ppo_kl": tmean(ratio - 1.0 - log_ratio),
         }
+        if tis_cap is not None:
+            metrics["actor/tis_clip_frac"] = tmean(tis_ratio > tis_cap)
+            metrics["actor/tis_weight_mean"] = tmean(tis_weight)
     return loss, metrics
 
 

@@ -130,5 +130,26 @@ class MegatronActor:
         """Resume from ``dir`` (a checkpoint, or a root: its latest); returns the trainer state,
         None when there is nothing to resume. A model-only dist checkpoint (converted from HF)
         loads the weights and returns {}."""
-        return checkpoint.load_checkpoint(dir, model=self.model, optimizer=self.optimizer,
-                                          scheduler=self.scheduler)
+        state = checkpoint.load_checkpoint(dir, model=self.model, optimizer=self.optimizer,
+                                           scheduler=self.scheduler)
+        if state == {}:  # weights only: the optimizer's fp32 main copies (bf16 training) follow
+            self.optimizer.reload_model_params()
+        return state
+
+    def load_hf_weights(self, hf_dir: str) -> int:
+        """Starting weights straight from an HF safetensors dir: each rank reads only the tensors
+        (and slices) of its own TP/PP shard, so no process ever holds the whole model and no
+        conversion step runs first. No collective. Returns the number of parameters loaded."""
+        from megatron.core import parallel_state as ps
+
+        from megatron_dapo.convert import SafetensorsReader, conversion_table, load_hf_weights
+
+        tp = self.cfg.parallel.tensor_model_parallel_size
+        vocab = padded_vocab_size(hf_arch(self.hf_config).vocab_size,
+                                  self.cfg.model.make_vocab_size_divisible_by, tp)
+        table = conversion_table(self.hf_config, padded_vocab_size=vocab)
+        with SafetensorsReader(hf_dir) as reader:
+            count = load_hf_weights(self.model, table, reader,
+                                    tp_group=ps.get_tensor_model_parallel_group() if tp > 1 else None)
+        self.optimizer.reload_model_params()
+        return count

@@ -9,7 +9,8 @@ tokens (L = P + R):
     position_ids[i, t]  t
     labels[i, t]        input_ids[i, t + 1]: the token that position t predicts (0 where none)
     loss_mask[i, t]     1 where labels[i, t] is a response token that counts: t in [P - 1, L - 2]
-    old_log_probs, advantages: per response token, at the same positions as their labels
+    old_log_probs, rollout_log_probs, advantages: per response token, at the same positions as
+        their labels (0 where a sample has none)
 
 No attention mask is built: with right padding, the causal mask already keeps every real token
 from seeing the padding after it, and padded positions are masked out of the loss.
@@ -37,20 +38,23 @@ from torch import Tensor
 class Sample:
     """One rollout. ``advantages``: a float or 0-d tensor (per sequence) or [R] (per token);
     ``old_log_probs``: [R] log pi_old of the response tokens (None for a forward-only pass);
-    ``loss_mask``: [R], None = every response token counts (0 e.g. for overlong filtering)."""
+    ``loss_mask``: [R], None = every response token counts (0 e.g. for overlong filtering);
+    ``rollout_log_probs``: [R] log pi_rollout as the rollout engine reported them (None when it
+    reported none; truncated importance sampling needs them)."""
 
     prompt_ids: Tensor  # [P] int, P >= 1
     response_ids: Tensor  # [R] int
     advantages: Tensor | float = 0.0
     old_log_probs: Tensor | None = None
     loss_mask: Tensor | None = None
+    rollout_log_probs: Tensor | None = None
 
     def __post_init__(self):
         if self.prompt_ids.dim() != 1 or self.response_ids.dim() != 1 or self.prompt_ids.numel() < 1:
             raise ValueError(f"need prompt_ids [P >= 1] and response_ids [R]; got shapes "
                              f"{tuple(self.prompt_ids.shape)}, {tuple(self.response_ids.shape)}")
         r = self.response_ids.numel()
-        for name in ("old_log_probs", "loss_mask"):
+        for name in ("old_log_probs", "loss_mask", "rollout_log_probs"):
             value = getattr(self, name)
             if value is not None and tuple(value.shape) != (r,):
                 raise ValueError(f"{name} must have shape [R] = ({r},), got {tuple(value.shape)}")
@@ -81,6 +85,7 @@ class MicroBatch:
     labels: Tensor
     loss_mask: Tensor  # fp32
     old_log_probs: Tensor  # fp32
+    rollout_log_probs: Tensor  # fp32
     advantages: Tensor  # fp32
     sample_index: tuple[int, ...]
     prompt_lengths: tuple[int, ...]
@@ -148,7 +153,7 @@ def build_micro_batch(samples: Sequence[Sample], indices: Sequence[int], *, mult
         b, s = shape
     ids = torch.zeros(b, s, dtype=torch.long)
     labels = torch.zeros(b, s, dtype=torch.long)
-    mask, old, adv = (torch.zeros(b, s, dtype=torch.float32) for _ in range(3))
+    mask, old, rollout, adv = (torch.zeros(b, s, dtype=torch.float32) for _ in range(4))
     for row, x in enumerate(rows):
         p, r = x.num_prompt_tokens, x.num_response_tokens
         full = torch.cat([x.prompt_ids, x.response_ids]).long()
@@ -158,10 +163,12 @@ def build_micro_batch(samples: Sequence[Sample], indices: Sequence[int], *, mult
         mask[row, span] = 1.0 if x.loss_mask is None else x.loss_mask.float()
         if x.old_log_probs is not None:
             old[row, span] = x.old_log_probs.float()
+        if x.rollout_log_probs is not None:
+            rollout[row, span] = x.rollout_log_probs.float()
         adv[row, span] = torch.as_tensor(x.advantages, dtype=torch.float32)
     return MicroBatch(
         input_ids=ids, position_ids=torch.arange(s).expand(b, s).contiguous(), labels=labels,
-        loss_mask=mask, old_log_probs=old, advantages=adv,
+        loss_mask=mask, old_log_probs=old, rollout_log_probs=rollout, advantages=adv,
         sample_index=tuple(indices) + (-1,) * (b - len(rows)),
         prompt_lengths=tuple(x.num_prompt_tokens for x in rows) + (0,) * (b - len(rows)),
         response_lengths=tuple(x.num_response_tokens for x in rows) + (0,) * (b - len(rows)))

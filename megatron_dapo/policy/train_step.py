@@ -4,7 +4,9 @@ The loss. Every micro-batch on every DP rank calls the policy loss (algo/losses.
 valid-token count of the *whole* mini-batch (``global_num_tokens``, and ``global_num_seqs`` for
 the seq-mean modes), all-gathered over DP before the schedule runs. The sum of those
 micro-batch losses over micro-batches and DP ranks is then the mini-batch token-mean, and its
-gradient is what the update must use.
+gradient is what the update must use. With truncated importance sampling (``loss.tis_cap``) the
+loss also gets each micro-batch's ``rollout_log_probs``; every sample must carry them, which the
+same all-gather checks so that a missing one fails on every rank alike instead of hanging the rest.
 
 The scaling megatron-core 0.19.2 applies on the way, with ``calculate_per_token_loss=False``
 (TransformerConfig's default; optimizer.py refuses the other) and a loss_func returning
@@ -54,6 +56,7 @@ class StepSettings:
     clip_ratio_high: float
     clip_ratio_c: float | None
     loss_agg_mode: str
+    tis_cap: float | None  # truncated importance sampling; None = off
     temperature: float  # the rollout temperature: log-probs must be those of the sampler
     valid_vocab_size: int  # the real vocabulary; padded rows are excluded from the softmax
     max_tokens_per_micro_batch: int
@@ -66,7 +69,8 @@ class StepSettings:
         p = cfg.parallel
         return cls(policy_loss=cfg.loss.policy_loss, clip_ratio_low=cfg.loss.clip_ratio_low,
                    clip_ratio_high=cfg.loss.clip_ratio_high, clip_ratio_c=cfg.loss.clip_ratio_c,
-                   loss_agg_mode=cfg.loss.loss_agg_mode, temperature=cfg.rollout.temperature,
+                   loss_agg_mode=cfg.loss.loss_agg_mode, tis_cap=cfg.loss.tis_cap,
+                   temperature=cfg.rollout.temperature,
                    valid_vocab_size=vocab_size,
                    max_tokens_per_micro_batch=cfg.train.max_tokens_per_micro_batch,
                    micro_batch_size=cfg.train.micro_batch_size,
@@ -75,9 +79,11 @@ class StepSettings:
                                              context_parallel=p.context_parallel_size))
 
     def policy_loss_fn(self):
+        # tis_cap only when set: a loss without TIS support then still works with TIS off.
+        tis = {} if self.tis_cap is None else {"tis_cap": self.tis_cap}
         return functools.partial(get_policy_loss_fn(self.policy_loss), clip_ratio_low=self.clip_ratio_low,
                                  clip_ratio_high=self.clip_ratio_high, clip_ratio_c=self.clip_ratio_c,
-                                 loss_agg_mode=self.loss_agg_mode)
+                                 loss_agg_mode=self.loss_agg_mode, **tis)
 
 
 def compute_device() -> torch.device:
@@ -108,16 +114,24 @@ def _batching(model, settings: StepSettings) -> dict:
 def _micro_batches(model, samples: list[Sample],
                    settings: StepSettings) -> tuple[list[MicroBatch], torch.Tensor]:
     """This rank's micro-batches, as many on every DP rank, and the mini-batch's global
-    (valid tokens, valid sequences), from one all-gather over DP."""
+    (valid tokens, valid sequences), from one all-gather over DP (which also counts the samples
+    that lack the rollout log-probs TIS needs)."""
     kwargs = _batching(model, settings)
     mbs = make_micro_batches(samples, **kwargs)
     valid = [x.loss_mask.sum(-1) for x in mbs]
+    tis = settings.tis_cap is not None
+    missing = [i for i, x in enumerate(samples) if tis and x.rollout_log_probs is None]
     local = torch.tensor([sum(float(v.sum()) for v in valid), sum(float((v > 0).sum()) for v in valid),
-                          float(len(mbs))], dtype=torch.float64, device=compute_device())
+                          float(len(mbs)), float(len(missing))], dtype=torch.float64, device=compute_device())
     dp_group, _ = _groups()
     gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(dp_group))]
     dist.all_gather(gathered, local, group=dp_group)
     table = torch.stack(gathered)
+    if table[:, 3].sum() > 0:  # on every DP rank alike (no rank is left waiting in a collective)
+        raise ValueError(f"loss.tis_cap={settings.tis_cap} needs the rollout engine's log-probs, but "
+                         f"{int(table[:, 3].sum())} samples of the mini-batch have no rollout_log_probs "
+                         f"(here: samples {missing[:8]} of this DP rank's share); fill them from "
+                         "Rollout.logprobs (collect.to_samples does) or set loss.tis_cap=null")
     num_mbs = int(table[:, 2].max())
     if num_mbs > len(mbs):
         mbs = make_micro_batches(samples, min_count=num_mbs, **kwargs)
@@ -141,9 +155,10 @@ def _loss_func(settings: StepSettings, counts, scale: float, mb: MicroBatch, out
         return torch.stack([log_probs.detach(), entropy.detach()])
     device = log_probs.device
     mask = mb.loss_mask.to(device)
+    tis = {} if settings.tis_cap is None else {"rollout_log_probs": mb.rollout_log_probs.to(device)}
     loss, metrics = settings.policy_loss_fn()(
         log_probs, mb.old_log_probs.to(device), mb.advantages.to(device), mask,
-        global_num_tokens=counts[0], global_num_seqs=counts[1])
+        global_num_tokens=counts[0], global_num_seqs=counts[1], **tis)
     metrics["actor/entropy"] = (entropy.detach() * mask).sum() / counts[0].clamp(min=1.0)
     # x (M x DP): undoes the schedule's 1 / M and DDP's 1 / DP (module docstring). A new tensor,
     # so the schedule's in-place division does not reach the metrics.
@@ -175,8 +190,9 @@ def _metric_keys(settings: StepSettings) -> tuple[tuple[str, ...], tuple[str, ..
     """(sum-reduced keys, max-reduced keys) of the loss's metrics, from a 1-token dry run, so
     that every rank (also those without the loss) sizes the exchange buffers alike."""
     one = torch.zeros(1, 1)
+    tis = {} if settings.tis_cap is None else {"rollout_log_probs": one}
     _, metrics = settings.policy_loss_fn()(one, one, one, torch.ones(1, 1), global_num_tokens=1.0,
-                                           global_num_seqs=1.0)
+                                           global_num_seqs=1.0, **tis)
     keys = sorted(metrics) + ["actor/entropy"]
     return tuple(k for k in keys if not k.endswith("_max")), tuple(k for k in keys if k.endswith("_max"))
 

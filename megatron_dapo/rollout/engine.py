@@ -115,9 +115,12 @@ class Rollout:
 class RolloutEngine(Protocol):
     """What train.py and eval call; both engines implement it."""
 
-    def generate(self, prompt_ids: Sequence[Sequence[int]], n: int,
-                 params: SamplingParams) -> list[list[Rollout]]:
-        """n responses to each prompt: result[i][k] is sample k of prompt i."""
+    def generate(self, prompt_ids: Sequence[Sequence[int]], n: int, params: SamplingParams, *,
+                 prompt_indices: Sequence[int] | None = None) -> list[list[Rollout]]:
+        """n responses to each prompt: result[i][k] is sample k of prompt i, drawn from the stream
+        sequence_seed(params.seed, prompt_indices[i], k). ``prompt_indices`` are the prompts'
+        positions in the whole generation batch (default 0..len-1), so a replica that generates a
+        share of the batch draws exactly what one engine generating all of it would."""
         ...
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -154,13 +157,20 @@ def resolve_seed(seed: int | None) -> int:
     return int(torch.randint(0, 2**62, (), dtype=torch.int64))
 
 
-def check_prompts(prompt_ids: Sequence[Sequence[int]], n: int) -> None:
-    """Shared argument checks of generate(): n >= 1 and no empty prompt."""
+def check_prompts(prompt_ids: Sequence[Sequence[int]], n: int,
+                  prompt_indices: Sequence[int] | None = None) -> list[int]:
+    """Shared argument checks of generate(): n >= 1, no empty prompt, one index per prompt.
+    Returns the prompt indices (0..len-1 when None)."""
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
     for i, ids in enumerate(prompt_ids):
         if len(ids) == 0:
             raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
+    if prompt_indices is None:
+        return list(range(len(prompt_ids)))
+    if len(prompt_indices) != len(prompt_ids):
+        raise ValueError(f"{len(prompt_indices)} prompt_indices for {len(prompt_ids)} prompts")
+    return [int(i) for i in prompt_indices]
 
 
 # Engines are registered by import path so that looking up "hf" never imports vllm and looking

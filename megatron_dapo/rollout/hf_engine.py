@@ -72,14 +72,21 @@ class HFEngine:
 
         return cls(AutoModelForCausalLM.from_pretrained(path, dtype=dtype), **kwargs)
 
+    @classmethod
+    def from_config(cls, model_path: str, cfg, **kwargs) -> HFEngine:
+        """The engine of a training run (config.DAPOConfig): the checkpoint in fp32 on the CPU, every
+        rank a whole copy (no tensor parallelism: with rollout.tensor_parallel_size > 1 the ranks of
+        a replica generate the same responses). Weights are replaced by the loop's first sync."""
+        return cls.from_pretrained(model_path, **kwargs)
+
     # ------------------------------------------------------------------ generation
-    def generate(self, prompt_ids: Sequence[Sequence[int]], n: int,
-                 params: SamplingParams) -> list[list[Rollout]]:
-        """n responses per prompt; result[i][k] uses the stream sequence_seed(seed, i, k)."""
-        check_prompts(prompt_ids, n)
+    def generate(self, prompt_ids: Sequence[Sequence[int]], n: int, params: SamplingParams, *,
+                 prompt_indices: Sequence[int] | None = None) -> list[list[Rollout]]:
+        """n responses per prompt; result[i][k] uses the stream sequence_seed(seed, prompt_indices[i], k)."""
+        indices = check_prompts(prompt_ids, n, prompt_indices)
         seed = resolve_seed(params.seed)
         prompts = [list(p) for p in prompt_ids for _ in range(n)]
-        seeds = [sequence_seed(seed, i, k) for i in range(len(prompt_ids)) for k in range(n)]
+        seeds = [sequence_seed(seed, i, k) for i in indices for k in range(n)]
         flat = self.sample(prompts, seeds, params)
         return [flat[i * n:(i + 1) * n] for i in range(len(prompt_ids))]
 

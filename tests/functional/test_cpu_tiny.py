@@ -81,8 +81,8 @@ def test_eval_command_reproduces_the_final_evaluation(learned_run):
 def test_killed_run_resumes_from_its_last_checkpoint(learned_run, tmp_path):
     run_dir = tmp_path / "resume"
     run_dir.mkdir()
-    for name in ("toy", "toy_data", "toy_base", "base_megatron", "base_megatron.conversion"):
-        shutil.copytree(learned_run / name, run_dir / name)  # reuse the base: skip warm-up and conversion
+    for name in ("toy", "toy_data", "toy_base"):
+        shutil.copytree(learned_run / name, run_dir / name)  # reuse the base: skip the warm-up
     cmd = _cmd(run_dir, "train.total_steps=6", "checkpoint.save_every=2", "eval.every=0", "eval.before_train=false")
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     latest = run_dir / "checkpoints" / "latest"

@@ -2,10 +2,11 @@
 
 Checked against the samples themselves: every token lands once, in its row; the label of
 position t is input t + 1; the loss mask selects exactly the response tokens (and carries a
-given response mask, old log-probs and advantages to the same positions); budgets and padding
+given response mask, old and rollout log-probs and advantages to the same positions); budgets and padding
 multiples hold; the same input always gives the same micro-batches.
 """
 
+import dataclasses
 import random
 
 import pytest
@@ -25,23 +26,28 @@ def samples(seed: int, n: int, max_prompt: int = 9, max_response: int = 17) -> l
         p, r = rng.randint(1, max_prompt), rng.randint(0, max_response)
         mask = (torch.rand(r, generator=g) > 0.2).float() if rng.random() < 0.5 else None
         adv = torch.randn(r, generator=g) if rng.random() < 0.5 else rng.uniform(-1, 1)
+        engine = -torch.rand(r, generator=g) - 0.01 if rng.random() < 0.7 else None  # the engine's, if any
         out.append(Sample(prompt_ids=torch.randint(1, 100, (p,), generator=g),
                           response_ids=torch.randint(1, 100, (r,), generator=g),
-                          advantages=adv, old_log_probs=-torch.rand(r, generator=g), loss_mask=mask))
+                          advantages=adv, old_log_probs=-torch.rand(r, generator=g), loss_mask=mask,
+                          rollout_log_probs=engine))
     return out
 
 
 def check_rows(xs: list[Sample], mbs) -> None:
-    """Every sample once; ids, labels, mask, old log-probs and advantages where they belong."""
+    """Every sample once; ids, labels, mask, old / rollout log-probs and advantages where they belong."""
     seen = []
     for mb in mbs:
         b, s = mb.input_ids.shape
-        for t in (mb.position_ids, mb.labels, mb.loss_mask, mb.old_log_probs, mb.advantages):
+        for t in (mb.position_ids, mb.labels, mb.loss_mask, mb.old_log_probs, mb.rollout_log_probs,
+                  mb.advantages):
             assert t.shape == (b, s)
+        assert mb.rollout_log_probs.dtype == torch.float32
         assert torch.equal(mb.position_ids, torch.arange(s).expand(b, s))
         for row, i in enumerate(mb.sample_index):
             if i < 0:
                 assert mb.loss_mask[row].sum() == 0 and mb.input_ids[row].sum() == 0
+                assert mb.rollout_log_probs[row].count_nonzero() == 0
                 continue
             seen.append(i)
             x = xs[i]
@@ -60,6 +66,12 @@ def check_rows(xs: list[Sample], mbs) -> None:
             adv = torch.as_tensor(x.advantages).float().expand(r)
             assert torch.equal(mb.advantages[row, p - 1: p - 1 + r], adv)
             assert mb.old_log_probs[row].count_nonzero() <= r
+            # the engine's log-probs: on the response span exactly (all nonzero there), 0 elsewhere
+            # and where the sample has none
+            engine = torch.zeros(s)
+            if x.rollout_log_probs is not None:
+                engine[p - 1: p - 1 + r] = x.rollout_log_probs
+            assert torch.equal(mb.rollout_log_probs[row], engine)
     assert sorted(seen) == list(range(len(xs)))
 
 
@@ -137,5 +149,19 @@ def test_pad_multiple_and_validation():
     with pytest.raises(ValueError, match="old_log_probs"):
         Sample(prompt_ids=torch.ones(2, dtype=torch.long), response_ids=torch.ones(2, dtype=torch.long),
                old_log_probs=torch.zeros(3))
+    with pytest.raises(ValueError, match=r"rollout_log_probs must have shape \[R\] = \(2,\)"):
+        Sample(prompt_ids=torch.ones(2, dtype=torch.long), response_ids=torch.ones(2, dtype=torch.long),
+               rollout_log_probs=torch.zeros(2, 1))
     empty = build_micro_batch([], [], multiple=8)
     assert empty.input_ids.shape == (1, 8) and empty.sample_index == (-1,)
+
+
+def test_rollout_log_probs_follow_the_old_ones():
+    """Packed exactly like old_log_probs: with both equal per sample the two tensors are equal."""
+    xs = [dataclasses.replace(x, rollout_log_probs=x.old_log_probs.clone()) for x in samples(5, 13)]
+    for kw in (dict(max_tokens=48, multiple=4), dict(max_tokens=0, micro_batch_size=3, uniform=True)):
+        mbs = make_micro_batches(xs, **{"micro_batch_size": 1, **kw}, min_count=6)
+        check_rows(xs, mbs)
+        assert all(torch.equal(m.rollout_log_probs, m.old_log_probs) for m in mbs)
+        back = unpack_responses([m.rollout_log_probs for m in mbs], mbs, len(xs))
+        assert all(torch.equal(v, x.rollout_log_probs) for v, x in zip(back, xs))

@@ -1,0 +1,122 @@
+"""Where rollouts happen: every rank holds a share of one engine replica, and every rank gets the results.
+
+Ranks form rollout groups of ``rollout.tensor_parallel_size`` consecutive ranks, independent of
+Megatron's TP/PP layout; each group is one engine replica (vLLM carves the same groups out of the
+world under ``external_launcher``; the HF engine simply holds the whole model on each rank)::
+
+    ranks     0   1 | 2   3 | 4   5 | 6   7        rollout TP = 2  ->  4 replicas
+    replica     0   |   1   |   2   |   3
+    prompts   [0, 2)| [2, 4)| [4, 6)| [6, 8)       a generation batch of 8 prompts, split in order
+              generate on every rank of the replica; score on its leader (first rank)
+    gather    the leaders' results, concatenated in replica order, on every rank
+
+A generation batch is split into contiguous, balanced shares in prompt order; each replica passes
+the prompts' global positions to the engine (``prompt_indices``), whose per-response seeds derive
+from them, so the gathered result does not depend on the number of replicas. Only what callers put
+in the gather travels (training sends full groups only for those dynamic sampling keeps).
+
+Memory phases (colocated on a GPU; no-ops for the HF engine and vLLM's CPU build): ``generate``
+wakes the engine (KV cache included) before generating; the loop calls ``sleep`` before the trainer's
+old-log-prob pass and updates; ``sync`` streams the new weights into every replica, and the engine
+wakes only its weights for that (``VLLMEngine.update_weights``), the KV cache at the next generate.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_dapo.rollout.engine import Rollout, RolloutEngine, SamplingParams
+from megatron_dapo.rollout.weight_sync import sync_weights
+
+
+def replica_layout(rank: int, world_size: int, tensor_parallel_size: int) -> tuple[int, int, bool]:
+    """(replica index, number of replicas, is the replica's leader) of ``rank``.
+
+    Raises ValueError naming the sizes when rollout TP does not divide the world.
+    """
+    if tensor_parallel_size < 1 or world_size % tensor_parallel_size:
+        raise ValueError(f"rollout.tensor_parallel_size={tensor_parallel_size} does not divide the world size "
+                         f"{world_size}: every rank holds part of one replica; use a divisor of {world_size}")
+    return rank // tensor_parallel_size, world_size // tensor_parallel_size, rank % tensor_parallel_size == 0
+
+
+def shard_range(num_items: int, shard: int, num_shards: int) -> range:
+    """Shard ``shard`` of ``num_items`` split into ``num_shards`` contiguous, balanced ranges
+    (the first ``num_items % num_shards`` shards hold one more)."""
+    base, extra = divmod(num_items, num_shards)
+    start = shard * base + min(shard, extra)
+    return range(start, start + base + (shard < extra))
+
+
+class RolloutPlacement:
+    """One run's rollout replicas: splits generation, gathers results, syncs weights, sleeps/wakes.
+
+    Args:
+        engine: this rank's engine (its share of the replica: a TP shard for vLLM).
+        tensor_parallel_size: ranks per replica (``rollout.tensor_parallel_size``).
+        group: process group for the result gather (pickled objects); None = a gloo group over the
+            whole world, created here (collective: every rank must build its placement together).
+        alone: this rank's engine as the only replica, whatever the world (a one-process
+            reference, or a rank evaluating by itself).
+    """
+
+    def __init__(self, engine: RolloutEngine, *, tensor_parallel_size: int = 1, group: Any = None,
+                 alone: bool = False):
+        self.engine = engine
+        initialized = dist.is_available() and dist.is_initialized() and not alone
+        self.rank = dist.get_rank() if initialized else 0
+        self.world_size = dist.get_world_size() if initialized else 1
+        self.replica, self.num_replicas, self.is_leader = replica_layout(
+            self.rank, self.world_size, tensor_parallel_size)
+        if group is None and self.world_size > 1 and dist.get_backend() != "gloo":
+            group = dist.new_group(backend="gloo")  # objects travel on the CPU, not through NCCL
+        self._group = group
+        self._asleep = False
+
+    def share(self, num_items: int) -> range:
+        """Global positions of this replica's share of ``num_items`` prompts."""
+        return shard_range(num_items, self.replica, self.num_replicas)
+
+    # ------------------------------------------------------------------ phases
+    def generate(self, prompt_ids: Sequence[Sequence[int]], n: int,
+                 params: SamplingParams) -> tuple[range, list[list[Rollout]]]:
+        """This replica's share of a whole generation batch: (global positions, rollouts per prompt).
+
+        Every rank calls it with the same batch and params; ranks of one replica get the same share.
+        """
+        self.wake_up()
+        share = self.share(len(prompt_ids))
+        if not share:  # fewer prompts than replicas
+            return share, []
+        return share, self.engine.generate([prompt_ids[i] for i in share], n, params,
+                                           prompt_indices=list(share))
+
+    def gather(self, local: list) -> list:
+        """Every replica leader's ``local`` list, concatenated in replica order, on every rank
+        (what other ranks pass is ignored, so they may pass ``[]``)."""
+        if self.world_size == 1:
+            return list(local)
+        parts: list = [None] * self.world_size
+        dist.all_gather_object(parts, list(local) if self.is_leader else None, group=self._group)
+        return [item for part in parts if part is not None for item in part]
+
+    def sync(self, weights: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> dict[str, int]:
+        """Stream (HF name, full tensor) pairs into this rank's engine (every rank runs it, so every
+        replica gets them); returns sync_weights' counts."""
+        return sync_weights(self.engine, weights, bucket_bytes)
+
+    def sleep(self) -> None:
+        """Release the engine's memory for the trainer (before old log-probs and updates)."""
+        if not self._asleep:
+            self.engine.sleep()
+            self._asleep = True
+
+    def wake_up(self) -> None:
+        """Restore what sleep() released (weights if no sync did, then the KV cache)."""
+        if self._asleep:
+            self.engine.wake_up()
+            self._asleep = False

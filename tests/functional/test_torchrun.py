@@ -1,0 +1,50 @@
+"""The CPU demo under torchrun from an empty run directory: at DP=2 and at Megatron TP=2 (two HF
+engine replicas either way) it starts, and its first step equals a one-process run's: the same
+evaluation, the same generated groups (rewards, lengths, dynamic-sampling counts, all exact), and
+the same update (to fp32 round-off)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+SHORT = ["train.total_steps=1", "eval.every=1", "logging.tensorboard=false", "checkpoint.save_every=0",
+         "toy.warmup_steps=40"]
+
+
+def _train(run_dir: Path, nproc: int, *overrides: str) -> list[dict]:
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    cmd = (launcher if nproc > 1 else [sys.executable]) + [
+        "-m", "megatron_dapo.cli", "train", "--config", str(ROOT / "conf" / "cpu_tiny.yaml"),
+        f"logging.dir={run_dir}", *SHORT, *overrides]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-5000:]
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _split(record: dict) -> tuple[dict, dict]:
+    """(exact part: rollouts, rewards, dynamic sampling, evaluation; round-off part: the trainer)."""
+    rounded = {k: v for k, v in record.items() if k.startswith(("actor/", "rollout/logprob"))}
+    exact = {k: v for k, v in record.items() if k not in rounded and not k.startswith(("timing", "time"))}
+    return exact, rounded
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory) -> list[dict]:
+    return _train(tmp_path_factory.mktemp("one_process"), 1)
+
+
+@pytest.mark.parametrize("layout", [[], ["parallel.tensor_model_parallel_size=2"]], ids=["dp2", "tp2"])
+def test_torchrun_from_an_empty_dir_matches_one_process(one_process, tmp_path_factory, layout):
+    records = _train(tmp_path_factory.mktemp("torchrun"), 2, *layout)
+    assert [r["step"] for r in records] == [0, 1]
+    for got, want in zip(records, one_process, strict=True):
+        (got_exact, got_rounded), (want_exact, want_rounded) = _split(got), _split(want)
+        assert got_exact == want_exact
+        assert got_rounded.keys() == want_rounded.keys()
+        for key, value in want_rounded.items():
+            assert got_rounded[key] == pytest.approx(value, rel=1e-4, abs=1e-5), key
