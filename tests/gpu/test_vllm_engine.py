@@ -1,10 +1,15 @@
-"""The vLLM rollout engine on a real GPU: generation, log-prob contract, weight sync, sleep/wake,
-and the colocated (torchrun, external_launcher) placement.
+"""The vLLM rollout engine on a real GPU: what the CPU tests cannot check.
 
-Skipped without CUDA (tests/conftest.py) or without vllm. A tiny random Qwen2 (head_dim 64, which
-every vLLM attention backend supports) is saved as a bf16 checkpoint; the reference is the same
-checkpoint in HF transformers, fp32, teacher-forced (weight_sync.score_logprobs). vLLM computes in
-bf16, so agreement is checked with the DESIGN metric (mean exp|diff|) and loose maxima, not 1e-5.
+tests/unit/test_rollout_vllm_engine.py (the real engine, vLLM's CPU build) covers the contract:
+token ids, log-probs against teacher-forced HF, finish reasons, per-response seeds, weight updates
+(tied and untied, bucketed), bad inputs; tests/distributed/test_vllm_colocated.py covers colocated
+engines against the Megatron actor. Here: bf16 numerics, sleep mode really releasing device memory,
+weight sync while asleep, the device-memory check, and colocated (torchrun, NCCL) sleep/sync.
+
+Skipped without CUDA (tests/conftest.py) or without vllm. A tiny random Qwen2 (head_dim 64) is saved
+as a bf16 checkpoint; the reference is the same checkpoint in HF transformers, fp32, teacher-forced
+(weight_sync.score_logprobs). vLLM computes in bf16, so agreement is checked with the DESIGN metric
+(mean exp|diff|) and a loose maximum.
 """
 
 import gc
@@ -28,6 +33,7 @@ pytestmark = pytest.mark.gpu
 EOS = 1
 PROMPTS = [[5, 17, 42, 8], [7, 9], [100, 101, 102, 103, 104, 105, 106], [3]]
 MISMATCH_TOL = 1.03  # NeMo-RL's guide: token_mult_prob_error within 1-2% of 1.0 in bf16
+UTILIZATION = 0.25
 
 
 def tiny_qwen2(seed: int) -> Qwen2ForCausalLM:
@@ -69,40 +75,30 @@ def check_against(model, rollouts, temperature: float) -> dict:
     return {k: v.item() for k, v in logprob_mismatch(eng, ref, mask).items()}
 
 
-@pytest.fixture(scope="module")
-def engine(ckpt_dir):
-    eng = VLLMEngine(ckpt_dir, mode="standalone", gpu_memory_utilization=0.25, max_model_len=512,
-                     dtype="bfloat16", seed=0, logprobs_mode="raw_logprobs")
-    yield eng
-    del eng
+def free_bytes() -> int:
     gc.collect()
     torch.cuda.empty_cache()
+    torch.cuda.synchronize()
+    return torch.cuda.mem_get_info()[0]  # device-wide: counts the engine's worker process too
+
+
+@pytest.fixture(scope="module")
+def engine(ckpt_dir):
+    """Standalone, engine core in a child process (weight updates pickled across vLLM's RPC)."""
+    eng = VLLMEngine(ckpt_dir, mode="standalone", gpu_memory_utilization=UTILIZATION, max_model_len=512,
+                     dtype="bfloat16", seed=0, logprobs_mode="raw_logprobs")
+    assert eng.enable_sleep_mode  # on by default with CUDA
+    yield eng
+    eng.shutdown()
+    free_bytes()
 
 
 def flat(groups):
     return [r for g in groups for r in g]
 
 
-def test_generation_shapes_stops_and_seeding(engine):
-    params = SamplingParams(temperature=1.0, top_p=0.7, max_tokens=24, seed=3)
-    out = engine.generate(PROMPTS, n=4, params=params)
-    assert [len(g) for g in out] == [4] * len(PROMPTS)
-    for g, p in zip(out, PROMPTS):
-        for r in g:
-            assert r.prompt_ids == p and 1 <= len(r.response_ids) <= 24
-            assert len(r.logprobs) == len(r.response_ids)
-            if r.finish_reason == "stop":
-                assert r.response_ids[-1] == EOS and EOS not in r.response_ids[:-1]
-            else:
-                assert len(r.response_ids) == 24
-    again = engine.generate(PROMPTS, n=4, params=params)
-    assert [r.response_ids for r in flat(out)] == [r.response_ids for r in flat(again)]
-    capped = engine.generate(PROMPTS, n=1, params=SamplingParams(max_tokens=1, seed=0))
-    assert all(len(r.response_ids) == 1 for r in flat(capped))
-
-
 @pytest.mark.parametrize("top_p,top_k", [(1.0, -1), (0.7, -1), (0.9, 20)])
-def test_logprobs_match_teacher_forced_hf(engine, ckpt_dir, top_p, top_k):
+def test_bf16_logprobs_match_teacher_forced_hf(engine, ckpt_dir, top_p, top_k):
     params = SamplingParams(temperature=1.0, top_p=top_p, top_k=top_k, max_tokens=32, seed=1)
     rollouts = flat(engine.generate(PROMPTS, n=4, params=params))
     m = check_against(hf_reference(ckpt_dir), rollouts, 1.0)
@@ -110,19 +106,18 @@ def test_logprobs_match_teacher_forced_hf(engine, ckpt_dir, top_p, top_k):
     assert m["rollout/logprob_abs_diff_max"] < 0.25, m
 
 
-def test_processed_mode_at_other_temperature(ckpt_dir):
-    eng = VLLMEngine(ckpt_dir, mode="standalone", gpu_memory_utilization=0.2, max_model_len=512,
-                     dtype="bfloat16", logprobs_mode="processed_logprobs")
-    try:
-        params = SamplingParams(temperature=0.7, max_tokens=32, seed=2)
-        m = check_against(hf_reference(ckpt_dir), flat(eng.generate(PROMPTS, n=4, params=params)), 0.7)
-        assert m["rollout/logprob_mismatch"] < MISMATCH_TOL, m
-        with pytest.raises(ValueError):  # top-p at T != 1: no exact mode
-            eng.generate(PROMPTS, n=1, params=SamplingParams(temperature=0.7, top_p=0.9))
-    finally:
-        del eng
-        gc.collect()
-        torch.cuda.empty_cache()
+def test_sleep_releases_device_memory(engine):
+    total = torch.cuda.mem_get_info()[1]
+    awake = free_bytes()
+    engine.sleep()
+    asleep = free_bytes()
+    # Weights (level 1: to host memory) and the whole KV cache: most of what the engine took.
+    assert asleep - awake > 0.5 * UTILIZATION * total, (awake, asleep, total)
+    with pytest.raises(RuntimeError, match="wake_up"):
+        engine.generate(PROMPTS, n=1, params=SamplingParams(max_tokens=4, seed=0))
+    engine.wake_up()
+    assert awake - free_bytes() > 0.5 * UTILIZATION * total
+    assert len(flat(engine.generate(PROMPTS, n=1, params=SamplingParams(max_tokens=4, seed=0)))) == 4
 
 
 def test_weight_sync_through_sleep_changes_outputs_to_the_new_model(engine, ckpt_dir):
@@ -130,8 +125,10 @@ def test_weight_sync_through_sleep_changes_outputs_to_the_new_model(engine, ckpt
     before = flat(engine.generate(PROMPTS, n=2, params=params))
     new = tiny_qwen2(1).to(torch.bfloat16)  # what the engine will hold (bf16 rounding included)
     engine.sleep()
+    asleep = free_bytes()
     stats = sync_weights(engine, new.state_dict().items(), bucket_bytes=256 * 512 * 2)
     assert stats["num_buckets"] > 1
+    assert free_bytes() > asleep - 0.5 * UTILIZATION * torch.cuda.mem_get_info()[1]  # KV cache still out
     engine.wake_up()
     after = flat(engine.generate(PROMPTS, n=2, params=params))
     assert [r.response_ids for r in before] != [r.response_ids for r in after]
@@ -139,25 +136,42 @@ def test_weight_sync_through_sleep_changes_outputs_to_the_new_model(engine, ckpt
     m_old = check_against(hf_reference(ckpt_dir), after, 1.0)
     assert m_new["rollout/logprob_mismatch"] < MISMATCH_TOL, m_new
     assert m_old["rollout/logprob_abs_diff_mean"] > 10 * m_new["rollout/logprob_abs_diff_mean"]
-    # Restore the original weights for any later test using the module engine.
-    engine.update_weights(Qwen2ForCausalLM.from_pretrained(ckpt_dir).state_dict().items())
+    engine.update_weights(Qwen2ForCausalLM.from_pretrained(ckpt_dir).state_dict().items())  # restore
+
+
+def test_memory_fraction_that_is_not_free_fails_before_building(engine, ckpt_dir):
+    free, total = torch.cuda.mem_get_info()
+    with pytest.raises(ValueError, match="gpu_memory_utilization=.* GiB is free now"):
+        VLLMEngine(ckpt_dir, mode="standalone", gpu_memory_utilization=min(0.99, free / total + 0.05))
 
 
 COLOCATED_SCRIPT = textwrap.dedent("""
-    import sys, torch, torch.distributed as dist
-    from megatron_dapo.rollout import SamplingParams
+    import gc, sys, torch, torch.distributed as dist
+    from transformers import Qwen2ForCausalLM
+    from megatron_dapo.rollout import SamplingParams, score_logprobs, sync_weights
     from megatron_dapo.rollout.vllm_engine import VLLMEngine
     dist.init_process_group("nccl")
     torch.cuda.set_device(dist.get_rank())
     eng = VLLMEngine(sys.argv[1], mode="colocated", gpu_memory_utilization=0.2, max_model_len=512,
-                     dtype="bfloat16", seed=0)
-    assert (eng.dp_rank, eng.dp_size) == (0, 1)
-    out = eng.generate([[5, 6, 7]], n=2, params=SamplingParams(max_tokens=8, seed=0))
+                     dtype="bfloat16", seed=0, load_format="dummy")
+    assert (eng.dp_rank, eng.dp_size) == (0, 1) and eng.enable_sleep_mode
+    def free():
+        gc.collect(); torch.cuda.empty_cache(); torch.cuda.synchronize()
+        return torch.cuda.mem_get_info()[0]
+    awake = free()
     eng.sleep()
-    eng.update_weights([("model.norm.weight", torch.ones(256, device="cuda"))])
+    assert free() - awake > 0.1 * torch.cuda.mem_get_info()[1], "sleep released too little"
+    hf = Qwen2ForCausalLM.from_pretrained(sys.argv[1], dtype=torch.bfloat16).cuda()
+    sync_weights(eng, hf.state_dict().items(), bucket_bytes=1 << 18)  # wakes the weights only
     eng.wake_up()
-    out2 = eng.generate([[5, 6, 7]], n=2, params=SamplingParams(max_tokens=8, seed=0))
-    assert all(len(r.logprobs) == len(r.response_ids) > 0 for g in out + out2 for r in g)
+    groups = eng.generate([[5, 6, 7], [9]], n=2, params=SamplingParams(max_tokens=8, seed=0))
+    out = [r for g in groups for r in g]
+    ref = score_logprobs(hf.float(), [r.prompt_ids for r in out], [r.response_ids for r in out], 1.0)
+    worst = max(abs(a - b) for r, f in zip(out, ref) for a, b in zip(r.logprobs, f))
+    assert worst < 0.25, worst
+    eng.shutdown()
+    assert dist.is_initialized()  # the engine's shutdown leaves the trainer's world alone
+    dist.barrier()
     print("COLOCATED_OK")
 """)
 

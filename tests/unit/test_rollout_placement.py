@@ -2,6 +2,7 @@
 memory-phase order of a real (1-process) training run, recorded from a wrapped HF engine."""
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -81,10 +82,13 @@ def test_engine_sleeps_through_training_and_wakes_to_generate(tmp_path):
     script = tmp_path / "record.py"
     script.write_text(_RECORDING_RUN)
     out = tmp_path / "calls.json"
+    # A plain one-process run: no launcher variables (in-process tests of this session may have set some).
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     run = subprocess.run(
         [sys.executable, str(script), str(ROOT / "conf" / "cpu_tiny.yaml"), str(out), f"logging.dir={tmp_path / 'run'}",
          "train.total_steps=2", "eval.every=1", "logging.tensorboard=false", "toy.warmup_steps=20",
-         "checkpoint.save_every=0"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+         "checkpoint.save_every=0"], cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
     assert run.returncode == 0, run.stderr[-4000:]
     calls = json.loads(out.read_text())
     # Collapse repeats (several generation batches, buckets and updates) into the phase sequence.

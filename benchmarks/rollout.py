@@ -1,0 +1,185 @@
+"""Rollout engines on this machine: HF transformers vs vLLM's CPU build, side by side in one run.
+
+Three measurements, each engine in its own fresh process (vLLM binds OpenMP threads per process):
+  generate     generated tokens/s on the CPU demo's model shape (cpu_tiny_vllm: hidden 64, 2 layers,
+               head_dim 32) for one generation batch of the demo (24 prompts x 8 responses) with EOS
+               off, so both engines produce exactly the same number of tokens; best of --repeats
+               after one warm-up call; vLLM's start-up and warm-up are reported apart
+  weight sync  seconds per 100 MB of update_weights (HF names, full tensors, 512 MB buckets) on a
+               larger Qwen2 shape (hidden 512, 8 layers, vocabulary 32k: ~230 MB fp32), against the
+               baseline of a plain in-memory copy of the same bytes
+  DAPO step    seconds per step of conf/cpu_tiny_vllm.yaml under `torchrun --nproc-per-node 2` with
+               rollout.engine=hf and =vllm (mean of timing_s/step after step 1, which holds
+               warm-ups; wall time of the whole run, start-up included, alongside); both runs start
+               from the same toy base, made once
+
+    python benchmarks/rollout.py                    # everything, ~4-6 min on 2 cores
+    python benchmarks/rollout.py --skip-train       # engines only, ~1-2 min
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=2,
+            num_key_value_heads=1)
+LARGE = dict(vocab_size=32000, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
+             num_attention_heads=8, num_key_value_heads=2)
+
+
+def _save_qwen2(path: Path, shape: dict) -> int:
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    # No EOS id at all: vLLM would otherwise stop at the config's EOS whatever the request says.
+    cfg = Qwen2Config(**shape, max_position_embeddings=256, tie_word_embeddings=False, eos_token_id=None,
+                      bos_token_id=0)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(cfg)
+    model.save_pretrained(path)
+    return sum(p.numel() * p.element_size() for p in model.state_dict().values())
+
+
+def _engine(kind: str, path: Path, shape: dict):
+    """A fresh engine with EOS off (every response runs to max_tokens)."""
+    if kind == "hf":
+        from megatron_dapo.rollout.hf_engine import HFEngine
+
+        return HFEngine.from_pretrained(str(path), eos_token_ids=())
+    import torch.distributed as dist
+
+    from megatron_dapo.rollout.vllm_engine import VLLMEngine
+
+    if not dist.is_initialized():  # a one-process world, as a torchrun rank would have
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    kv_bytes = 64 << 20 if shape is TINY else 256 << 20
+    return VLLMEngine(str(path), mode="colocated", dtype="float32", max_model_len=128, eos_token_ids=(),
+                      kv_cache_memory_bytes=kv_bytes, load_format="dummy" if shape is LARGE else "auto",
+                      seed=0, enable_chunked_prefill=False)
+
+
+def _measure_engine(kind: str, workdir: Path, repeats: int) -> dict:
+    """Runs in a child process: generation throughput and weight-sync time of one engine."""
+    import torch
+    from safetensors.torch import load_file
+
+    from megatron_dapo.rollout import SamplingParams, sync_weights
+
+    out: dict = {"engine": kind, "torch_threads": torch.get_num_threads()}
+    start = time.perf_counter()
+    engine = _engine(kind, workdir / "tiny", TINY)
+    out["start_s"] = time.perf_counter() - start
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(2, 128, (int(n),), generator=g).tolist() for n in torch.randint(20, 40, (24,), generator=g)]
+    params = SamplingParams(temperature=1.0, max_tokens=16, seed=3)
+    start = time.perf_counter()
+    engine.generate(prompts, 8, params)
+    out["first_generate_s"] = time.perf_counter() - start
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        result = engine.generate(prompts, 8, params)
+        best = min(best, time.perf_counter() - start)
+    tokens = sum(len(r.response_ids) for group in result for r in group)
+    assert tokens == 24 * 8 * 16, f"{kind}: {tokens} tokens, expected every response to run to max_tokens"
+    out.update(generated_tokens=tokens, generate_s=best, tokens_per_s=tokens / best)
+    del engine
+
+    engine = _engine(kind, workdir / "large", LARGE)
+    weights = load_file(str(workdir / "large" / "model.safetensors"))
+    nbytes = sum(t.numel() * t.element_size() for t in weights.values())
+    # sleep() closes vLLM's layerwise reload (on CPU it releases nothing), so it is part of a sync.
+    sync_weights(engine, weights.items(), 512 << 20)  # warm-up (first-call allocations)
+    engine.sleep()
+    start = time.perf_counter()
+    sync_weights(engine, weights.items(), 512 << 20)
+    engine.sleep()
+    out["sync_s_per_100mb"] = (time.perf_counter() - start) / (nbytes / 100e6)
+    copies = {k: t.clone() for k, t in weights.items()}  # touched once: no first-write page faults
+    start = time.perf_counter()
+    for k, t in weights.items():
+        copies[k].copy_(t)
+    out["copy_s_per_100mb"] = (time.perf_counter() - start) / (nbytes / 100e6)
+    out["sync_bytes"] = nbytes
+    return out
+
+
+def _train(engine: str, run_dir: Path, toy_src: Path | None, steps: int) -> dict:
+    if toy_src is not None:  # reuse the toy base: both runs start from the same weights, no warm-up
+        for name in ("toy", "toy_data", "toy_base"):
+            shutil.copytree(toy_src / name, run_dir / name)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
+           "megatron_dapo.cli", "train", "--config", str(ROOT / "conf" / "cpu_tiny_vllm.yaml"),
+           f"logging.dir={run_dir}", f"rollout.engine={engine}", f"train.total_steps={steps}", "eval.every=0",
+           "eval.before_train=false", "checkpoint.save_every=0", "logging.tensorboard=false"]
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    if proc.returncode:
+        raise SystemExit(f"{engine} run failed:\n{proc.stderr[-4000:]}")
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steady = [r for r in records if r["step"] > 1]
+    mean = lambda key: sum(r[key] for r in steady) / len(steady)  # noqa: E731
+    return {"engine": engine, "wall_s": wall, "step_s": mean("timing_s/step"),
+            "rollout_s": mean("timing_s/rollout"), "sync_s": mean("timing_s/weight_sync"),
+            "mismatch_max": max(abs(r["rollout/logprob_mismatch"] - 1) for r in records if r["step"] > 0)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--steps", type=int, default=12, help="DAPO steps per training run")
+    p.add_argument("--skip-train", action="store_true")
+    p.add_argument("--child", nargs=2, metavar=("ENGINE", "WORKDIR"), help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        print(json.dumps(_measure_engine(args.child[0], Path(args.child[1]), args.repeats)))
+        return
+
+    with tempfile.TemporaryDirectory(prefix="bench_rollout_") as tmp:
+        work = Path(tmp)
+        _save_qwen2(work / "tiny", TINY)
+        _save_qwen2(work / "large", LARGE)
+        engines = {}
+        for kind in ("hf", "vllm"):
+            proc = subprocess.run([sys.executable, __file__, "--child", kind, str(work), "--repeats",
+                                   str(args.repeats)], cwd=ROOT, capture_output=True, text=True,
+                                  env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+            if proc.returncode:
+                raise SystemExit(f"{kind} engine failed:\n{proc.stderr[-4000:]}")
+            engines[kind] = json.loads(proc.stdout.strip().splitlines()[-1])
+        hf, vl = engines["hf"], engines["vllm"]
+        print(f"generate: {hf['generated_tokens']} tokens (24 prompts x 8 x 16), best of {args.repeats}")
+        print("| engine | tokens/s | vs HF | start-up s | first generate s | sync s/100 MB | vs plain copy |")
+        print("|---|---|---|---|---|---|---|")
+        for e in (hf, vl):
+            print(f"| {e['engine']} | {e['tokens_per_s']:.0f} | {e['tokens_per_s'] / hf['tokens_per_s']:.2f}x | "
+                  f"{e['start_s']:.1f} | {e['first_generate_s']:.2f} | {e['sync_s_per_100mb']:.3f} | "
+                  f"{e['sync_s_per_100mb'] / e['copy_s_per_100mb']:.1f}x |")
+        if args.skip_train:
+            return
+        runs = {}
+        for kind in ("hf", "vllm"):
+            run_dir = work / f"run_{kind}"
+            runs[kind] = _train(kind, run_dir, None if kind == "hf" else work / "run_hf", args.steps)
+        print(f"\nDAPO step, conf/cpu_tiny_vllm.yaml, torchrun 2 processes, {args.steps} steps "
+              "(means over steps 2..N)")
+        print("| engine | s/step | vs HF | rollout s | sync s | wall s (start-up included) | max |mismatch-1| |")
+        print("|---|---|---|---|---|---|---|")
+        for r in (runs["hf"], runs["vllm"]):
+            print(f"| {r['engine']} | {r['step_s']:.3f} | {r['step_s'] / runs['hf']['step_s']:.2f}x | "
+                  f"{r['rollout_s']:.3f} | {r['sync_s']:.3f} | {r['wall_s']:.0f} | {r['mismatch_max']:.1e} |")
+
+
+if __name__ == "__main__":
+    main()
