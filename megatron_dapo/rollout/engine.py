@@ -128,6 +128,11 @@ class RolloutEngine(Protocol):
         ``model.layers.0.self_attn.q_proj.weight``; a subset is fine (bucketed streaming)."""
         ...
 
+    def finish_weight_update(self) -> None:
+        """Called once after the last update_weights of a sync: an engine that applies updates
+        lazily (vLLM re-processes its layers) finishes here, so the next sync starts afresh."""
+        ...
+
     def sleep(self) -> None:
         """Release accelerator memory (weights and KV cache) for the training phase."""
         ...

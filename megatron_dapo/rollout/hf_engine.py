@@ -179,6 +179,9 @@ class HFEngine:
             for name, tensor in items:
                 targets[name].copy_(tensor)
 
+    def finish_weight_update(self) -> None:
+        """No-op: update_weights copies in place, nothing is pending."""
+
     def sleep(self) -> None:
         """No-op: on CPU there is no accelerator memory to hand to the trainer."""
 

@@ -357,7 +357,7 @@ class VLLMEngine:
                              "(data.max_prompt_length) or raise max_model_len")
         if self._asleep:
             raise RuntimeError("generate() on a sleeping engine: call wake_up() first")
-        self._finish_weight_update()
+        self.finish_weight_update()
         base = params.seed if params.seed is not None else self._seeds.randrange(2**62)
         stops = sorted(set(self.eos_token_ids) | set(params.stop_token_ids))
         requests = [(i, to_vllm_params(self._vllm, params, seed=sequence_seed(base, index, k),
@@ -376,7 +376,8 @@ class VLLMEngine:
         """Load HF-named full tensors (any subset; a call may end mid-layer) into every worker.
 
         Wakes only the weights if the engine sleeps, so the KV cache stays released during a
-        bucketed sync. The update takes effect at the next generate() or sleep(). Unknown names
+        bucketed sync. The update takes effect at finish_weight_update() (or the next generate() or
+        sleep()). Unknown names
         fail inside vLLM's loader (naming the parameter); the engine then keeps the weights it
         had for every layer that had not received all its tensors.
         """
@@ -395,12 +396,14 @@ class VLLMEngine:
         try:
             self.llm.collective_rpc(_c.load_weights, args=(items,))
         except Exception:
-            self._finish_weight_update()
+            self.finish_weight_update()
             raise
 
-    def _finish_weight_update(self) -> None:
-        """Close an open reload: process what is pending, put back what got nothing, and drop the
-        prefix cache (its KV blocks were computed with the old weights)."""
+    def finish_weight_update(self) -> None:
+        """End of a sync (weight_sync.sync_weights calls it; generate() and sleep() do too): close
+        the open reload, process what is pending, put back what got nothing, and drop the prefix
+        cache (its KV blocks were computed with the old weights). Without it a second sync would
+        feed layers that were already re-processed."""
         if not self._reloading:
             return
         self._reloading = False
@@ -410,7 +413,7 @@ class VLLMEngine:
 
     def sleep(self) -> None:
         """Release device memory for training (no-op without sleep mode, e.g. on CPU)."""
-        self._finish_weight_update()
+        self.finish_weight_update()
         if self.enable_sleep_mode and not self._asleep:
             self.llm.sleep(level=self.sleep_level)
             self._asleep = {"weights", "kv_cache"}

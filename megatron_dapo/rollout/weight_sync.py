@@ -51,7 +51,8 @@ def sync_weights(engine: RolloutEngine, weights: Iterable[tuple[str, torch.Tenso
                  bucket_bytes: int) -> dict[str, int]:
     """Stream ``weights`` into ``engine.update_weights`` one bucket at a time.
 
-    Returns counts for logging: num_buckets, num_tensors, num_bytes.
+    Then ``engine.finish_weight_update()`` (when the engine has it: minimal engines may apply
+    every bucket at once). Returns counts for logging: num_buckets, num_tensors, num_bytes.
     """
     stats = {"num_buckets": 0, "num_tensors": 0, "num_bytes": 0}
     for bucket in bucketed(weights, bucket_bytes):
@@ -59,6 +60,9 @@ def sync_weights(engine: RolloutEngine, weights: Iterable[tuple[str, torch.Tenso
         stats["num_buckets"] += 1
         stats["num_tensors"] += len(bucket)
         stats["num_bytes"] += sum(tensor_bytes(t) for _, t in bucket)
+    finish = getattr(engine, "finish_weight_update", None)
+    if finish is not None:
+        finish()
     return stats
 
 

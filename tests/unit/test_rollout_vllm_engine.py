@@ -267,7 +267,7 @@ def test_update_weights_makes_the_engine_the_new_model(engines, models, tied):
     # state dict of a tied HF model also holds lm_head.weight (= the embedding).
     stats = sync_weights(eng, new.state_dict().items(), bucket_bytes=64 * 128 * 4)
     assert stats["num_buckets"] > 6
-    eng.sleep()  # no-op on CPU (closes the reload), as wake_up
+    eng.sleep()  # no-op on CPU, as wake_up
     eng.wake_up()
     out = flat(eng.generate(PROMPTS, n=2, params=params))
     assert max_diff(new, out, temperature) < TOL
@@ -278,7 +278,10 @@ def test_update_weights_makes_the_engine_the_new_model(engines, models, tied):
     with torch.no_grad():
         new.model.norm.weight.copy_(norm)
     assert max_diff(new, flat(eng.generate(PROMPTS, n=2, params=params)), temperature) < TOL
-    sync_weights(eng, old.state_dict().items(), bucket_bytes=1 << 20)  # back, for the other tests
+    # Two syncs back to back, no generate between (each closes its own reload: the second used
+    # to feed layers the first had already re-processed), ending on the old weights for the other tests.
+    sync_weights(eng, new.state_dict().items(), bucket_bytes=1 << 20)
+    sync_weights(eng, old.state_dict().items(), bucket_bytes=1 << 20)
     assert max_diff(old, flat(eng.generate(PROMPTS, n=1, params=params)), temperature) < TOL
 
 
