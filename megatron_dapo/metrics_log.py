@@ -48,6 +48,7 @@ PROGRESS_KEYS: tuple[tuple[str, str], ...] = (
     ("actor/pg_clipfrac_high", "clip_hi"),
     ("dynamic_sampling/num_gen_batches", "gen"),
     ("rollout/logprob_mismatch", "mismatch"),
+    ("actor/tis_clip_frac", "tis_clip"),  # only with loss.tis_cap
     ("timing_s/step", "s"),
 )
 
