@@ -63,6 +63,7 @@ def setup_run(cfg: DAPOConfig) -> Run:
     import megatron_dapo.policy  # noqa: F401  (CPU patches before megatron.core is imported)
     from transformers import AutoTokenizer, GenerationConfig
 
+    from megatron_dapo.config_loading import ConfigError
     from megatron_dapo.data import PromptSampler
     from megatron_dapo.policy.actor import MegatronActor
     from megatron_dapo.rollout.engine import get_engine_cls
@@ -90,7 +91,10 @@ def setup_run(cfg: DAPOConfig) -> Run:
     sampler = PromptSampler(len(train_ids), seed=cfg.seed, shuffle=cfg.data.shuffle)
     # Every rank builds its engine at the same point: vLLM's external launcher forms its groups
     # over the whole world. Weights arrive with the loop's first sync.
-    engine = get_engine_cls(cfg.rollout.engine).from_config(str(hf_path), cfg)
+    try:
+        engine = get_engine_cls(cfg.rollout.engine).from_config(str(hf_path), cfg)
+    except ValueError as e:  # the engine's own checks (memory, head size) run before it builds anything
+        raise ConfigError(str(e)) from None
     placement = RolloutPlacement(engine, tensor_parallel_size=cfg.rollout.tensor_parallel_size)
     pool = None
     if placement.is_leader:
@@ -106,12 +110,23 @@ def setup_run(cfg: DAPOConfig) -> Run:
 
 
 def check_rollout(cfg: DAPOConfig, world_size: int) -> None:
-    """The rollout settings that need the world size or the installed packages; before heavy work."""
+    """The rollout settings that need the world size or the installed packages, before heavy work;
+    a ConfigError, which the CLI prints as one line."""
+    import torch
+
+    from megatron_dapo.config_loading import ConfigError
     from megatron_dapo.rollout.placement import replica_layout
 
-    replica_layout(0, world_size, cfg.rollout.tensor_parallel_size)
+    try:
+        replica_layout(0, world_size, cfg.rollout.tensor_parallel_size)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     if cfg.rollout.engine == "vllm" and importlib.util.find_spec("vllm") is None:
-        raise ValueError(VLLM_INSTALL)
+        raise ConfigError(VLLM_INSTALL)
+    if cfg.rollout.engine == "vllm" and not torch.cuda.is_available() and cfg.rollout.kv_cache_memory_mb == 0:
+        raise ConfigError("rollout.engine=vllm on CPU needs rollout.kv_cache_memory_mb > 0 (e.g. 64 for the toy, "
+                          "as in conf/cpu_tiny_vllm.yaml): vLLM's CPU build counts this whole process, trainer "
+                          "included, against rollout.gpu_memory_utilization")
 
 
 def _materialise_start(cfg: DAPOConfig, run_dir: Path, rank: int) -> tuple[DAPOConfig, Path]:

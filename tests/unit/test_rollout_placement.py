@@ -102,3 +102,21 @@ def test_engine_sleeps_through_training_and_wakes_to_generate(tmp_path):
         asleep = {"sleep": True, "wake_up": False}.get(c, asleep)
         assert not (asleep and c == "generate"), "generated while asleep"
         assert asleep or c not in ("old_log_probs", "update"), f"{c} while the engine was awake"
+
+
+def test_rollout_settings_fail_as_one_config_error_before_heavy_work(monkeypatch):
+    import importlib.util
+
+    from megatron_dapo.config import DAPOConfig, RolloutConfig
+    from megatron_dapo.config_loading import ConfigError
+    from megatron_dapo.setup import check_rollout
+
+    with pytest.raises(ConfigError, match="rollout.tensor_parallel_size=3 does not divide the world size 4"):
+        check_rollout(DAPOConfig(rollout=RolloutConfig(engine="hf", tensor_parallel_size=3)), 4)
+    vllm = DAPOConfig(rollout=RolloutConfig(engine="vllm"))
+    with pytest.raises(ConfigError, match="needs rollout.kv_cache_memory_mb > 0"):
+        check_rollout(vllm, 1)
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else find_spec(name, *a))
+    with pytest.raises(ConfigError, match=r"needs the vllm package: on CPU run `./install.sh vllm`"):
+        check_rollout(vllm, 1)
