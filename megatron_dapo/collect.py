@@ -28,12 +28,19 @@ class Group:
     rewards: list[float]  # score + overlong penalty: what the advantages see
 
 
-def score_rollouts(outputs: list[list[Rollout]], truths: list[str], *, tokenizer, pool) -> list[dict]:
-    """Decodes and scores every response of ``outputs`` (per prompt, same order as ``truths``):
-    one reward dict per response, flat in prompt-major order."""
+def score_rollouts(outputs: list[list[Rollout]], truths: list[str], *, tokenizer, pool,
+                   fns: tuple[str | None, ...] = (None,)) -> list[list[dict]]:
+    """Decodes every response of ``outputs`` (per prompt, same order as ``truths``) once and scores
+    it with each reward fn named in ``fns`` (None: the pool's default, reward.fn): per fn, one
+    reward dict per response, flat in prompt-major order."""
     flat = [r for group in outputs for r in group]
     texts = tokenizer.batch_decode([r.response_ids for r in flat], skip_special_tokens=True)
-    return pool.score(texts, [gt for gt, group in zip(truths, outputs) for _ in group])
+    gts = [gt for gt, group in zip(truths, outputs) for _ in group]
+    scored: dict = {}
+    for fn in fns:
+        if fn not in scored:
+            scored[fn] = pool.score(texts, gts) if fn is None else pool.score(texts, gts, fn=fn)
+    return [scored[fn] for fn in fns]
 
 
 def shape_groups(indices: list[int], outputs: list[list[Rollout]], results: list[dict],
@@ -68,7 +75,7 @@ def generate_groups(placement: RolloutPlacement, prompt_ids: list[list[int]], in
     local: list[tuple[list[bool], Group | None]] = []
     if placement.is_leader and share:
         mine = [indices[p] for p in share]
-        results = score_rollouts(outputs, [ground_truths[i] for i in mine], tokenizer=tokenizer, pool=pool)
+        results, = score_rollouts(outputs, [ground_truths[i] for i in mine], tokenizer=tokenizer, pool=pool)
         groups = shape_groups(mine, outputs, results, cfg)
         kept = keep(torch.tensor([g.acc for g in groups], dtype=torch.bool)).tolist()
         local = [(g.acc, g if k else None) for g, k in zip(groups, kept)]
@@ -98,8 +105,14 @@ def to_samples(groups: list[Group], cfg: DAPOConfig):
 
 
 def rollout_metrics(groups: list[Group]) -> dict[str, float]:
-    """The paper's monitoring set for the kept batch: accuracy, rewards, lengths, truncation."""
+    """The paper's monitoring set for the kept batch: accuracy, rewards, lengths, truncation, and
+    rollout/token_prob_mean, the mean over response tokens of the engine's probability of the
+    sampled token (exp of its log-prob; absent when the engine returned no log-probs). The
+    fractions of all-wrong / all-correct groups over every generated group are DynamicSampler's."""
     rollouts = [r for g in groups for r in g.rollouts]
+    logprobs = [lp for r in rollouts for lp in r.logprobs]
+    extra = {"rollout/token_prob_mean": torch.tensor(logprobs, dtype=torch.float64).exp().mean().item()} \
+        if logprobs else {}
     lengths = torch.tensor([len(r.response_ids) for r in rollouts], dtype=torch.float32)
     acc = torch.tensor([a for g in groups for a in g.acc], dtype=torch.float32)
     scores = torch.tensor([x for g in groups for x in g.scores])
@@ -112,4 +125,5 @@ def rollout_metrics(groups: list[Group]) -> dict[str, float]:
         "response_length/mean": lengths.mean().item(),
         "response_length/max": lengths.max().item(),
         "response_length/clip_ratio": sum(r.finish_reason == "length" for r in rollouts) / len(rollouts),
+        **extra,
     }

@@ -86,12 +86,13 @@ class ParallelConfig:
 class DataConfig:
     train_files: tuple[str, ...] = _f((), "training prompts: DAPO-format parquet or JSONL files")
     val_files: tuple[str, ...] = _f(("data/aime-2024.parquet",), "evaluation prompts (AIME-2024 ships in data/)")
-    dedup: bool = _f(True, "merge identical prompts (DAPO-Math-17K ships each ~100x)")
+    dedup: bool = _f(True, "merge identical training prompts (DAPO-Math-17K ships ~100x); eval files always merged")
     on_bad_row: Literal["error", "skip"] = _f("error", "malformed rows: stop with an error, or count and skip")
     max_prompt_length: int = _f(2048, "prompts longer than this many tokens are dropped (counted)")
     shuffle: bool = _f(True, "shuffle prompts each epoch (seeded; resumable)")
     prompts_per_step: int = _f(512, "prompt groups in one training (rollout) step")
-    gen_prompts_per_batch: int = _f(1536, "prompts drawn per generation batch (verl gen_batch_size: 3 x 512)")
+    gen_prompts_per_batch: int = _f(1536, "prompts per generation batch with dynamic sampling (verl gen_batch_size: "
+                                    "3 x 512); without it a generation batch is prompts_per_step")
 
     def __post_init__(self):
         for name in ("max_prompt_length", "prompts_per_step", "gen_prompts_per_batch"):
@@ -188,7 +189,8 @@ class OverlongBufferConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class RewardConfig:
-    fn: str = _f("dapo_math", "reward function (registry): final Answer: line vs integer ground truth")
+    fn: str = _f("dapo_math", "training scorer (registry): dapo_math (ours, compares values) or math_dapo_paper "
+                 "(the paper's exact string rule)")
     num_workers: int = _f(2, "reward worker processes; 0 = score inline without a time limit")
     timeout_s: float = _f(10.0, "per-response scoring time limit; a timeout scores as incorrect")
     overlong_buffer: OverlongBufferConfig = _sub(OverlongBufferConfig, "soft overlong punishment")
@@ -241,6 +243,8 @@ class EvalConfig:
     temperature: float = _f(1.0, "sampling temperature (DAPO eval: 1.0)")
     top_p: float = _f(0.7, "nucleus sampling (DAPO eval: 0.7)")
     max_response_length: int = _f(20480, "generation limit in evaluation")
+    reward_fn: str = _f("math_dapo_paper", "scorer of eval/avg@n etc. (registry; the paper's rule, comparable "
+                        "with its numbers); eval/*_value always use dapo_math")
 
     def __post_init__(self):
         if self.every < 0 or self.n < 1 or self.max_response_length < 1:
@@ -335,14 +339,11 @@ def _validate_cross_section(cfg: DAPOConfig) -> None:
     if 0 < t.max_tokens_per_micro_batch < seq_len:
         _fail(f"train.max_tokens_per_micro_batch={t.max_tokens_per_micro_batch} cannot hold one sequence of "
               f"data.max_prompt_length + rollout.max_response_length = {seq_len} tokens; raise it to >= {seq_len}")
-    fg = cfg.algorithm.filter_groups
-    if not fg.enable and d.gen_prompts_per_batch < d.prompts_per_step:
-        _fail(f"without dynamic sampling every generated group is used, so data.gen_prompts_per_batch="
-              f"{d.gen_prompts_per_batch} must be >= data.prompts_per_step={d.prompts_per_step}")
     for name, registry, value in (("loss.loss_agg_mode", AGG_MODES, cfg.loss.loss_agg_mode),
                                   ("loss.policy_loss", POLICY_LOSSES, cfg.loss.policy_loss),
                                   ("algorithm.adv_estimator", ADVANTAGE_ESTIMATORS, cfg.algorithm.adv_estimator),
-                                  ("reward.fn", REWARD_FNS, cfg.reward.fn)):
+                                  ("reward.fn", REWARD_FNS, cfg.reward.fn),
+                                  ("eval.reward_fn", REWARD_FNS, cfg.eval.reward_fn)):
         if value not in registry:
             _fail(f"{name}={value!r} is not one of {registry.names()}")
 

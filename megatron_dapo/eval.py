@@ -1,8 +1,13 @@
-"""Evaluation: n samples per problem, scored with the reward fn, reported as avg@n, pass@k, cons@n.
+"""Evaluation: n samples per problem, scored, reported as avg@n, pass@k, cons@n.
 
 DAPO's AIME protocol (reference dapo.md 1.4): the 30 problems, 32 samples each, temperature 1.0,
 top-p 0.7, metric avg@32 (mean accuracy over the samples). The AIME file ships each problem 32
-times; the loader merges the copies and ``eval.n`` draws the samples instead.
+times; the loader always merges the copies and ``eval.n`` draws the samples instead.
+
+Each response is scored twice: by ``reward_fn`` (eval.reward_fn, default the paper's rule, so
+``eval/avg@32`` is the number to set beside the paper's) and by ``value_fn`` (our value scorer,
+reported with the suffix ``_value``, e.g. ``eval/avg@32_value``). README "The reward" explains
+where the two disagree.
 
 The problems are split over the rollout replicas like a generation batch (rollout/placement.py):
 each replica's leader scores its share and sends back per-problem summaries (no token ids), so
@@ -16,24 +21,31 @@ from megatron_dapo.rollout.placement import RolloutPlacement
 
 
 def evaluate(placement: RolloutPlacement, prompt_ids: list[list[int]], ground_truths: list[str], *, tokenizer,
-             params: SamplingParams, n: int, pool, prefix: str = "eval/") -> dict[str, float]:
+             params: SamplingParams, n: int, pool, prefix: str = "eval/", reward_fn: str | None = None,
+             value_fn: str | None = None) -> dict[str, float]:
     """Generates ``n`` responses per prompt and returns {prefix + avg@n (also as acc_mean), pass@1,
-    pass@n, cons@n, response_length_mean, truncation_rate, num_timeouts}, on every rank."""
+    pass@n, cons@n, response_length_mean, truncation_rate, num_timeouts}, on every rank, scored by
+    the pool's fn ``reward_fn`` (None: its default). With ``value_fn``, also avg@n, pass@.., cons@n
+    and acc_mean scored by that fn, each key with the suffix "_value"."""
+    fns = (reward_fn,) if value_fn is None else (reward_fn, value_fn)
     share, outputs = placement.generate(prompt_ids, n, params)
     local = []
     if placement.is_leader and share:
-        results = score_rollouts(outputs, [ground_truths[i] for i in share], tokenizer=tokenizer, pool=pool)
+        scored = score_rollouts(outputs, [ground_truths[i] for i in share], tokenizer=tokenizer, pool=pool,
+                                fns=fns)
         for j, rollouts in enumerate(outputs):
-            scored = results[j * n:(j + 1) * n]
-            local.append({"samples": [(r["acc"], r["pred"]) for r in scored],
+            mine = [results[j * n:(j + 1) * n] for results in scored]
+            local.append({"samples": [[(r["acc"], r["pred"]) for r in results] for results in mine],
                           "lengths": [len(r.response_ids) for r in rollouts],
                           "truncated": sum(r.finish_reason == "length" for r in rollouts),
-                          "timeouts": sum(r.get("timed_out", False) for r in scored)})
+                          "timeouts": sum(r.get("timed_out", False) for results in mine for r in results)})
     problems = placement.gather(local)
-    summary, _ = eval_metrics([p["samples"] for p in problems])
+    out = {}
+    for k, suffix in enumerate(("", "_value")[:len(fns)]):
+        summary, _ = eval_metrics([p["samples"][k] for p in problems])
+        out |= {prefix + key + suffix: v for key, v in summary.items()}
+        out[prefix + "acc_mean" + suffix] = summary[f"avg@{n}"]  # mean accuracy over all samples (avg@n)
     num_responses = sum(len(p["lengths"]) for p in problems)
-    out = {prefix + k: v for k, v in summary.items()}
-    out[prefix + "acc_mean"] = summary[f"avg@{n}"]  # mean accuracy over all samples (avg@n)
     out[prefix + "response_length_mean"] = sum(sum(p["lengths"]) for p in problems) / num_responses
     out[prefix + "truncation_rate"] = sum(p["truncated"] for p in problems) / num_responses
     out[prefix + "num_timeouts"] = float(sum(p["timeouts"] for p in problems))

@@ -86,8 +86,9 @@ def setup_run(cfg: DAPOConfig) -> Run:
 
     tokenizer = AutoTokenizer.from_pretrained(hf_path)
     stops = _stop_ids(GenerationConfig.from_pretrained(hf_path), tokenizer)
-    train_ids, train_truths = _prompts(cfg.data.train_files, tokenizer, cfg)
-    val_ids, val_truths = _prompts(cfg.data.val_files, tokenizer, cfg)
+    train_ids, train_truths = _prompts(cfg.data.train_files, tokenizer, cfg, dedup=cfg.data.dedup)
+    # Always merged: eval.n draws the samples, and copies would skew pass@n and cons@n.
+    val_ids, val_truths = _prompts(cfg.data.val_files, tokenizer, cfg, dedup=True)
     sampler = PromptSampler(len(train_ids), seed=cfg.seed, shuffle=cfg.data.shuffle)
     # Every rank builds its engine at the same point: vLLM's external launcher forms its groups
     # over the whole world. Weights arrive with the loop's first sync.
@@ -98,9 +99,7 @@ def setup_run(cfg: DAPOConfig) -> Run:
     placement = RolloutPlacement(engine, tensor_parallel_size=cfg.rollout.tensor_parallel_size)
     pool = None
     if placement.is_leader:
-        from megatron_dapo.reward import RewardPool
-
-        pool = RewardPool(num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s)
+        pool = make_reward_pool(cfg)
     logger.info("rank %d: rollout replica %d of %d (%s engine, rollout TP %d)%s", rank, placement.replica,
                 placement.num_replicas, cfg.rollout.engine, cfg.rollout.tensor_parallel_size,
                 ", scoring" if placement.is_leader else "")
@@ -170,10 +169,21 @@ def _make_toy(cfg: DAPOConfig, data_dir: Path, hf_path: Path) -> None:
     make_toy_base(hf_path, seed=cfg.seed, cfg=t, eval_rows=val)
 
 
-def _prompts(files, tokenizer, cfg: DAPOConfig) -> tuple[list[list[int]], list[str]]:
+def make_reward_pool(cfg: DAPOConfig):
+    """One RewardPool for every scorer the run uses: reward.fn (the default, for training),
+    eval.reward_fn and our value scorer (both for evaluation), picked per call by name. One set of
+    reward.num_workers processes serves them all (no pool per scorer on small machines)."""
+    from megatron_dapo.reward import VALUE_REWARD_FN, RewardPool, get_reward_fn
+
+    names = {cfg.reward.fn, cfg.eval.reward_fn, VALUE_REWARD_FN}
+    return RewardPool(num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s,
+                      score_fn=get_reward_fn(cfg.reward.fn), score_fns={n: get_reward_fn(n) for n in names})
+
+
+def _prompts(files, tokenizer, cfg: DAPOConfig, *, dedup: bool) -> tuple[list[list[int]], list[str]]:
     from megatron_dapo.data import apply_chat_template, filter_by_prompt_length, load_prompts
 
-    loaded = load_prompts(list(files), dedup=cfg.data.dedup, on_bad_row=cfg.data.on_bad_row)
+    loaded = load_prompts(list(files), dedup=dedup, on_bad_row=cfg.data.on_bad_row)
     ids = [apply_chat_template(tokenizer, r.chat()) for r in loaded.records]
     records, ids, dropped = filter_by_prompt_length(loaded.records, ids, cfg.data.max_prompt_length)
     logger.info("%s: %d prompts (%d rows, %d duplicates, %d too long)", ",".join(files), len(records),

@@ -25,6 +25,7 @@ from megatron_dapo.config import DAPOConfig
 from megatron_dapo.config_loading import dump_yaml, to_dict
 from megatron_dapo.eval import evaluate
 from megatron_dapo.metrics_log import MetricsLogger, format_progress
+from megatron_dapo.reward import VALUE_REWARD_FN
 from megatron_dapo.rollout.engine import Rollout, eval_sampling_params, rollout_sampling_params
 from megatron_dapo.rollout.weight_sync import logprob_mismatch
 from megatron_dapo.setup import Run, setup_run
@@ -40,6 +41,8 @@ def train(cfg: DAPOConfig) -> dict[str, float]:
     dyn = DynamicSampler(prompts_per_step=cfg.data.prompts_per_step, group_size=cfg.rollout.n,
                          max_num_gen_batches=cfg.algorithm.filter_groups.max_num_gen_batches,
                          enabled=cfg.algorithm.filter_groups.enable, surplus=cfg.algorithm.filter_groups.surplus)
+    # Without dynamic sampling every group is kept: a generation batch is the step's prompts.
+    gen_batch = cfg.data.gen_prompts_per_batch if dyn.enabled else cfg.data.prompts_per_step
     start = run.state.get("step", 0)
     if run.state:
         run.sampler.load_state_dict(run.state["sampler"])
@@ -62,7 +65,7 @@ def train(cfg: DAPOConfig) -> dict[str, float]:
         with log.timer("rollout"):
             dyn.start_step()
             while not dyn.is_full:  # dynamic sampling: draw generation batches until the batch is full
-                indices = run.sampler.next_indices(cfg.data.gen_prompts_per_batch)
+                indices = run.sampler.next_indices(gen_batch)
                 params = rollout_sampling_params(cfg.rollout, seed=_seed(cfg, step, dyn), stop_token_ids=run.stops)
                 groups, acc = generate_groups(placement, run.train_ids, indices, ground_truths=run.train_truths,
                                               tokenizer=run.tokenizer, params=params, pool=run.pool, cfg=cfg,
@@ -116,7 +119,7 @@ def _sync(run: Run) -> None:
 def _evaluate(run: Run, cfg: DAPOConfig) -> dict[str, float]:
     params = eval_sampling_params(cfg.eval, seed=cfg.seed, stop_token_ids=run.stops)
     return evaluate(run.placement, run.val_ids, run.val_truths, tokenizer=run.tokenizer, params=params,
-                    n=cfg.eval.n, pool=run.pool)
+                    n=cfg.eval.n, pool=run.pool, reward_fn=cfg.eval.reward_fn, value_fn=VALUE_REWARD_FN)
 
 
 def _log(log: MetricsLogger, step: int, metrics: dict, cfg: DAPOConfig, start: int) -> dict[str, float]:

@@ -151,6 +151,10 @@ class DynamicSampler:
             "dynamic_sampling/responses_per_used_response": c.num_responses / used_responses,
             "dynamic_sampling/mean_pass_rate": (
                 sum(k * n for k, n in enumerate(hist)) / max(1, sum(hist)) / self.group_size),
+            # Over every group generated this step, kept or not, with the filter on or off (the
+            # paper's motivation for dynamic sampling: the share of groups with no gradient).
+            "dynamic_sampling/frac_all_wrong": hist[0] / max(1, sum(hist)),
+            "dynamic_sampling/frac_all_correct": hist[-1] / max(1, sum(hist)),
         }
         return batch, metrics
 

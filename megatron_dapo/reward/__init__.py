@@ -1,14 +1,29 @@
-"""Rule-based rewards: scorers by name, and a process pool that bounds their time."""
+"""Rule-based rewards: scorers by name, and a process pool that bounds their time.
+
+Two scorers are registered (README "The reward"):
+- "dapo_math" (VALUE_REWARD_FN, math_dapo.py): ours, compares the VALUE of the answer with the
+  integer ground truth; the training default.
+- "math_dapo_paper" (PAPER_REWARD_FN, paper_rule.py): the paper's / verl's rule, exact string match
+  of the normalised last "Answer:" in the last 300 characters; the evaluation default, the number
+  to set beside the paper's.
+"""
 
 from megatron_dapo.registry import Registry
+from megatron_dapo.reward import paper_rule
 from megatron_dapo.reward.math_dapo import compute_score
 from megatron_dapo.reward.pool import RewardPool
 
-__all__ = ["REWARD_FNS", "RewardPool", "compute_score", "get_reward_fn"]
+__all__ = ["PAPER_REWARD_FN", "REWARD_FNS", "VALUE_REWARD_FN", "RewardPool", "compute_score", "get_reward_fn"]
 
-# A reward fn maps (response, ground_truth) to {"score": float, "acc": bool, "pred": str}.
+VALUE_REWARD_FN = "dapo_math"
+PAPER_REWARD_FN = "math_dapo_paper"
+
+# A reward fn maps (response, ground_truth) to {"score": float, "acc": bool, "pred": str}. It must be a
+# module-level function (RewardPool's worker processes import it by name) that reads at most the last
+# math_dapo.TAIL_CHARS characters of the response (the pool sends only those).
 REWARD_FNS: Registry = Registry("reward fn")
-REWARD_FNS.register("dapo_math")(compute_score)
+REWARD_FNS.register(VALUE_REWARD_FN)(compute_score)
+REWARD_FNS.register(PAPER_REWARD_FN)(paper_rule.compute_score)
 
 
 def get_reward_fn(name: str):

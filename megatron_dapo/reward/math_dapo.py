@@ -4,8 +4,8 @@ The DAPO prompt (reference dapo.md 1.7) asks the model to end with a line "Answe
 `compute_score` reads the last such line in the tail of the response, normalises it and compares
 its VALUE with the integer ground truth.
 
-Deviations from verl's `math_dapo.compute_score` (reference dapo.md 2.4), which compares
-normalised STRINGS:
+Deviations from verl's `math_dapo.compute_score` (reference dapo.md 2.4; ours again in
+paper_rule.py, the evaluation default), which compares normalised STRINGS:
 - Values, not strings: "42.0", "1,000", "042", "\\frac{84}{2}" and "2^{5}+10" all equal their
   integers. Plain numbers and integer fractions take a pure-Python fast path (Decimal or Fraction
   compare, microseconds). Only other expressions go to math-verify's `parse` (about 3 ms), and then
@@ -81,6 +81,8 @@ _UNITS = (
     "|dollars?|cents?|seconds?|sec|s|minutes?|min|hours?|hrs?|days?|weeks?|months?|years?"
     "|ways|points?|people|students|integers?|numbers?|values?|solutions?|pairs?|triples?|"
     "outcomes|sequences|subsets|steps|moves|times|digits|terms|squares|triangles|rectangles"
+    # the rest of the paper rule's unit list (paper_rule.REMOVED_EXPRESSIONS)
+    "|mph|pounds?|lbs?|gm|grams?|edges?|meals?|multiples?|tickets?|children"
 )
 _UNIT_SUFFIX_RE = re.compile(
     r"(?<=[0-9})])\s*(?:(?:(?:square|sq\.?|cubic)\s+)?(?:%s)\b(?:\^\{?[23]\}?)?|\^\s*\{?\s*\\circ\s*\}?"

@@ -25,6 +25,9 @@ Design:
 - Responses are cut to their last `max_response_chars` characters before they are sent.
   compute_score reads only that tail, so its results do not change. This avoids pickling 60k
   characters per response. Set it to None for score functions that read the whole text.
+- One pool can hold several score functions (`score_fns`, by name); each call of score() picks
+  one (`fn`), and each chunk names it. So training and evaluation scorers share the same worker
+  processes instead of one pool per scorer (2-core machines).
 """
 
 import collections
@@ -59,8 +62,8 @@ def _score_one(score_fn, response, ground_truth) -> dict:
     return result
 
 
-def _worker_main(conn, current, score_fn) -> None:
-    """Worker loop: receive chunks of (index, response, ground_truth), send [(index, result)]."""
+def _worker_main(conn, current, score_fns) -> None:
+    """Worker loop: receive (fn name, chunk of (index, response, ground_truth)), send [(index, result)]."""
     # We bound time ourselves, so math-verify's "timeout is disabled" warning is noise here.
     logging.getLogger("math_verify").setLevel(logging.ERROR)
     math_dapo.warm_up()
@@ -72,6 +75,8 @@ def _worker_main(conn, current, score_fn) -> None:
             return
         if chunk is None:
             return
+        fn_name, chunk = chunk
+        score_fn = score_fns[fn_name]
         done, last_send = [], time.monotonic()
         for index, response, ground_truth in chunk:
             current.value = index
@@ -87,11 +92,11 @@ def _worker_main(conn, current, score_fn) -> None:
 class _Worker:
     """Parent-side handle: process, pipe, shared current index, and the indices it still owes."""
 
-    def __init__(self, ctx, score_fn):
+    def __init__(self, ctx, score_fns):
         self.conn, child_conn = ctx.Pipe(duplex=True)
         self.current = ctx.RawValue("q", -1)
         self.process = ctx.Process(
-            target=_worker_main, args=(child_conn, self.current, score_fn), daemon=True
+            target=_worker_main, args=(child_conn, self.current, score_fns), daemon=True
         )
         self.process.start()
         child_conn.close()
@@ -132,7 +137,9 @@ class RewardPool:
     It is meant for tests and debugging.
 
     Thread-safe: calls from several threads are serialised. Use as a context manager or call
-    close(). `score_fn` must be a module-level function, because workers import it by name.
+    close(). `score_fn` (the default of score()) and the values of `score_fns` (more scorers by
+    name, picked with score(..., fn=name)) must be module-level functions, because workers import
+    them by name.
     """
 
     def __init__(
@@ -143,12 +150,14 @@ class RewardPool:
         max_response_chars: int | None = TAIL_CHARS,
         chunk_size: int = 32,
         start_timeout_s: float = 120.0,
+        score_fns: dict | None = None,
     ):
         if num_workers < 0 or timeout_s <= 0 or chunk_size < 1:
             raise ValueError(f"bad RewardPool args: {num_workers=}, {timeout_s=}, {chunk_size=}")
         self.num_workers = num_workers
         self.timeout_s = timeout_s
         self.score_fn = score_fn
+        self.score_fns = {None: score_fn, **(score_fns or {})}
         self.max_response_chars = max_response_chars
         self.chunk_size = chunk_size
         self.start_timeout_s = start_timeout_s
@@ -157,7 +166,7 @@ class RewardPool:
         self.num_crashes = 0
         self._lock = threading.Lock()
         self._ctx = multiprocessing.get_context("spawn")
-        self._workers = [_Worker(self._ctx, score_fn) for _ in range(num_workers)]
+        self._workers = [_Worker(self._ctx, self.score_fns) for _ in range(num_workers)]
         self._closed = False
         self._finalizer = weakref.finalize(self, _shutdown, self._workers)
 
@@ -187,36 +196,39 @@ class RewardPool:
                         raise RuntimeError(f"reward worker died during startup (exit code {code})")
                 self._enforce_deadlines([], collections.deque())  # raises after start_timeout_s
 
-    def score(self, responses: list[str], ground_truths: list[str]) -> list[dict]:
-        """Scores pairs; result i belongs to pair i."""
+    def score(self, responses: list[str], ground_truths: list[str], fn: str | None = None) -> list[dict]:
+        """Scores pairs with the score fn named ``fn`` (None: ``score_fn``); result i belongs to pair i."""
         if len(responses) != len(ground_truths):
             raise ValueError(f"{len(responses)} responses but {len(ground_truths)} ground truths")
+        if fn not in self.score_fns:
+            names = sorted(k for k in self.score_fns if k)
+            raise ValueError(f"RewardPool has no score fn {fn!r}; it has {names}")
         with self._lock:
             if self._closed:
                 raise RuntimeError("RewardPool is closed")
             self.last_num_timeouts = 0
             if self.num_workers == 0:
-                return [_score_one(self.score_fn, r, g) for r, g in zip(responses, ground_truths)]
+                return [_score_one(self.score_fns[fn], r, g) for r, g in zip(responses, ground_truths)]
             if self.max_response_chars is not None:
                 responses = [r[-self.max_response_chars:] for r in responses]
             try:
-                results = self._score_in_workers(responses, ground_truths)
+                results = self._score_in_workers(responses, ground_truths, fn)
             except BaseException:
                 # E.g. KeyboardInterrupt: busy workers would later answer for indices of this
                 # aborted call, so they are replaced.
                 for worker in [w for w in self._workers if w.pending]:
                     worker.kill()
                     worker.conn.close()
-                    self._workers[self._workers.index(worker)] = _Worker(self._ctx, self.score_fn)
+                    self._workers[self._workers.index(worker)] = _Worker(self._ctx, self.score_fns)
                 raise
             self.num_timeouts += self.last_num_timeouts
             return results
 
-    def _score_in_workers(self, responses, ground_truths) -> list[dict]:
+    def _score_in_workers(self, responses, ground_truths, fn) -> list[dict]:
         results = [None] * len(responses)
         todo = collections.deque(range(len(responses)))
         while todo or any(w.pending for w in self._workers):
-            self._dispatch(todo, responses, ground_truths)
+            self._dispatch(todo, responses, ground_truths, fn)
             handles = {w.conn: w for w in self._workers}
             handles.update({w.process.sentinel: w for w in self._workers})
             for handle in wait(list(handles), timeout=self._seconds_to_next_deadline()):
@@ -228,7 +240,7 @@ class RewardPool:
             self._enforce_deadlines(results, todo)
         return results
 
-    def _dispatch(self, todo, responses, ground_truths) -> None:
+    def _dispatch(self, todo, responses, ground_truths, fn) -> None:
         ready = [w for w in self._workers if w.ready]
         if not ready or not todo:
             return
@@ -239,7 +251,7 @@ class RewardPool:
                 chunk = [todo.popleft() for _ in range(min(chunk_len, len(todo)))]
                 items = [(i, responses[i], ground_truths[i]) for i in chunk]
                 num_chars = sum(len(r) + len(g) for _, r, g in items)  # a lower bound on bytes
-                payload = None if num_chars > PIPELINE_MAX_BYTES else pickle.dumps(items)
+                payload = None if num_chars > PIPELINE_MAX_BYTES else pickle.dumps((fn, items))
                 if worker.pending and (payload is None or len(payload) > PIPELINE_MAX_BYTES):
                     todo.extendleft(reversed(chunk))  # send it once the worker is idle
                     break
@@ -247,7 +259,7 @@ class RewardPool:
                     worker.heard_at = time.monotonic()
                 worker.pending.extend(chunk)
                 try:
-                    worker.conn.send_bytes(payload if payload is not None else pickle.dumps(items))
+                    worker.conn.send_bytes(payload if payload is not None else pickle.dumps((fn, items)))
                 except OSError:  # dead worker: its sentinel wakes the wait() above
                     break
 
@@ -304,4 +316,4 @@ class RewardPool:
             else:
                 self.num_crashes += 1
         todo.extendleft(reversed(worker.pending))  # front of the queue: they are not to blame
-        self._workers[self._workers.index(worker)] = _Worker(self._ctx, self.score_fn)
+        self._workers[self._workers.index(worker)] = _Worker(self._ctx, self.score_fns)

@@ -20,9 +20,12 @@ PROMPTS = [[5, 17, 42, 8], [7, 9], [100, 101, 102, 103, 104], [3], [60, 61, 62]]
 
 
 class ParityPool:
-    def score(self, texts, truths):
-        even = [sum(map(int, t.split())) % 2 == 0 for t in texts]
-        return [{"score": 1.0 if e else -1.0, "acc": e, "pred": t} for e, t in zip(even, texts)]
+    """Stand-in RewardPool: the default fn scores even token sums correct, fn="odd" odd ones."""
+
+    def score(self, texts, truths, fn=None):
+        want = 1 if fn == "odd" else 0
+        ok = [sum(map(int, t.split())) % 2 == want for t in texts]
+        return [{"score": 1.0 if e else -1.0, "acc": e, "pred": t} for e, t in zip(ok, texts)]
 
 
 class CharTokenizer:
@@ -98,6 +101,13 @@ def _check(rank, rollout_tp):
                          pool=ParityPool() if placement.is_leader else None)
     assert evaluated == evaluate(alone, PROMPTS, ["1"] * 5, tokenizer=CharTokenizer(), params=params, n=3,
                                  pool=ParityPool())
+    # With a second scorer: its numbers under the "_value" suffix, split and gathered the same way.
+    both = evaluate(placement, PROMPTS, ["1"] * 5, tokenizer=CharTokenizer(), params=params, n=3,
+                    pool=ParityPool() if placement.is_leader else None, value_fn="odd")
+    assert both == evaluate(alone, PROMPTS, ["1"] * 5, tokenizer=CharTokenizer(), params=params, n=3,
+                            pool=ParityPool(), value_fn="odd")
+    assert {k: v for k, v in both.items() if not k.endswith("_value")} == evaluated
+    assert both["eval/avg@3"] + both["eval/avg@3_value"] == pytest.approx(1.0)
 
 
 @pytest.mark.parametrize("rollout_tp", [1, 2])

@@ -122,3 +122,48 @@ CASES = [
     (_COT + "Answer: 4\u0662", "42", False, "arabic-indic digit"),
     (_COT + "Answer: \uff14\uff12", "42", False, "fullwidth digits"),
 ]
+
+# Both scorers on one table: (response, ground_truth, paper_rule_acc, ours_acc, label). The paper-rule
+# column is the documented behaviour of the original (verl math_dapo, reference dapo.md 2.4): last
+# "Answer:" match in the last 300 characters, normalised, exact string equality. Rows where the two
+# columns differ are the labelled differences listed in README "The reward".
+_TAIL_TEXT = "\n" + "We double-check the arithmetic once more. " * 10  # 421 characters: > 300, < 1000
+SCORER_CASES = [
+    # --- both correct ---
+    (_COT + "Answer: 42", "42", True, True, "plain"),
+    (_COT + "Answer: $42$", "42", True, True, "dollar math"),
+    (_COT + "Answer: \\boxed{42}", "42", True, True, "boxed"),
+    (_COT + "Answer: $\\boxed{42}$", "42", True, True, "boxed in math"),
+    (_COT + "Answer: x = 42", "42", True, True, "assignment"),
+    (_COT + "Answer: 1,000", "1000", True, True, "thousands comma"),
+    (_COT + "Answer: $1{,}000$", "1000", True, True, "thousands latex comma"),
+    (_COT + "Answer: 42 degrees", "42", True, True, "unit degrees"),
+    (_COT + "Answer: $42^\\circ$", "42", True, True, "degree circ"),
+    (_COT + "Answer: 42 cm", "42", True, True, "unit cm"),
+    (_COT + "Answer:\n42", "42", True, True, "answer on the next line"),
+    (_COT + "Final answer: 42", "42", True, True, "final answer"),
+    (_COT + "Answer: $-3$", "-3", True, True, "negative"),
+    (_COT + "Answer: 41\nAnswer: 42", "42", True, True, "last Answer line wins"),
+    (_COT + "Answer: 42 mph", "42", True, True, "unit mph"),
+    (_COT + "Answer: 42 edges", "42", True, True, "unit edges"),
+    (_COT + "Answer: 42 pounds", "42", True, True, "unit pounds"),
+    (_COT + "Answer: 42 meals", "42", True, True, "unit meals"),
+    # --- both wrong ---
+    (_COT + "Answer: 43", "42", False, False, "wrong value"),
+    (_COT + "The result is 42.", "42", False, False, "no Answer line"),
+    (_COT + "Answer: 42 or 43", "42", False, False, "hedge"),
+    (_COT + "Answer: $(42, 43)$", "42", False, False, "tuple"),
+    (_COT + "Answer: 6 7", "42", False, False, "juxtaposed digits"),
+    ("Answer: 42\n" + "We continue thinking. " * 100, "42", False, False, "answer line outside both tails"),
+    # --- differences: ours correct, the paper rule wrong ---
+    (_COT + "**Answer:** 42", "42", False, True, "markdown bold label"),
+    (_COT + "Answer: 42.", "42", False, True, "trailing period"),
+    (_COT + "Answer: $\\frac{84}{2}$", "42", False, True, "frac of the value"),
+    (_COT + "Answer: 042", "42", False, True, "leading zero"),
+    (_COT + "Answer: 42.0", "42", False, True, "integral decimal"),
+    (_COT + "Answer: 42" + _TAIL_TEXT, "42", False, True, "answer followed by > 300 characters"),
+    (_COT + "Answer: The answer is 42", "42", False, True, "filler before the value"),
+    (_COT + "Answer:: 42", "42", False, True, "doubled colon"),
+    # --- differences: the paper rule correct, ours wrong ---
+    (_COT + "Answer: 4 2", "42", True, False, "spaces removed inside the number"),
+]

@@ -81,7 +81,9 @@ def test_resolved_config_round_trips(tmp_path):
     ("loss.tis_cap=1", None),  # the smallest cap: weights min(ratio, 1)
     ("algorithm.adv_estimator=gae", "algorithm.adv_estimator='gae' is not one of ['grpo', 'grpo_mean_only']"),
     ("rollout.n=1", "rollout.n must be >= 2"),
-    ("reward.fn=gsm8k", "reward.fn='gsm8k' is not one of ['dapo_math']"),
+    ("reward.fn=gsm8k", "reward.fn='gsm8k' is not one of ['dapo_math', 'math_dapo_paper']"),
+    ("eval.reward_fn=gsm8k", "eval.reward_fn='gsm8k' is not one of ['dapo_math', 'math_dapo_paper']"),
+    ("reward.fn=math_dapo_paper", None),
     ("train.max_tokens_per_micro_batch=4096", "cannot hold one sequence of data.max_prompt_length + "
                                               "rollout.max_response_length = 22528 tokens"),
     ("parallel.sequence_parallel=true", "sequence_parallel=true needs tensor_model_parallel_size > 1"),
@@ -103,9 +105,9 @@ def test_bad_values_fail_early_with_the_fix(override, message):
 def test_cross_field_errors_need_two_overrides():
     with pytest.raises(ConfigError, match="model.fp8 needs Transformer Engine"):
         load_config(None, ["model.fp8=e4m3", "model.transformer_impl=local"])
-    with pytest.raises(ConfigError, match="data.gen_prompts_per_batch=8 must be >= data.prompts_per_step=16"):
-        load_config(None, ["algorithm.filter_groups.enable=false", "data.gen_prompts_per_batch=8",
-                           "data.prompts_per_step=16", "train.mini_batch_prompts=4"])
+    # Without dynamic sampling a generation batch is the step's prompts: gen_prompts_per_batch is unused.
+    load_config(None, ["algorithm.filter_groups.enable=false", "data.gen_prompts_per_batch=8",
+                       "data.prompts_per_step=16", "train.mini_batch_prompts=4"])
     with pytest.raises(ConfigError, match="needs a value >= 2 and pipeline_model_parallel_size > 1"):
         load_config(None, ["parallel.virtual_pipeline_model_parallel_size=2"])
 

@@ -114,7 +114,7 @@ def test_no_false_positives(a, form, other):
 
 def test_registry():
     assert get_reward_fn("dapo_math") is compute_score
-    with pytest.raises(ValueError, match=r"valid names: \['dapo_math'\]"):
+    with pytest.raises(ValueError, match=r"valid names: \['dapo_math', 'math_dapo_paper'\]"):
         get_reward_fn("nope")
     with pytest.raises(ValueError, match="already registered"):
         REWARD_FNS.register("dapo_math")(len)
