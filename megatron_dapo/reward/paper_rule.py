@@ -35,9 +35,10 @@ SUBSTITUTIONS = (
     ("an ", ""), ("a ", ""), (".$", "$"), ("\\$", ""), ("\\ ", ""), (" ", ""),
     ("mbox", "text"), (",\\text{and}", ","), ("\\text{and}", ","), ("\\text{m}", "\\text{}"),
 )
-# Deleted wherever they occur, in this order (units, filler, LaTeX spacing and degree marks).
+# Deleted wherever they occur, in this order (units, filler, LaTeX spacing and degree marks). verl's
+# copy of the Minerva list has no "ft" (checked against its source): "12 ft" stays "12ft" there.
 REMOVED_EXPRESSIONS = (
-    "square", "ways", "integers", "dollars", "mph", "inches", "ft", "hours", "km", "units",
+    "square", "ways", "integers", "dollars", "mph", "inches", "hours", "km", "units",
     "\\ldots", "sue", "points", "feet", "minutes", "digits", "cents", "degrees", "cm", "gm",
     "pounds", "meters", "meals", "edges", "students", "childrentickets", "multiples",
     "\\text{s}", "\\text{.}", "\\text{\ns}", "\\text{}^2", "\\text{}^3", "\\text{\n}", "\\text{}",

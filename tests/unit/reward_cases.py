@@ -164,6 +164,7 @@ SCORER_CASES = [
     (_COT + "Answer: 42" + _TAIL_TEXT, "42", False, True, "answer followed by > 300 characters"),
     (_COT + "Answer: The answer is 42", "42", False, True, "filler before the value"),
     (_COT + "Answer:: 42", "42", False, True, "doubled colon"),
+    (_COT + "Answer: 42 ft", "42", False, True, "unit ft (not in verl's removed list)"),
     # --- differences: the paper rule correct, ours wrong ---
     (_COT + "Answer: 4 2", "42", True, False, "spaces removed inside the number"),
 ]
