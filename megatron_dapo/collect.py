@@ -1,6 +1,6 @@
 """From prompts to scored prompt groups: generation, reward, overlong shaping, advantages.
 
-The training step's data path (DESIGN.md "One step") minus the model update, engine-agnostic and
+The training step's data path (docs/DESIGN.md "One step") minus the model update, engine-agnostic and
 free of megatron: a generation batch, split over the rollout replicas, becomes ``Group`` objects
 (one prompt, G rollouts, correctness, shaped rewards) that dynamic sampling filters, and a kept set
 of groups becomes the trainer's ``Sample`` list with GRPO advantages.

@@ -6,7 +6,7 @@ and ``key=value`` overrides are applied by ``megatron_dapo.config_loading``; unk
 inconsistent values fail there, before any heavy work.
 
 Defaults follow the DAPO paper (arXiv 2503.14476, section 4.1) and, where the paper is silent, the
-verl reproduction recipe (``run_dapo_qwen2.5_32b.sh``): see ../shared/reference/dapo.md 1.4, 2.1, 5.
+verl reproduction recipe (``run_dapo_qwen2.5_32b.sh``): see docs/reference/dapo.md 1.4, 2.1, 5.
 Deviations are noted on the field.
 """
 

@@ -1,6 +1,6 @@
 """Evaluation: n samples per problem, scored, reported as avg@n, pass@k, cons@n.
 
-DAPO's AIME protocol (reference dapo.md 1.4): the 30 problems, 32 samples each, temperature 1.0,
+DAPO's AIME protocol (docs/reference/dapo.md 1.4): the 30 problems, 32 samples each, temperature 1.0,
 top-p 0.7, metric avg@32 (mean accuracy over the samples). The AIME file ships each problem 32
 times; the loader always merges the copies and ``eval.n`` draws the samples instead.
 

@@ -1,7 +1,7 @@
 """Evaluation metrics over n sampled responses per problem: avg@k, pass@k, cons@k.
 
 The DAPO paper reports AIME-2024 avg@32 (Fig. 1 also pass@32 and cons@32): 32 samples per
-problem at temperature 1.0, top-p 0.7 (reference/dapo.md 1.4). Each sample is scored by the reward
+problem at temperature 1.0, top-p 0.7 (docs/reference/dapo.md 1.4). Each sample is scored by the reward
 function into (acc, pred): correctness and the extracted answer string.
 
 - avg@k: mean accuracy of the first k samples (avg@n is "pass@1 averaged over n samples",

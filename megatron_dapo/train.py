@@ -1,4 +1,4 @@
-"""The DAPO training loop, top to bottom (DESIGN.md "One step").
+"""The DAPO training loop, top to bottom (docs/DESIGN.md "One step").
 
 Run: ``megatron-dapo train --config conf/cpu_tiny.yaml [key=value ...]``, also under
 ``torchrun --nproc-per-node N``. Every rank holds a share of a rollout replica: each replica

@@ -3,7 +3,7 @@
 Names follow megatron-core's GPTModel: the local layer spec (``get_gpt_layer_local_spec``) has
 separate norm modules; the Transformer Engine spec fuses them into ``linear_qkv`` and
 ``linear_fc1`` as ``layer_norm_weight`` (the ``te=`` names). Layout as in Megatron-Bridge's
-qwen2_bridge.py (reference/nvidia_stack.md section 3.4). Qwen2 has q/k/v biases (hard-coded
+qwen2_bridge.py (docs/reference/nvidia_stack.md section 3.4). Qwen2 has q/k/v biases (hard-coded
 ``bias=True`` in transformers' Qwen2Attention) and no other linear biases.
 """
 

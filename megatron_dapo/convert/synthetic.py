@@ -1,7 +1,7 @@
 """Real Qwen2.5 shapes with random weights: for benchmarks, dry runs and tests (nothing downloaded).
 
 The shape fields below are those of the public Qwen2.5 base-model ``config.json`` files
-(Qwen/Qwen2.5-{0.5B,1.5B,7B,32B}; the 32B values as in shared/reference/nvidia_stack.md 4.2).
+(Qwen/Qwen2.5-{0.5B,1.5B,7B,32B}; the 32B values as in docs/reference/nvidia_stack.md 4.2).
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ model that knows only the response format answers a uniformly random digit and s
 below the 0.8 the demo must reach.
 
 Deviation from DAPO: the prompt is a short question instead of the 60-word DAPO template
-(reference dapo.md 1.7), because every prompt token costs time on 2 CPU cores and a model trained
+(docs/reference/dapo.md 1.7), because every prompt token costs time on 2 CPU cores and a model trained
 from scratch gains nothing from the instruction text.
 
 Response format (what the warm-up teaches, see ``format_response``)::

@@ -1,4 +1,5 @@
-"""``MegatronActor``: the policy behind NeMo-Aligner's actor method names (nvidia_stack.md 1.3).
+"""``MegatronActor``: the policy behind NeMo-Aligner's actor method names
+(docs/reference/nvidia_stack.md 1.3).
 
 One object per rank holds this rank's model chunks (DDP-wrapped), the optimizer and the
 lr schedule, built from a DAPOConfig and an HF config.json. Batches are lists of

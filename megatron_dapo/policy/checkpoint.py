@@ -25,7 +25,7 @@ its default ``dp_reshardable`` reshards only over DP). Saving and loading must a
 is unchanged; otherwise each rank keeps the freshly seeded ones (as megatron-training does).
 
 Saves spawn one multiprocessing Manager per process (megatron's writer): a script that saves
-must guard its body with ``if __name__ == "__main__":`` (megatron_on_cpu.md item 4).
+must guard its body with ``if __name__ == "__main__":`` (docs/reference/megatron_on_cpu.md item 4).
 """
 
 from __future__ import annotations

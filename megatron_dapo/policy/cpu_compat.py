@@ -2,7 +2,7 @@
 
 Applied by ``megatron_dapo.policy.__init__`` before anything imports ``megatron.core``, and only
 when ``torch.cuda.is_available()`` is False (on a GPU nothing here runs). Each patch answers one
-measured failure from shared/reference/megatron_on_cpu.md: on CPU the "CUDA" device, RNG and
+measured failure from docs/reference/megatron_on_cpu.md: on CPU the "CUDA" device, RNG and
 stream simply become the CPU ones.
 
 ``PATCHES`` is the registry. Each entry names the megatron call that needs it (``why``), the error

@@ -24,7 +24,7 @@ tokens: ``valid_vocab_size`` excludes them from the softmax, so log-probs match 
 
 Gradients: d log p_t / dx_v = [v = t] - p_v;  dH / dx_v = -p_v (x_v - E_p[x]).
 References: NeMo-Aligner / NeMo-RL DistributedLogprob and ChunkedDistributedLogprob
-(nvidia_stack.md 1.3, 2.6) for the TP scheme; the entropy gradient is derived above.
+(docs/reference/nvidia_stack.md 1.3, 2.6) for the TP scheme; the entropy gradient is derived above.
 """
 
 from __future__ import annotations

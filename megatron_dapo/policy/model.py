@@ -3,7 +3,7 @@
 Qwen2 in Megatron terms: grouped-query attention (num_query_groups = num_key_value_heads), a bias
 on the QKV projection only (add_qkv_bias, no add_bias_linear), RMSNorm, SwiGLU (gated linear unit
 + SiLU), RoPE with base ``rope_theta`` over the whole head, tied or untied embeddings.
-References: shared/reference/nvidia_stack.md 4.2 (Qwen2.5-32B flags) and megatron-core 0.19.2
+References: docs/reference/nvidia_stack.md 4.2 (Qwen2.5-32B flags) and megatron-core 0.19.2
 ``TransformerConfig`` / ``GPTModel``.
 
 Two layer specs: Transformer Engine (``get_gpt_layer_with_transformer_engine_spec``; GPU, bf16,
@@ -193,7 +193,7 @@ def transformer_config_from_hf(hf_config, *, model: ModelConfig, parallel: Paral
         moe_token_dispatcher_type="alltoall",
         # With interleaving and PP=2, prev and next stage are the same rank and the batched p2p
         # op list pairs sends with the wrong receives: silently wrong results
-        # (megatron_on_cpu.md 3b; megatron-training asserts this case away).
+        # (docs/reference/megatron_on_cpu.md 3b; megatron-training asserts this case away).
         batch_p2p_comm=not (vpp is not None and pp == 2),
     )
     if model.recompute == "selective":

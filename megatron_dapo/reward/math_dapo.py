@@ -1,10 +1,10 @@
 """Rule-based reward for DAPO-Math-17k and AIME: integer ground truths, "Answer:" lines.
 
-The DAPO prompt (reference dapo.md 1.7) asks the model to end with a line "Answer: $Answer".
+The DAPO prompt (docs/reference/dapo.md 1.7) asks the model to end with a line "Answer: $Answer".
 `compute_score` reads the last such line in the tail of the response, normalises it and compares
 its VALUE with the integer ground truth.
 
-Deviations from verl's `math_dapo.compute_score` (reference dapo.md 2.4; ours again in
+Deviations from verl's `math_dapo.compute_score` (docs/reference/dapo.md 2.4; ours again in
 paper_rule.py, the evaluation default), which compares normalised STRINGS:
 - Values, not strings: "42.0", "1,000", "042", "\\frac{84}{2}" and "2^{5}+10" all equal their
   integers. Plain numbers and integer fractions take a pure-Python fast path (Decimal or Fraction

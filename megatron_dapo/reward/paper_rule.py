@@ -1,7 +1,7 @@
 """The DAPO paper's scoring rule (verl's ``math_dapo``), written here from its description.
 
 This is the metric behind the paper's AIME avg@32 and verl's reproduction numbers (reference
-dapo.md 2.4). Use it to compare with them; our own scorer (math_dapo.py, compares values) is
+docs/reference/dapo.md 2.4). Use it to compare with them; our own scorer (math_dapo.py, compares values) is
 more lenient in some places and stricter in others (README "The reward" lists the differences).
 
 The rule, step by step:

@@ -1,7 +1,7 @@
 """Process pool that scores (response, ground_truth) pairs with a wall-time bound per item.
 
 sympy can hang on adversarial answers (e.g. 9^{9^{9^{9}}}), and math-verify's own timeouts use
-signal.alarm, which fails off the main thread (reference megatron_on_cpu.md item 7). So items run
+signal.alarm, which fails off the main thread (docs/reference/megatron_on_cpu.md item 7). So items run
 in worker processes, and a worker stuck on one item for more than `timeout_s` is killed and
 replaced.
 

@@ -3,7 +3,7 @@
 ``sync_weights`` streams (hf_name, tensor) pairs, as produced by the converter's streaming export
 of the live sharded model, into ``engine.update_weights`` in buckets of bounded size, so peak
 extra memory is one bucket rather than a second copy of the model (the NeMo-RL refit pattern,
-nvidia_stack.md 2.5, without its CUDA-IPC transport).
+docs/reference/nvidia_stack.md 2.5, without its CUDA-IPC transport).
 
 ``logprob_mismatch`` is the DESIGN's ``rollout/logprob_mismatch`` metric (NeMo-RL calls it
 ``token_mult_prob_error``; its guide expects it within 1-2% of 1.0). ``score_logprobs`` is a

@@ -5,7 +5,7 @@ each micro-batch's DAPO loss divides by the token count of all four (global_num_
 ``calculate_per_token_loss=True`` keeps the schedule from dividing by the number of micro-batches,
 so the accumulated gradients are those of the whole-batch loss. PP=1 is also checked against one
 forward/backward of the concatenated batch. Interleaving at PP=2 is the case that silently goes
-wrong with batch_p2p_comm=True (megatron_on_cpu.md 3b); build_model turns it off. The tied-
+wrong with batch_p2p_comm=True (docs/reference/megatron_on_cpu.md 3b); build_model turns it off. The tied-
 embedding case exercises the embedding copy on the last stage (synchronised at construction).
 """
 

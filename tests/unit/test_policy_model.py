@@ -72,7 +72,8 @@ def test_recompute_and_interleaving_settings():
     assert (full.recompute_granularity, full.recompute_method) == ("full", "uniform")
     assert full.recompute_num_layers == 1
     hf = tiny_hf_config(num_hidden_layers=8)
-    for pp, batch_p2p in ((2, False), (4, True)):  # megatron_on_cpu.md 3b: only PP=2 pairs prev == next
+    # docs/reference/megatron_on_cpu.md 3b: only PP=2 pairs prev == next
+    for pp, batch_p2p in ((2, False), (4, True)):
         par = ParallelConfig(pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=2)
         cfg = transformer_config_from_hf(hf, model=MODEL, parallel=par)
         # The shape exchange always batches its ops, so interleaved PP=2 exchanges no shapes.
