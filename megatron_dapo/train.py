@@ -81,7 +81,7 @@ def train(cfg: DAPOConfig) -> dict[str, float]:
             old = actor.get_inference_log_probs(samples)
             actor.finish_inference()
         if cfg.rollout.check_logprob_mismatch:
-            metrics.update(_mismatch([torch.tensor(r.logprobs) for g in groups for r in g.rollouts], old))
+            metrics.update(_mismatch([s.rollout_log_probs for s in samples], old))
         samples = [dataclasses.replace(s, old_log_probs=lp) for s, lp in zip(samples, old)]
 
         with log.timer("train"):

@@ -104,18 +104,23 @@ class MegatronActor:
         copy what must outlive the next update."""
         from megatron.core import parallel_state as ps
 
-        from megatron_dapo.convert import conversion_table
         from megatron_dapo.convert.export import DEFAULT_BUCKET_BYTES, export_hf_weights
 
         tp, pp = self.cfg.parallel.tensor_model_parallel_size, self.cfg.parallel.pipeline_model_parallel_size
-        vocab = padded_vocab_size(hf_arch(self.hf_config).vocab_size,
-                                  self.cfg.model.make_vocab_size_divisible_by, tp)
-        table = conversion_table(self.hf_config, padded_vocab_size=vocab)
         return export_hf_weights(
-            self.model, table,
+            self.model, self._conversion_table(),
             tp_group=ps.get_tensor_model_parallel_group() if tp > 1 else None,
             pp_group=ps.get_pipeline_model_parallel_group() if pp > 1 else None,
             bucket_bytes=bucket_bytes or DEFAULT_BUCKET_BYTES, dtype=dtype)
+
+    def _conversion_table(self):
+        """The Qwen2 HF <-> Megatron table at this model's vocabulary padding."""
+        from megatron_dapo.convert import conversion_table
+
+        vocab = padded_vocab_size(hf_arch(self.hf_config).vocab_size,
+                                  self.cfg.model.make_vocab_size_divisible_by,
+                                  self.cfg.parallel.tensor_model_parallel_size)
+        return conversion_table(self.hf_config, padded_vocab_size=vocab)
 
     def save_checkpoint(self, dir: str, trainer_state: dict) -> str:
         """Save under the checkpoint root ``dir`` as step ``trainer_state["step"]``; collective."""
@@ -143,14 +148,11 @@ class MegatronActor:
         conversion step runs first. No collective. Returns the number of parameters loaded."""
         from megatron.core import parallel_state as ps
 
-        from megatron_dapo.convert import SafetensorsReader, conversion_table, load_hf_weights
+        from megatron_dapo.convert import SafetensorsReader, load_hf_weights
 
         tp = self.cfg.parallel.tensor_model_parallel_size
-        vocab = padded_vocab_size(hf_arch(self.hf_config).vocab_size,
-                                  self.cfg.model.make_vocab_size_divisible_by, tp)
-        table = conversion_table(self.hf_config, padded_vocab_size=vocab)
         with SafetensorsReader(hf_dir) as reader:
-            count = load_hf_weights(self.model, table, reader,
+            count = load_hf_weights(self.model, self._conversion_table(), reader,
                                     tp_group=ps.get_tensor_model_parallel_group() if tp > 1 else None)
         self.optimizer.reload_model_params()
         return count

@@ -27,7 +27,7 @@ from typing import Any, Mapping
 import torch
 import torch.nn.functional as F
 
-from megatron_dapo.config import ModelConfig, ParallelConfig
+from megatron_dapo.config import ModelConfig, ParallelConfig, resolve_dtype
 
 
 @dataclass(frozen=True)
@@ -134,7 +134,7 @@ def resolve_runtime(model: ModelConfig, on_gpu: bool) -> Runtime:
     if model.fp8 is not None and impl != "transformer_engine":
         raise ValueError(f"model.fp8={model.fp8!r} needs the Transformer Engine spec (a GPU); "
                          "set model.fp8=null")
-    dtype = model.dtype if model.dtype != "auto" else ("bf16" if on_gpu else "fp32")
+    dtype = resolve_dtype(model.dtype, on_gpu)
     return Runtime(impl, torch.bfloat16 if dtype == "bf16" else torch.float32)
 
 

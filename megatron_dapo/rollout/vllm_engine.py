@@ -128,14 +128,10 @@ def logprobs_mode_for(params: SamplingParams) -> LogprobsMode | None:
 
 
 def vllm_dtype(model_dtype: str, on_gpu: bool) -> str:
-    """config.ModelConfig.dtype -> vLLM's dtype: the trainer's ("auto" = bf16 on CUDA, fp32 on CPU,
-    the rule of policy/model.py resolve_runtime)."""
-    if model_dtype == "auto":
-        model_dtype = "bf16" if on_gpu else "fp32"
-    names = {"bf16": "bfloat16", "fp32": "float32"}
-    if model_dtype not in names:
-        raise ValueError(f"model.dtype must be auto, bf16 or fp32, got {model_dtype!r}")
-    return names[model_dtype]
+    """config.ModelConfig.dtype -> vLLM's name for the trainer's dtype (config.resolve_dtype)."""
+    from megatron_dapo.config import resolve_dtype
+
+    return {"bf16": "bfloat16", "fp32": "float32"}[resolve_dtype(model_dtype, on_gpu)]
 
 
 def check_device_memory(fraction: float, free_bytes: int, total_bytes: int) -> None:
@@ -148,6 +144,15 @@ def check_device_memory(fraction: float, free_bytes: int, total_bytes: int) -> N
             f"rollout.gpu_memory_utilization={fraction} asks for {want / gib:.2f} GiB of the device's "
             f"{total_bytes / gib:.2f} GiB, but only {free_bytes / gib:.2f} GiB is free now: lower it to "
             f"<= {free_bytes / total_bytes:.2f}, or set rollout.kv_cache_memory_mb")
+
+
+def check_cpu_kv_cache(kv_cache_memory_bytes: int | None) -> None:
+    """On CPU the KV cache must be sized explicitly (rollout.kv_cache_memory_mb)."""
+    if kv_cache_memory_bytes is None:
+        raise ValueError(
+            "vLLM on CPU needs an explicit KV-cache size: set rollout.kv_cache_memory_mb (e.g. 64 for the "
+            "toy, as in conf/cpu_tiny_vllm.yaml; VLLMEngine(kv_cache_memory_bytes=...)): vLLM's CPU build "
+            "counts this whole process, trainer included, against rollout.gpu_memory_utilization")
 
 
 def check_cpu_head_dim(head_dim: int, model_path: str) -> None:
@@ -257,12 +262,7 @@ class VLLMEngine:
                 free, total = torch.cuda.mem_get_info()
                 check_device_memory(gpu_memory_utilization, free, total)
         else:
-            if kv_cache_memory_bytes is None:
-                raise ValueError(
-                    "vLLM on CPU needs an explicit KV-cache size: set rollout.kv_cache_memory_mb (e.g. 256; "
-                    "VLLMEngine(kv_cache_memory_bytes=...)). gpu_memory_utilization="
-                    f"{gpu_memory_utilization} would be a share of the NUMA node's memory minus this "
-                    "process's whole RSS (the trainer's too)")
+            check_cpu_kv_cache(kv_cache_memory_bytes)
             check_cpu_head_dim(_head_dim(hf_config), model_path)
         self.tied = bool(getattr(hf_config, "tie_word_embeddings", False))
         self.eos_token_ids = (tuple(eos_token_ids) if eos_token_ids is not None
@@ -327,15 +327,6 @@ class VLLMEngine:
             load_format="dummy" if mode == "colocated" else "auto")
         kwargs.update(overrides)
         return cls(model_path, **kwargs)
-
-    @classmethod
-    def from_rollout_config(cls, model_path: str, cfg: Any, **kwargs: Any) -> VLLMEngine:
-        """From a config.RolloutConfig alone (TP, memory, eager, logprobs mode); a standalone engine
-        unless ``mode`` is given. Prefer from_config, which also sets dtype, lengths and seed."""
-        kw = _rollout_kwargs(cfg)
-        kw.setdefault("mode", "standalone")
-        kw.update(kwargs)
-        return cls(model_path, **kw)
 
     # ------------------------------------------------------------------ generation
     def generate(self, prompt_ids: Sequence[Sequence[int]], n: int, params: SamplingParams, *,
@@ -441,7 +432,7 @@ class VLLMEngine:
 
 
 def _rollout_kwargs(rollout: Any) -> dict[str, Any]:
-    """Constructor arguments from a config.RolloutConfig."""
+    """Constructor arguments from a config.RolloutConfig (from_config's rollout part)."""
     params = SamplingParams(temperature=rollout.temperature, top_p=rollout.top_p, top_k=rollout.top_k)
     mode = logprobs_mode_for(params)
     if mode is None and rollout.check_logprob_mismatch:
