@@ -4,6 +4,7 @@ import argparse
 import sys
 
 from megatron_dapo.config_loading import ConfigError, defaults_yaml, dump_yaml, load_config
+from megatron_dapo.errors import InputError
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -76,8 +77,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except ConfigError as e:
-        print(f"megatron-dapo: config error: {e}", file=sys.stderr)
+    except InputError as e:  # bad input is one line, not a traceback (errors.py)
+        kind = "config error" if isinstance(e, ConfigError) else "error"
+        print(f"megatron-dapo: {kind}: {e}", file=sys.stderr)
         return 2
 
 

@@ -16,9 +16,10 @@ from typing import Any
 import yaml
 
 from megatron_dapo.config import DAPOConfig, field_help
+from megatron_dapo.errors import InputError
 
 
-class ConfigError(ValueError):
+class ConfigError(InputError):
     """A configuration that cannot be used: unknown key, wrong type or inconsistent values."""
 
 

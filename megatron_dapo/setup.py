@@ -1,13 +1,16 @@
 """Everything a training run needs before its first step, in one place.
 
-Order matters: (1) the toy task and base model of the CPU demo (``toy.enable``) are made once, by
-rank 0, before any collective; other ranks wait for its completion marker. Cheap checks of the
-rollout layout and engine come first, so a bad setting fails before any heavy work. (2) The actor
-starts torch.distributed and Megatron's parallel state and loads the latest checkpoint of the run
-(resume), else ``model.checkpoint``, else the HF weights of ``model.hf_path`` directly (each rank
-reads its own shard: no conversion step). (3) Every rank builds its rollout engine (its share of a
-replica, rollout/placement.py) and, on replica leaders, a reward pool; every rank loads and
-tokenises the prompts (cheap) so the sampler state is the same everywhere.
+Order matters. (1) Cheap checks first, so that bad input fails in seconds as one line
+(errors.InputError) and leaves the run directory untouched: the rollout layout and engine, the HF
+dir, the data files (loaded and tokenised: every rank, so the sampler state is the same everywhere)
+and the shape of the checkpoint the run would resume from. (2) Rank 0 locks the run directory
+(run_lock.py) before anything is written there. (3) The toy task and base model of the CPU demo
+(``toy.enable``) are made once, by rank 0, before any collective; other ranks wait for its
+completion marker, which records the toy settings (a rerun with other settings is refused). (4) The
+actor starts torch.distributed and Megatron's parallel state and loads the latest intact checkpoint
+of the run (resume), else ``model.checkpoint``, else the HF weights of ``model.hf_path`` directly
+(each rank reads its own shard: no conversion step). (5) Every rank builds its rollout engine (its
+share of a replica, rollout/placement.py) and, on replica leaders, a reward pool.
 """
 
 import dataclasses
@@ -21,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_dapo.config import DAPOConfig
+from megatron_dapo.errors import InputError
 
 logger = logging.getLogger("megatron_dapo.setup")
 DONE = ".complete"
@@ -44,9 +48,30 @@ class Run:
     val_truths: list[str]
     sampler: Any
     state: dict
+    lock: Any = None  # run_lock.RunDirLock on rank 0 of a trainer
+
+    def close(self) -> None:
+        """Ends the reward workers and releases the run directory."""
+        if self.pool is not None:
+            self.pool.close()
+            self.pool = None
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
 
 
-def setup_run(cfg: DAPOConfig) -> Run:
+@dataclass
+class _Inputs:
+    tokenizer: Any
+    stops: list[int]
+    train_ids: list[list[int]]
+    train_truths: list[str]
+    val_ids: list[list[int]]
+    val_truths: list[str]
+
+
+def setup_run(cfg: DAPOConfig, *, lock: bool = True) -> Run:
+    """``lock``: take the run directory (training); evaluation reads a live run without it."""
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     check_rollout(cfg, world)
     if cfg.num_threads:
@@ -56,20 +81,67 @@ def setup_run(cfg: DAPOConfig) -> Run:
         # barriers made the toy warm-up 10-20x slower (262 s vs 13-18 s measured at 1 thread).
         torch.set_num_threads(cfg.num_threads)
     run_dir = Path(cfg.logging.dir)
-    cfg, hf_path = _materialise_start(cfg, run_dir, rank)
+    ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
+    if cfg.toy.enable:  # its inputs are made below, once; a rerun must ask for the same toy
+        _check_record(run_dir / "toy" / DONE, _toy_record(cfg))
+    inputs = None if cfg.toy.enable else _load_inputs(cfg, ckpt_dir)
+    run_lock = None
+    if lock and rank == 0:
+        from megatron_dapo.run_lock import RunDirLock
 
-    import megatron_dapo.policy  # noqa: F401  (CPU patches before megatron.core is imported)
+        run_lock = RunDirLock(run_dir).acquire()
+    try:
+        cfg = _materialise_start(cfg, run_dir, rank)
+        inputs = inputs or _load_inputs(cfg, ckpt_dir)
+        return _build(cfg, rank, world, run_dir, ckpt_dir, inputs, run_lock)
+    except BaseException:
+        if run_lock is not None:
+            run_lock.release()
+        raise
+
+
+def _load_inputs(cfg: DAPOConfig, ckpt_dir: Path) -> _Inputs:
+    """Everything read from the user's files, checked; InputError on the first problem."""
     from transformers import AutoTokenizer, GenerationConfig
 
+    hf_path = Path(cfg.model.hf_path)
+    if not (hf_path / "config.json").is_file():
+        raise InputError(f"model.hf_path={hf_path}: no config.json there; point it at an HF model dir "
+                         "(config.json, tokenizer, safetensors)")
+    hf_config = json.loads((hf_path / "config.json").read_text())
+    tokenizer = AutoTokenizer.from_pretrained(hf_path)
+    stops = _stop_ids(GenerationConfig.from_pretrained(hf_path), tokenizer)
+    train_ids, train_truths = _prompts("data.train_files", cfg.data.train_files, tokenizer, cfg,
+                                       dedup=cfg.data.dedup)
+    # Always merged: eval.n draws the samples, and copies would skew pass@n and cons@n.
+    val_ids, val_truths = _prompts("data.val_files", cfg.data.val_files, tokenizer, cfg, dedup=True)
+    if cfg.checkpoint.resume == "auto":
+        _check_resume_shape(ckpt_dir, hf_config)
+    return _Inputs(tokenizer, stops, train_ids, train_truths, val_ids, val_truths)
+
+
+def _check_resume_shape(ckpt_dir: Path, hf_config: dict) -> None:
+    """Refuses, before any model is built, to resume a checkpoint of another architecture."""
+    from megatron_dapo.policy.checkpoint import SHAPE_FIELDS, check_model_shape, latest_checkpoint, read_meta
+    from megatron_dapo.policy.model import hf_arch
+
+    path = latest_checkpoint(ckpt_dir)
+    if path is not None:
+        arch = hf_arch(hf_config)
+        check_model_shape(path, read_meta(path), {k: getattr(arch, k) for k in SHAPE_FIELDS})
+
+
+def _build(cfg: DAPOConfig, rank: int, world: int, run_dir: Path, ckpt_dir: Path, inputs: _Inputs,
+           run_lock) -> Run:
+    import megatron_dapo.policy  # noqa: F401  (CPU patches before megatron.core is imported)
     from megatron_dapo.config_loading import ConfigError
     from megatron_dapo.data import PromptSampler
     from megatron_dapo.policy.actor import MegatronActor
     from megatron_dapo.rollout.engine import get_engine_cls
     from megatron_dapo.rollout.placement import RolloutPlacement
 
-    hf_config = json.loads((hf_path / "config.json").read_text())
-    actor = MegatronActor(cfg, hf_config)
-    ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
+    hf_path = Path(cfg.model.hf_path)
+    actor = MegatronActor(cfg, json.loads((hf_path / "config.json").read_text()))
     state = actor.load_checkpoint(str(ckpt_dir)) if cfg.checkpoint.resume == "auto" else None
     if state:
         logger.info("resumed from %s at step %d", ckpt_dir, state["step"])
@@ -82,12 +154,7 @@ def setup_run(cfg: DAPOConfig) -> Run:
         actor.load_hf_weights(str(hf_path))
         logger.info("starting weights from %s (HF, each rank reading its shard)", hf_path)
 
-    tokenizer = AutoTokenizer.from_pretrained(hf_path)
-    stops = _stop_ids(GenerationConfig.from_pretrained(hf_path), tokenizer)
-    train_ids, train_truths = _prompts(cfg.data.train_files, tokenizer, cfg, dedup=cfg.data.dedup)
-    # Always merged: eval.n draws the samples, and copies would skew pass@n and cons@n.
-    val_ids, val_truths = _prompts(cfg.data.val_files, tokenizer, cfg, dedup=True)
-    sampler = PromptSampler(len(train_ids), seed=cfg.seed, shuffle=cfg.data.shuffle)
+    sampler = PromptSampler(len(inputs.train_ids), seed=cfg.seed, shuffle=cfg.data.shuffle)
     # Every rank builds its engine at the same point: vLLM's external launcher forms its groups
     # over the whole world. Weights arrive with the loop's first sync.
     try:
@@ -95,15 +162,14 @@ def setup_run(cfg: DAPOConfig) -> Run:
     except ValueError as e:  # the engine's own checks (memory, head size) run before it builds anything
         raise ConfigError(str(e)) from None
     placement = RolloutPlacement(engine, tensor_parallel_size=cfg.rollout.tensor_parallel_size)
-    pool = None
-    if placement.is_leader:
-        pool = make_reward_pool(cfg)
+    pool = make_reward_pool(cfg) if placement.is_leader else None
     logger.info("rank %d: rollout replica %d of %d (%s engine, rollout TP %d)%s", rank, placement.replica,
                 placement.num_replicas, cfg.rollout.engine, cfg.rollout.tensor_parallel_size,
                 ", scoring" if placement.is_leader else "")
     return Run(cfg=cfg, rank=rank, world_size=world, dir=run_dir, ckpt_dir=ckpt_dir, actor=actor,
-               placement=placement, pool=pool, tokenizer=tokenizer, stops=stops, train_ids=train_ids,
-               train_truths=train_truths, val_ids=val_ids, val_truths=val_truths, sampler=sampler, state=state)
+               placement=placement, pool=pool, tokenizer=inputs.tokenizer, stops=inputs.stops,
+               train_ids=inputs.train_ids, train_truths=inputs.train_truths, val_ids=inputs.val_ids,
+               val_truths=inputs.val_truths, sampler=sampler, state=state, lock=run_lock)
 
 
 def check_rollout(cfg: DAPOConfig, world_size: int) -> None:
@@ -127,32 +193,53 @@ def check_rollout(cfg: DAPOConfig, world_size: int) -> None:
         raise ConfigError(str(e)) from None
 
 
-def _materialise_start(cfg: DAPOConfig, run_dir: Path, rank: int) -> tuple[DAPOConfig, Path]:
-    """Returns (cfg with resolved data files, HF dir)."""
+def _materialise_start(cfg: DAPOConfig, run_dir: Path, rank: int) -> DAPOConfig:
+    """cfg with the toy's data files and HF dir filled in (toy.enable), made on first use."""
     if cfg.toy.enable:
         data_dir, hf_path = run_dir / "toy_data", run_dir / "toy_base"
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(
             cfg.data, train_files=(str(data_dir / "train.parquet"),), val_files=(str(data_dir / "val.parquet"),)))
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, hf_path=str(hf_path)))
-        _once(run_dir / "toy", rank, lambda: _make_toy(cfg, data_dir, hf_path))
+        _once(run_dir / "toy", rank, lambda: _make_toy(cfg, data_dir, hf_path), record=_toy_record(cfg))
     if not cfg.model.hf_path:
-        raise ValueError("model.hf_path is empty: point it at an HF model dir (config.json, tokenizer), "
+        raise InputError("model.hf_path is empty: point it at an HF model dir (config.json, tokenizer), "
                          "or set toy.enable=true for the CPU demo")
-    return cfg, Path(cfg.model.hf_path)
+    return cfg
 
 
-def _once(marker_dir: Path, rank: int, fn, timeout_s: float = 3600) -> None:
-    """Rank 0 runs ``fn`` unless its marker exists; other ranks wait for the marker."""
+def _once(marker_dir: Path, rank: int, fn, *, record: dict, timeout_s: float = 3600) -> None:
+    """Rank 0 runs ``fn`` unless its marker exists; other ranks wait for the marker. The marker
+    keeps ``record``, the settings ``fn`` ran with (see _check_record)."""
     done = marker_dir / DONE
     if rank == 0 and not done.exists():
         fn()
         marker_dir.mkdir(parents=True, exist_ok=True)
-        done.write_text(time.strftime("%Y-%m-%d %H:%M:%S\n"))
+        done.write_text(json.dumps(record, sort_keys=True) + "\n")
     deadline = time.time() + timeout_s
     while not done.exists():
         if time.time() > deadline:
             raise TimeoutError(f"rank {rank}: rank 0 did not finish {marker_dir} within {timeout_s} s")
         time.sleep(0.5)
+
+
+def _toy_record(cfg: DAPOConfig) -> dict:
+    return {"seed": cfg.seed, **dataclasses.asdict(cfg.toy)}
+
+
+def _check_record(done: Path, record: dict) -> None:
+    """Refuses a rerun whose settings differ from those a marker recorded: what the marker stands
+    for would not be made again, and the run would silently use the old result."""
+    if not done.exists():
+        return
+    try:
+        before = json.loads(done.read_text())
+    except ValueError:  # a marker of an older version (a time stamp): nothing to compare
+        return
+    diff = {k: (before.get(k), v) for k, v in record.items() if before.get(k, v) != v}
+    if diff:
+        changes = ", ".join(f"{k} {a} -> {b}" for k, (a, b) in diff.items())
+        raise InputError(f"{done.parent.parent} was made with other toy settings ({changes}; run dir -> "
+                         "this command): use a new logging.dir, or the settings it was made with")
 
 
 def _make_toy(cfg: DAPOConfig, data_dir: Path, hf_path: Path) -> None:
@@ -179,7 +266,7 @@ def make_reward_pool(cfg: DAPOConfig):
                       score_fn=get_reward_fn(cfg.reward.fn), score_fns={n: get_reward_fn(n) for n in names})
 
 
-def _prompts(files, tokenizer, cfg: DAPOConfig, *, dedup: bool) -> tuple[list[list[int]], list[str]]:
+def _prompts(key: str, files, tokenizer, cfg: DAPOConfig, *, dedup: bool) -> tuple[list[list[int]], list[str]]:
     from megatron_dapo.data import apply_chat_template, filter_by_prompt_length, load_prompts
 
     loaded = load_prompts(list(files), dedup=dedup, on_bad_row=cfg.data.on_bad_row)
@@ -187,6 +274,11 @@ def _prompts(files, tokenizer, cfg: DAPOConfig, *, dedup: bool) -> tuple[list[li
     records, ids, dropped = filter_by_prompt_length(loaded.records, ids, cfg.data.max_prompt_length)
     logger.info("%s: %d prompts (%d rows, %d duplicates, %d too long)", ",".join(files), len(records),
                 loaded.num_rows, loaded.num_duplicates, dropped)
+    if not records:
+        why = (f"{loaded.num_rows} rows" + (f", {loaded.num_skipped} skipped as bad" if loaded.num_skipped else "")
+               + (f", {dropped} longer than data.max_prompt_length={cfg.data.max_prompt_length}" if dropped else ""))
+        raise InputError(f"{key}={','.join(map(str, files))}: no usable prompts ({why}); point {key} at a "
+                         "DAPO-format parquet or JSONL file with rows")
     return ids, [r.ground_truth for r in records]
 
 

@@ -11,9 +11,8 @@ checkpoint.
 import dataclasses
 import json
 import logging
-import subprocess
-import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -24,20 +23,41 @@ from megatron_dapo.collect import Group, generate_groups, rollout_metrics, to_sa
 from megatron_dapo.config import DAPOConfig
 from megatron_dapo.config_loading import dump_yaml, to_dict
 from megatron_dapo.eval import evaluate
-from megatron_dapo.metrics_log import MetricsLogger, format_progress
+from megatron_dapo.metrics_log import MetricsLogger, format_progress, read_metrics
+from megatron_dapo.preemption import StopRequest
 from megatron_dapo.reward import VALUE_REWARD_FN
 from megatron_dapo.rollout.engine import Rollout, eval_sampling_params, rollout_sampling_params
 from megatron_dapo.rollout.weight_sync import logprob_mismatch
 from megatron_dapo.setup import Run, setup_run
 
 logger = logging.getLogger("megatron_dapo.train")
-_PLOT = Path(__file__).resolve().parents[1] / "tools" / "plot_metrics.py"
 
 
-def train(cfg: DAPOConfig) -> dict[str, float]:
-    """Runs (or resumes) DAPO training; returns the last evaluation's metrics (on every rank)."""
-    run: Run = setup_run(cfg)
-    actor, placement = run.actor, run.placement
+@dataclass
+class TrainResult:
+    final_eval: dict[str, float]  # the last evaluation's metrics of this invocation ({} if none ran)
+    step: int  # completed steps
+    stopped_by: str | None = None  # the signal's name when a signal stopped the run early
+    checkpoint: str | None = None  # the newest checkpoint when stopped by a signal
+    already_complete: bool = False  # nothing to do: the run was at train.total_steps when started
+    stop_latency_s: float = 0.0  # from the signal to the saved checkpoint
+
+
+def train(cfg: DAPOConfig) -> TrainResult:
+    """Runs (or resumes) DAPO training. SIGTERM, SIGUSR1 and Ctrl-C stop it after the current
+    step with a checkpoint (preemption.py)."""
+    stop = StopRequest().install()
+    run = None
+    try:
+        run = setup_run(cfg)
+        return _train(run, cfg, stop)
+    finally:
+        stop.restore()
+        if run is not None:
+            run.close()
+
+
+def _train(run: Run, cfg: DAPOConfig, stop: StopRequest) -> TrainResult:
     dyn = DynamicSampler(prompts_per_step=cfg.data.prompts_per_step, group_size=cfg.rollout.n,
                          max_num_gen_batches=cfg.algorithm.filter_groups.max_num_gen_batches,
                          enabled=cfg.algorithm.filter_groups.enable, surplus=cfg.algorithm.filter_groups.surplus)
@@ -47,11 +67,22 @@ def train(cfg: DAPOConfig) -> dict[str, float]:
     if run.state:
         run.sampler.load_state_dict(run.state["sampler"])
         dyn.load_state_dict({"held": [_group_from_dict(g) for g in run.state["held_groups"]]})
+    if start >= cfg.train.total_steps:
+        return TrainResult(final_eval=_last_eval(run.dir), step=start, already_complete=True)
     # Records are numbered by completed steps; a checkpoint at step N already holds step N's
     # record, so a resume drops only what came after it (a fresh run drops everything).
     log = MetricsLogger(run.dir, tensorboard=cfg.logging.tensorboard, wandb=cfg.logging.wandb,
                         wandb_project=cfg.logging.wandb_project, config=to_dict(cfg), enabled=run.rank == 0,
                         start_step=start + 1 if start else 0)
+    try:
+        return _loop(run, cfg, stop, dyn, log, start, gen_batch)
+    finally:
+        log.close()
+
+
+def _loop(run: Run, cfg: DAPOConfig, stop: StopRequest, dyn: DynamicSampler, log: MetricsLogger, start: int,
+          gen_batch: int) -> TrainResult:
+    actor, placement = run.actor, run.placement
     if run.rank == 0:
         (run.dir / "config.yaml").write_text(dump_yaml(cfg))
     _sync(run)  # the engines start from the checkpoint's weights (vLLM's from dummy ones)
@@ -59,7 +90,10 @@ def train(cfg: DAPOConfig) -> dict[str, float]:
     if cfg.eval.before_train and start == 0:
         final = _log(log, 0, _evaluate(run, cfg), cfg, start)
 
+    done = saved = start  # completed steps; the step the newest checkpoint holds
     for step in range(start, cfg.train.total_steps):
+        if stop.agreed():  # every rank stops after the same step
+            break
         metrics: dict[str, float] = {}
         step_start = time.perf_counter()
         with log.timer("rollout"):
@@ -99,15 +133,34 @@ def train(cfg: DAPOConfig) -> dict[str, float]:
         # Log before saving: a crash between the two resumes from the previous checkpoint and
         # rewrites this step's record, never leaves a step without one.
         final = _log(log, step + 1, metrics, cfg, start) or final
-        if cfg.checkpoint.save_every and (step + 1) % cfg.checkpoint.save_every == 0 \
-                or step + 1 == cfg.train.total_steps:
-            held = [dataclasses.asdict(g) for g in dyn.state_dict()["held"]]
-            actor.save_checkpoint(str(run.ckpt_dir), {"step": step + 1, "sampler": run.sampler.state_dict(),
-                                                      "held_groups": held})
-    log.close()
-    if run.pool is not None:
-        run.pool.close()
-    return final
+        done = step + 1
+        if cfg.checkpoint.save_every and done % cfg.checkpoint.save_every == 0 or done == cfg.train.total_steps:
+            _save(run, dyn, done)
+            saved = done
+    if stop.signum is None or done == cfg.train.total_steps:
+        return TrainResult(final_eval=final, step=done)
+    if done > saved:
+        _save(run, dyn, done)
+    return TrainResult(final_eval=final, step=done, stopped_by=stop.name, checkpoint=str(_latest(run)),
+                       stop_latency_s=stop.seconds_since())
+
+
+def _save(run: Run, dyn: DynamicSampler, step: int) -> None:
+    held = [dataclasses.asdict(g) for g in dyn.state_dict()["held"]]
+    run.actor.save_checkpoint(str(run.ckpt_dir), {"step": step, "sampler": run.sampler.state_dict(),
+                                                  "held_groups": held})
+
+
+def _latest(run: Run) -> Path | None:
+    from megatron_dapo.policy.checkpoint import latest_checkpoint
+
+    return latest_checkpoint(run.ckpt_dir)
+
+
+def _last_eval(run_dir: Path) -> dict[str, float]:
+    path = run_dir / "metrics.jsonl"
+    records = [r for r in read_metrics(path) if any(k.startswith("eval/") for k in r)] if path.exists() else []
+    return {k: v for k, v in records[-1].items() if k.startswith("eval/") and v is not None} if records else {}
 
 
 def _sync(run: Run) -> None:
@@ -156,15 +209,17 @@ def _group_from_dict(d: dict) -> Group:
 
 def evaluate_run(cfg: DAPOConfig) -> dict[str, float]:
     """``megatron-dapo eval``: the run's latest checkpoint (or its starting weights) on data.val_files,
-    with the eval settings; writes <logging.dir>/eval.json on rank 0."""
-    run = setup_run(cfg)
-    _sync(run)
-    result = {"step": run.state.get("step", 0), **_evaluate(run, cfg)}
+    with the eval settings; writes <logging.dir>/eval.json on rank 0. Reads a live run: it does
+    not take the run directory's lock."""
+    run = setup_run(cfg, lock=False)
+    try:
+        _sync(run)
+        result = {"step": run.state.get("step", 0), **_evaluate(run, cfg)}
+    finally:
+        run.close()
     if run.rank == 0:
         (run.dir / "eval.json").write_text(json.dumps(result, indent=2) + "\n")
-        print("evaluation: " + ", ".join(f"{k}={v:.4f}" for k, v in sorted(result.items())), flush=True)
-    if run.pool is not None:
-        run.pool.close()
+        print("evaluation: " + _fmt(result), flush=True)
     return result
 
 
@@ -174,12 +229,26 @@ def setup_logging() -> None:
 
 
 def main(cfg: DAPOConfig) -> int:
+    from megatron_dapo.plotting import plot_run
+
     setup_logging()
-    final = train(cfg)
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        print("final evaluation: " + ", ".join(f"{k}={v:.4f}" for k, v in sorted(final.items())), flush=True)
-        run_dir = Path(cfg.logging.dir)
-        subprocess.run([sys.executable, str(_PLOT), "--metrics", str(run_dir / "metrics.jsonl"),
-                        "--out", str(run_dir / "curves.png")], check=False)
+    result = train(cfg)
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return 0
+    if result.already_complete:
+        print(f"nothing to do: {cfg.logging.dir} is already at step {result.step} of train.total_steps="
+              f"{cfg.train.total_steps} (raise it to train on); its last evaluation: "
+              f"{_fmt(result.final_eval) or 'none'}", flush=True)
+        return 0
+    plot_run(cfg.logging.dir)
+    if result.stopped_by:
+        print(f"megatron-dapo: stopped by {result.stopped_by} after step {result.step} of "
+              f"{cfg.train.total_steps} ({result.stop_latency_s:.1f} s after the signal): checkpoint "
+              f"{result.checkpoint}; rerun the same command to resume", flush=True)
+    else:
+        print("final evaluation: " + _fmt(result.final_eval), flush=True)
     return 0
 
+
+def _fmt(values: dict) -> str:
+    return ", ".join(f"{k}={v:.4f}" for k, v in sorted(values.items()))

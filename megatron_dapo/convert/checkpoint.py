@@ -118,6 +118,8 @@ def hf_to_megatron(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dty
     from megatron.core import dist_checkpointing
     from tqdm import tqdm
 
+    from megatron_dapo.policy.checkpoint import in_process_write_results
+
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
     config = read_hf_config(hf_dir)
     conversion_table(config)  # architecture / config errors before touching --out or megatron
@@ -136,6 +138,7 @@ def hf_to_megatron(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dty
         with tqdm(total=num_params, desc="HF -> Megatron", unit="tensor",
                   disable=not progress or _rank() != 0) as bar:
             load_hf_weights(chunks, table, reader, tp_group=tp_group, progress=bar.update)
+    in_process_write_results()  # no writer Manager process to outlive a killed conversion
     dist_checkpointing.save(_sharded_state_dict(chunks), str(out_dir))
     meta = {"format_version": 1, "architecture": table.architecture, "dtype": dtype,
             "vocab_size": table.dims.vocab_size, "padded_vocab_size": table.dims.padded_vocab_size,

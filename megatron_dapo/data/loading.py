@@ -20,7 +20,8 @@ same prompt with two different ground truths is a data error. Parquet is streame
 batches and one record per unique prompt is kept, so memory grows with unique prompts, not rows.
 With dedup=False every good row is kept, so memory then grows with the rows.
 
-Bad rows raise `ValueError` naming the file, row and field. With on_bad_row="skip" they are
+Bad rows raise `InputError` (a ValueError, printed by the CLI as one line) naming the file, row and
+field; so do a missing or unreadable file and a parquet file without the columns of either format. With on_bad_row="skip" they are
 counted by reason in `LoadResult.skipped`. A prompt whose copies disagree on the ground truth is
 then dropped entirely (all of its rows count as "conflicting_ground_truth"), since nothing says
 which answer is right. Invariant: num_rows == sum(num_copies) + sum(skipped.values()).
@@ -40,6 +41,7 @@ from typing import Any
 import pyarrow.parquet as pq
 
 from megatron_dapo.data.schema import Message, PromptRecord, format_dapo_prompt, prompt_key
+from megatron_dapo.errors import InputError, one_line
 
 logger = logging.getLogger(__name__)
 
@@ -110,7 +112,7 @@ def load_prompts(paths: str | os.PathLike | Sequence[str | os.PathLike], *, dedu
 
     def skip(reason: str, message: str) -> None:
         if on_bad_row == "error":
-            raise ValueError(message)
+            raise InputError(message + " (fix the row, or set data.on_bad_row=skip to count and drop bad rows)")
         skipped[reason] += 1
         if len(examples) < _NUM_EXAMPLES_LOGGED:
             examples.append(message)
@@ -160,20 +162,26 @@ def load_prompts(paths: str | os.PathLike | Sequence[str | os.PathLike], *, dedu
 def _reader_for(path: Path, batch_size: int) -> Iterator[tuple[str, Any]]:
     """A (where, row) iterator for `path`, checking existence and extension up front."""
     if not path.is_file():
-        raise FileNotFoundError(f"prompt file not found: {path}")
+        raise InputError(f"prompt file not found: {path}")
     suffix = path.suffix.lower()
     if suffix == ".parquet":
         return _iter_parquet(path, batch_size)
     if suffix == ".jsonl":
         return _iter_jsonl(path)
-    raise ValueError(f"unknown prompt file extension {suffix!r} for {path}; "
+    raise InputError(f"unknown prompt file extension {suffix!r} for {path}; "
                      "supported: .parquet, .jsonl")
 
 
 def _iter_parquet(path: Path, batch_size: int) -> Iterator[tuple[str, Any]]:
     """Rows of a parquet file as dicts, decoding one record batch at a time."""
-    file = pq.ParquetFile(path)
+    try:
+        file = pq.ParquetFile(path)
+    except Exception as e:  # noqa: BLE001 - pyarrow raises ArrowInvalid, OSError, ... for one problem
+        raise InputError(f"{path}: not a readable parquet file ({one_line(e)})") from None
     columns = [c for c in file.schema_arrow.names if c in _COLUMNS]
+    if file.metadata.num_rows and not {"prompt", "problem"} & set(columns):
+        raise InputError(f"{path}: no 'prompt' or 'problem' column (it has {file.schema_arrow.names}); "
+                         "expected DAPO rows (prompt, reward_model.ground_truth) or raw rows (problem, answer)")
     row = 0
     for batch in file.iter_batches(batch_size=batch_size, columns=columns):
         for item in batch.to_pylist():

@@ -8,8 +8,15 @@ Layout under the checkpoint root:
                                  "opt_param_scheduler"}
         rng/rank_00000.pt        python / numpy / torch / CUDA RNG and megatron's tracker, per rank
         trainer_state.json       the caller's dict (sampler position etc.), JSON
-        checkpoint.json          step, parallel layout, optimizer kind; written last
+        checkpoint.json          step, parallel layout, optimizer kind, model shape and the size
+                                 of every other file (the manifest); written last
     step_00000012.tmp/           a save in progress; renamed into place once every rank is done
+
+A checkpoint is used only when it is complete and intact: every file of its manifest is there with
+its recorded size, and its JSON files parse. A damaged one (a file truncated or deleted after the
+save, by a full disk or a bad copy) is passed over with a warning naming the file, and resume falls
+back to the newest intact checkpoint. The fallback deletes nothing: the damaged copy goes only when
+the run saves that step again or pruning reaches it.
 
 A crash at any point of a save leaves ``latest`` and the previous checkpoints untouched; the
 stray ``.tmp`` directory is removed by the next successful save, which then deletes all but
@@ -24,8 +31,12 @@ its default ``dp_reshardable`` reshards only over DP). Saving and loading must a
 ``use_distributed_optimizer``. RNG states are per rank: they are restored only when the layout
 is unchanged; otherwise each rank keeps the freshly seeded ones (as megatron-training does).
 
-Saves spawn one multiprocessing Manager per process (megatron's writer): a script that saves
-must guard its body with ``if __name__ == "__main__":`` (docs/reference/megatron_on_cpu.md item 4).
+No helper process: megatron's writer hands its write results back through a queue it would get
+from a ``multiprocessing.Manager`` (a server process, ~270 MB, spawned on the first save), which
+only an asynchronous save needs, since there the writing runs in another process. Our saves are
+synchronous (a sync ``dist_checkpointing.save`` always writes in this process, with threads), so
+an in-process queue does the same job, and a killed trainer leaves no writer (nor the
+multiprocessing resource tracker the Manager kept alive) behind: issue 14, measured in README.
 """
 
 from __future__ import annotations
@@ -34,6 +45,7 @@ import contextlib
 import json
 import logging
 import os
+import queue
 import random
 import re
 import shutil
@@ -43,13 +55,17 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron_dapo.errors import InputError, one_line
+
 logger = logging.getLogger(__name__)
 
 LATEST = "latest"
 META = "checkpoint.json"
 TRAINER_STATE = "trainer_state.json"
 _NAME = re.compile(r"^step_(\d+)$")
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: adds the manifest ("files") and "model_shape"
+SHAPE_FIELDS = ("hidden_size", "ffn_hidden_size", "num_layers", "num_attention_heads", "num_query_groups",
+                "kv_channels")
 
 
 def checkpoint_name(step: int) -> str:
@@ -131,6 +147,54 @@ def is_complete(path: Path) -> bool:
     return (Path(path) / META).is_file()
 
 
+def read_meta(path: str | os.PathLike) -> dict | None:
+    """checkpoint.json of a checkpoint directory; None when missing or unreadable."""
+    try:
+        return json.loads((Path(path) / META).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def damage(path: str | os.PathLike) -> str | None:
+    """Why a complete checkpoint cannot be used (a file missing or of the wrong size, JSON that
+    does not parse), or None when it is intact. Checkpoints without a manifest (format 1) are
+    checked for their JSON files only."""
+    path = Path(path)
+    meta = read_meta(path)
+    if meta is None:
+        return f"{META} is unreadable"
+    for name, size in meta.get("files", {}).items():
+        file = path / name
+        if not file.is_file():
+            return f"{name} is missing"
+        if file.stat().st_size != size:
+            return f"{name} has {file.stat().st_size} bytes, the save wrote {size}"
+    try:
+        json.loads((path / TRAINER_STATE).read_text())
+    except (OSError, ValueError):
+        return f"{TRAINER_STATE} is unreadable"
+    return None
+
+
+def check_model_shape(path: Path, meta: dict, shape: dict) -> None:
+    """InputError naming both shapes when a checkpoint was saved from another architecture."""
+    saved = meta.get("model_shape")
+    if saved is not None and saved != shape:
+        diff = ", ".join(f"{k} {saved.get(k)} -> {shape.get(k)}" for k in SHAPE_FIELDS if saved.get(k) != shape.get(k))
+        raise InputError(f"checkpoint {path} holds another model shape ({diff}; checkpoint -> this run's "
+                         "model): resume with the model it was trained with, or start a new logging.dir")
+
+
+def model_shape(model: list) -> dict:
+    """The architecture numbers a checkpoint must share with the model that loads it."""
+    config = _unwrap(model[0]).config
+    return {k: getattr(config, k) for k in SHAPE_FIELDS}
+
+
+def _manifest(path: Path) -> dict[str, int]:
+    return {str(f.relative_to(path)): f.stat().st_size for f in sorted(path.rglob("*")) if f.is_file()}
+
+
 def list_checkpoints(root: str | os.PathLike) -> list[tuple[int, Path]]:
     """Complete checkpoints under ``root`` as (step, path), oldest first."""
     root = Path(root)
@@ -141,18 +205,24 @@ def list_checkpoints(root: str | os.PathLike) -> list[tuple[int, Path]]:
 
 
 def latest_checkpoint(root: str | os.PathLike) -> Path | None:
-    """The checkpoint ``latest`` names; the newest complete one if that is missing (a crash
-    between the rename and the pointer update); None when there is none."""
+    """The checkpoint ``latest`` names if it is complete and intact; else the newest one that is
+    (a crash between the rename and the pointer update, a damaged file), with a warning; None
+    when there is none."""
     root = Path(root)
     pointer = root / LATEST
     if pointer.is_file():
-        path = root / pointer.read_text().strip()
-        if is_complete(path):
+        named = root / pointer.read_text().strip()
+        if is_complete(named) and damage(named) is None:
+            return named
+        if not is_complete(named):
+            logger.warning("%s names %s, which is not a complete checkpoint; using the newest intact one",
+                           pointer, named.name)
+    for _, path in reversed(list_checkpoints(root)):
+        why = damage(path)
+        if why is None:
             return path
-        logger.warning("%s names %s, which is not a complete checkpoint; using the newest complete one",
-                       pointer, path.name)
-    found = list_checkpoints(root)
-    return found[-1][1] if found else None
+        logger.warning("checkpoint %s is damaged (%s): passing over it, not deleting it", path, why)
+    return None
 
 
 def save_checkpoint(root: str | os.PathLike, step: int, *, model: list, optimizer, scheduler,
@@ -173,6 +243,7 @@ def save_checkpoint(root: str | os.PathLike, step: int, *, model: list, optimize
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
     dist.barrier()
+    in_process_write_results()
     dist_checkpointing.save(_sharded_state_dict(model, optimizer, scheduler, is_loading=False), str(tmp))
     (tmp / "rng").mkdir(exist_ok=True)  # after the save, which warns about a non-empty directory
     with open(tmp / "rng" / f"rank_{rank:05d}.pt", "wb") as f:
@@ -183,13 +254,23 @@ def save_checkpoint(root: str | os.PathLike, step: int, *, model: list, optimize
     if rank == 0:
         _write_text(tmp / TRAINER_STATE, trainer_json)
         dist_opt = None if optimizer is None else _uses_distributed_optimizer(optimizer)
-        meta = dict(format_version=FORMAT_VERSION, step=step, layout=_layout(),
-                    padded_vocab_size=_unwrap(model[0]).vocab_size, distributed_optimizer=dist_opt)
+        meta = dict(format_version=FORMAT_VERSION, step=step, layout=_layout(), model_shape=model_shape(model),
+                    padded_vocab_size=_unwrap(model[0]).vocab_size, distributed_optimizer=dist_opt,
+                    files=_manifest(tmp))
         _write_text(tmp / META, json.dumps(meta, indent=1, sort_keys=True))
         _publish(root, tmp, final)
         _prune(root, keep_last, keep=final)
     dist.barrier()
     return final
+
+
+def in_process_write_results() -> None:
+    """Gives megatron's file writer a plain queue before it creates a Manager for one (see the
+    module docstring); a no-op once set."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if filesystem_async._results_queue is None:
+        filesystem_async._results_queue = queue.Queue()
 
 
 def _publish(root: Path, tmp: Path, final: Path) -> None:
@@ -232,12 +313,20 @@ def load_checkpoint(path: str | os.PathLike, *, model: list, optimizer=None, sch
     if not is_complete(path):
         if (path / "metadata.json").is_file():  # a model-only dist checkpoint
             sharded = _sharded_state_dict(model, None, None, is_loading=True)
-            _load_model(model, dist_checkpointing.load(sharded, str(path)))
+            try:
+                state = dist_checkpointing.load(sharded, str(path))
+            except Exception as e:  # noqa: BLE001 - megatron raises several types for one problem
+                raise InputError(f"{path}: cannot load it into this model ({one_line(e)}); is it a "
+                                 "checkpoint of this model.hf_path's architecture?") from None
+            _load_model(model, state)
             return {}
         path = latest_checkpoint(path)
         if path is None:
             return None
-    meta = json.loads((path / META).read_text())
+    elif (why := damage(path)) is not None:
+        raise InputError(f"checkpoint {path} is damaged ({why}); load another one")
+    meta = read_meta(path)
+    check_model_shape(path, meta, model_shape(model))
     if meta["padded_vocab_size"] != _unwrap(model[0]).vocab_size:
         # The padding depends on make_vocab_size_divisible_by (and on TP when that does not
         # divide it, model.padded_vocab_size); the dist-checkpoint loader would only report a

@@ -14,6 +14,11 @@ paper_rule.py, the evaluation default), which compares normalised STRINGS:
 - Zero false positives come first. Anything ambiguous is scored incorrect: lists ("3, 42"),
   hedges ("42 or 43"), relations other than "=", words that are not known units, decimals
   inside expressions, several different boxed answers, unbalanced LaTeX, non-ASCII leftovers.
+- Words are judged by ALLOWLISTS, never lists of hedges: prose around \\boxed{} ("so the total is
+  \\boxed{42}") and words before "=" ("the answer = 42") are dropped only if every word is known
+  to be harmless. A blocklist fails open ("at least", "anything but", "is false": one more word to
+  forget each); an allowlist fails closed: an unknown word stays, and the answer is rejected.
+  A box that holds only a box (\\boxed{\\boxed{42}}, any depth) reads as its content.
 - If the text after "Answer:" is empty, we read the next paragraph instead. The prompt's "on its
   own line after Answer:" is often read that way, and verl's regex also crosses the newline.
 - Percent signs are dropped ("42\\%" equals 42). The ground truth is an integer, so a model that
@@ -60,7 +65,8 @@ _UNICODE_MAP = {
 }
 _SPECIAL_TOKEN_RE = re.compile(r"<\|[^|<>]{0,40}\|>|</?s>")
 _THOUSANDS_LATEX_RE = re.compile(r"(?<=\d)(?:\\,|\{,\}|\\ |\\;|\\:|\\!)(?=\d{3}(?!\d))")
-_LATEX_SPACE_RE = re.compile(r"\\[,;: ]|\\q?quad(?![a-zA-Z])|~")
+# "~" is a LaTeX tie only after a word ("42~cm"). Leading "~42" means "about 42" and stays (rejected).
+_LATEX_SPACE_RE = re.compile(r"\\[,;: ]|\\q?quad(?![a-zA-Z])|(?<=[A-Za-z0-9})$])~")
 _DELIMITER_RE = re.compile(r"\$|\\[()\[\]]|\\(?:left|right|displaystyle)(?![a-zA-Z])|\\!")
 _UNWRAP_CMDS = ("text", "textbf", "textrm", "textit", "mathrm", "mathbf", "mathit", "mbox", "emph")
 _UNWRAP_RE = re.compile(r"\\(?:%s)\s*\{" % "|".join(_UNWRAP_CMDS))
@@ -69,12 +75,28 @@ _FRAC_ALIASES_RE = re.compile(r"\\[dtc]frac(?![a-zA-Z])")
 _BINOM_ALIASES_RE = re.compile(r"\\[dt]binom(?![a-zA-Z])")
 _LEAD_FILLER_RE = re.compile(r"(?i)^(?:the\s+)?(?:final\s+)?(?:answer\s+)?is\s*:?\s*")
 _TRAIL_FILLER_RE = re.compile(r"(?i)[.\s]*i\s+hope\s+it\s+is\s+correct\W*$")
-# Prose around a single \boxed{} may be dropped only if it cannot change the value.
-_PROSE_RE = re.compile(r"[A-Za-z\s.,:;!?'\"]*")
-_HEDGE_WORDS = {
-    "or", "not", "isn", "no", "never", "wrong", "incorrect", "and", "nor", "either", "plus",
-    "minus", "times", "over", "than",
-}
+# Prose around \boxed{} and words before "=" are dropped only if all their words are in this list.
+# Absent on purpose: bounds (least, most, more, less, than, under, over, between, bound; minimum,
+# smallest, ...: "the maximum is 42" bounds a count), negations (not, no, but, except, false, wrong),
+# conditions (if, unless, when, such, can, could, possible), estimates (about, approximately, around,
+# roughly, nearly, almost, guess), operations (and, or, plus, minus, times, half, square), "a"/"one"
+# ("one solution is") and single letters ("x \boxed{2}" is a product, "e.g. \boxed{2}" an example).
+_HARMLESS_WORDS = frozenset({
+    "the", "this", "that", "it", "it's", "that's", "there", "here", "which", "we", "our", "my", "is", "are",
+    "be", "must", "so", "thus", "therefore", "hence", "then", "finally", "get", "gets", "obtain", "obtained",
+    "have", "has", "find", "found", "give", "gives", "yields", "equals", "equal", "to", "final", "answer",
+    "result", "solution", "value", "required", "desired", "correct", "exactly", "of", "sum", "total",
+    "number", "count", "ways", "remainder", "product", "difference", "quotient", "area", "perimeter",
+    "volume", "length"})
+# Before "=", capitals name points only after a geometry command ("AT LEAST X = 4" is prose), and
+# no other command may appear ("x \approx y = 4").
+_POINTS_RE = re.compile(r"\\(?:angle|measuredangle|triangle|overline|widehat|overarc)\s*\{?\s*[A-Z]{1,4}\b")
+_NAME_COMMANDS = frozenset({
+    "alpha", "beta", "gamma", "delta", "theta", "lambda", "mu", "pi", "sigma", "phi", "omega", "angle",
+    "measuredangle", "triangle", "overline", "widehat", "overarc", "hat", "bar", "vec", "sin", "cos", "tan",
+    "log", "ln", "max", "min", "gcd", "operatorname", "lfloor", "rfloor", "lceil", "rceil", "prime"})
+# Punctuation that may surround a box. Not "!" (5! is 120), "?" (a question), "-" or "~".
+_PROSE_RE = re.compile(r"[A-Za-z\s.,:;'\"]*")
 # Units that never change the value of the number before them (no "thousand", "squared", ...).
 _UNITS = (
     "degrees?|deg|cm|mm|km|m|meters?|metres?|inch(?:es)?|in|ft|feet|foot|yards?|miles?|units?"
@@ -88,7 +110,7 @@ _UNIT_SUFFIX_RE = re.compile(
     r"(?<=[0-9})])\s*(?:(?:(?:square|sq\.?|cubic)\s+)?(?:%s)\b(?:\^\{?[23]\}?)?|\^\s*\{?\s*\\circ\s*\}?"
     r"|\\circ|\\degree|%%|\\%%|percent)\s*$" % _UNITS
 )
-_RELATION_BEFORE_EQ_RE = re.compile(r"[<>,;]|!\s*$|\b(?:and|or)\b")
+_RELATION_BEFORE_EQ_RE = re.compile(r"[<>,;~]|!\s*$|\b(?:and|or)\b")
 # "2x = 42", "-x = 42", "x^2 = 42" or "\\frac{x}{2} = 42" do not say that x is 42.
 _NOT_A_NAME_RE = re.compile(r"^\s*[-+\d.]|[\^/]|\\(?:frac|sqrt|cdot|times)|\d\s*[a-zA-Z(\\]")
 _THOUSANDS_RE = re.compile(r"[+-]?\d{1,3}(?:,\d{3})+(?:\.\d+)?", re.ASCII)
@@ -173,9 +195,10 @@ def normalize_answer(text: str) -> str:
     s = _strip_edges(s)
     if "=" in s:
         lhs, _, rhs = s.rpartition("=")
-        # "x = 42" -> "42", "m+n = 42" -> "42", "x = 40 + 2 = 42" -> "42". "x = 3, y = 42",
-        # "x >= 42", "a = 1 or b = 42" and "2x = 42" keep their "=" and are rejected later.
-        if not _RELATION_BEFORE_EQ_RE.search(lhs) and not _NOT_A_NAME_RE.search(s.split("=", 1)[0]):
+        # "x = 42" -> "42", "m+n = 42" -> "42", "x = 40 + 2 = 42" -> "42". "x = 3, y = 42", "x >= 42",
+        # "a = 1 or b = 42", "2x = 42" and "at least x = 42" keep their "=" and are rejected later.
+        if (not _RELATION_BEFORE_EQ_RE.search(lhs) and not _NOT_A_NAME_RE.search(s.split("=", 1)[0])
+                and _name_is_harmless(lhs)):
             s = _strip_edges(rhs)
     if _THOUSANDS_RE.fullmatch(s):
         s = s.replace(",", "")
@@ -223,24 +246,61 @@ def _unwrap_all(s: str, command_re: re.Pattern) -> str:
 
 
 def _unwrap_boxed(s: str) -> str:
-    """Unwraps \\boxed{X}. If prose surrounds a single box, keeps X only, unless the prose hedges."""
-    matches = list(_BOXED_RE.finditer(s))
-    if not matches:
-        return s
-    spans = [(m.start(), m.end(), _closing_brace(s, m.end() - 1)) for m in matches]
-    if any(close < 0 for _, _, close in spans):
-        return s  # unbalanced: leave "\boxed" in place so the answer is rejected
-    contents = {s[end:close].strip() for _, end, close in spans}
+    """Unwraps \\boxed{X}. Prose around the box(es) is dropped only if _prose_is_harmless."""
+    spans = _outer_boxes(s)
+    if not spans:
+        return s  # no box, or an unbalanced one: "\boxed" stays, so the answer is rejected
+    contents = {_box_content(s[end:close]) for _, end, close in spans}
     if len(contents) > 1:
         return s  # two different boxed answers: rejected
-    outside, prev = "", 0
-    for start, _, close in spans:
-        outside, prev = outside + s[prev:start] + " ", close + 1
-    outside += s[prev:]
-    words = set(re.findall(r"[a-z]+", outside.lower()))
-    if _PROSE_RE.fullmatch(outside) and not words & _HEDGE_WORDS:
-        return s[spans[0][1]: spans[0][2]]
+    bounds = [0] + [i for start, _, close in spans for i in (start, close + 1)] + [len(s)]
+    pieces = [s[bounds[i]: bounds[i + 1]] for i in range(0, len(bounds), 2)]
+    if _prose_is_harmless(pieces):
+        return contents.pop()
+    # Other text stays ("at least 42", "42 degrees"); later steps accept only known forms (units, "x =").
     return _unwrap_all(s, _BOXED_RE) if len(spans) == 1 else s
+
+
+def _outer_boxes(s: str) -> list[tuple[int, int, int]] | None:
+    """(start, content start, closing brace) of each outermost box; None if one is unbalanced."""
+    spans, pos = [], 0
+    while m := _BOXED_RE.search(s, pos):
+        close = _closing_brace(s, m.end() - 1)
+        if close < 0:
+            return None
+        spans.append((m.start(), m.end(), close))
+        pos = close + 1
+    return spans
+
+
+def _box_content(content: str) -> str:
+    """Content of a box; a box that holds only a box reads as its content (\\boxed{\\boxed{4}})."""
+    content = content.strip()
+    while (m := _BOXED_RE.match(content)) and _closing_brace(content, m.end() - 1) == len(content) - 1:
+        content = content[m.end(): -1].strip()
+    return content
+
+
+def _prose_is_harmless(pieces: list[str]) -> bool:
+    """True iff the text around the boxes (pieces[i] lies before box i) may be dropped."""
+    if not all(_PROSE_RE.fullmatch(p) for p in pieces):
+        return False
+    words = [re.findall(r"[a-z]+(?:'[a-z]+)?", p.lower()) for p in pieces]
+    if not all(set(w) <= _HARMLESS_WORDS for w in words):
+        return False
+    # "of" next to a box makes its number an argument: "the sum of \\boxed{9}", "\\boxed{9} of them".
+    beside = [w[-1] for w in words[:-1] if w] + [w[0] for w in words[1:] if w]
+    return "of" not in beside
+
+
+def _name_is_harmless(lhs: str) -> bool:
+    """Words before "=" name the value ("the answer", "m + n", "\\angle ABC"), not hedge it ("at least x")."""
+    if re.fullmatch(r"\s*[A-Z]{2,3}\s*", lhs):  # a segment or a point triple on its own: "AB = 42"
+        return True
+    if not set(_COMMAND_RE.findall(lhs)) <= _NAME_COMMANDS:
+        return False
+    words = re.findall(r"[A-Za-z]{2,}", _COMMAND_RE.sub(" ", _POINTS_RE.sub(" ", lhs)))
+    return all(w.lower() in _HARMLESS_WORDS for w in words)
 
 
 def answer_matches(pred: str, ground_truth: str) -> bool:

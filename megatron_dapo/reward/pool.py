@@ -35,6 +35,7 @@ import logging
 import math
 import multiprocessing
 import pickle
+import signal
 import threading
 import time
 import weakref
@@ -64,15 +65,23 @@ def _score_one(score_fn, response, ground_truth) -> dict:
 
 def _worker_main(conn, current, score_fns) -> None:
     """Worker loop: receive (fn name, chunk of (index, response, ground_truth)), send [(index, result)]."""
+    # Ctrl-C reaches the whole process group: stopping is the trainer's call (preemption.py), and a
+    # worker must not die with a KeyboardInterrupt traceback mid-item. When the trainer dies, the
+    # pipe breaks and the worker ends quietly (below), so a kill leaves no worker behind.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        _serve(conn, current, score_fns)
+    except (BrokenPipeError, ConnectionResetError, EOFError):  # the parent went away
+        return
+
+
+def _serve(conn, current, score_fns) -> None:
     # We bound time ourselves, so math-verify's "timeout is disabled" warning is noise here.
     logging.getLogger("math_verify").setLevel(logging.ERROR)
     math_dapo.warm_up()
     conn.send(_READY)
     while True:
-        try:
-            chunk = conn.recv()
-        except EOFError:  # parent went away
-            return
+        chunk = conn.recv()
         if chunk is None:
             return
         fn_name, chunk = chunk
@@ -250,7 +259,7 @@ class RewardPool:
             while todo and len(worker.pending) < chunk_len:
                 chunk = [todo.popleft() for _ in range(min(chunk_len, len(todo)))]
                 items = [(i, responses[i], ground_truths[i]) for i in chunk]
-                num_chars = sum(len(r) + len(g) for _, r, g in items)  # a lower bound on bytes
+                num_chars = sum(len(r) + len(str(g)) for _, r, g in items)  # a lower bound on bytes
                 payload = None if num_chars > PIPELINE_MAX_BYTES else pickle.dumps((fn, items))
                 if worker.pending and (payload is None or len(payload) > PIPELINE_MAX_BYTES):
                     todo.extendleft(reversed(chunk))  # send it once the worker is idle

@@ -6,6 +6,7 @@ the real answers of a data set that every accepted form scores correct and that 
 does, and measures the pool's throughput, before any model is involved.
 """
 
+import os
 from collections.abc import Callable
 
 FILLER = ("Let me work through this carefully. We set up the equations, simplify, and check each case. "
@@ -90,16 +91,22 @@ def score_file(path: str, out: str | None, *, num_workers: int, timeout_s: float
     """Scores a JSONL of {"response", "ground_truth"} rows; prints accuracy, writes rows + scores."""
     import json
 
+    from megatron_dapo.errors import InputError
     from megatron_dapo.reward.pool import RewardPool
 
+    if not os.path.isfile(path):
+        raise InputError(f"--responses {path}: no such file")
     rows = []
-    with open(path) as fh:
+    with open(path, encoding="utf-8", errors="replace") as fh:
         for line_no, line in enumerate(fh, 1):
             if not line.strip():
                 continue
-            row = json.loads(line)
-            if not isinstance(row.get("response"), str) or "ground_truth" not in row:
-                raise ValueError(f"{path}: line {line_no}: needs a string 'response' and a 'ground_truth'")
+            try:
+                row = json.loads(line)
+            except ValueError as e:
+                raise InputError(f"{path}: line {line_no}: not JSON ({e})") from None
+            if not isinstance(row, dict) or not isinstance(row.get("response"), str) or "ground_truth" not in row:
+                raise InputError(f"{path}: line {line_no}: needs a string 'response' and a 'ground_truth'")
             rows.append(row)
     with RewardPool(num_workers=num_workers, timeout_s=timeout_s) as pool:
         results = pool.score([r["response"] for r in rows], [str(r["ground_truth"]) for r in rows])

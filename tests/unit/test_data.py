@@ -11,6 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from megatron_dapo.data import DAPO_PROMPT_TEMPLATE, Message, format_dapo_prompt, load_prompts
+from megatron_dapo.errors import InputError
 
 # The parquet layout of BytedTsinghua-SIA/DAPO-Math-17k, explicit so null fields keep their types.
 DAPO_SCHEMA = pa.schema([
@@ -263,8 +264,14 @@ def test_duplicates_merge_across_files(tmp_path):
 
 
 def test_file_and_argument_errors(tmp_path):
-    with pytest.raises(FileNotFoundError, match="missing.parquet"):
+    with pytest.raises(InputError, match="prompt file not found: .*missing.parquet"):
         load_prompts(tmp_path / "missing.parquet")
+    (tmp_path / "empty.parquet").write_bytes(b"")
+    with pytest.raises(InputError, match="empty.parquet: not a readable parquet file"):
+        load_prompts(tmp_path / "empty.parquet")
+    pq.write_table(pa.table({"question": ["1+1?"], "label": [2]}), tmp_path / "schema.parquet")
+    with pytest.raises(InputError, match=r"schema.parquet: no 'prompt' or 'problem' column \(it has \['question', 'label'\]\)"):
+        load_prompts(tmp_path / "schema.parquet")
     (tmp_path / "p.csv").write_text("a,b\n")
     with pytest.raises(ValueError, match=r"unknown prompt file extension '\.csv'.*\.parquet, \.jsonl"):
         load_prompts(tmp_path / "p.csv")

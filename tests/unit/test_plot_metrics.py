@@ -1,6 +1,5 @@
-"""tools/plot_metrics.py: a PNG from a small metrics.jsonl; missing keys are skipped."""
+"""megatron_dapo/plotting.py (tools/plot_metrics.py's CLI): a PNG from a small metrics.jsonl; missing keys are skipped."""
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -8,10 +7,7 @@ import pytest
 
 pytest.importorskip("matplotlib")
 
-_TOOL = Path(__file__).resolve().parents[2] / "tools" / "plot_metrics.py"
-_spec = importlib.util.spec_from_file_location("plot_metrics", _TOOL)
-plot_metrics = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(plot_metrics)
+from megatron_dapo import plotting as plot_metrics  # noqa: E402  (after the importorskip)
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

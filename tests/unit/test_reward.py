@@ -1,4 +1,4 @@
-"""DAPO-Math scorer (labelled table + zero-false-positive property) and RewardPool behaviour."""
+"""DAPO-Math scorer (labelled table + zero-false-positive properties) and RewardPool behaviour."""
 
 import os
 import threading
@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from megatron_dapo.reward import REWARD_FNS, RewardPool, compute_score, get_reward_fn
 from megatron_dapo.reward.math_dapo import TAIL_CHARS
-from tests.unit.reward_cases import CASES
+from tests.unit.reward_cases import CASES, HARMLESS_AFTER, HARMLESS_BEFORE, HEDGE_AFTER, HEDGE_BEFORE
 
 POOL_TIMEOUT_S = 2.0
 SLACK_S = 2.5  # scheduling noise on a loaded 2-core box; the kill itself takes milliseconds
@@ -54,9 +54,55 @@ def test_labelled_cases(response, ground_truth, expected, label):
     assert isinstance(result["pred"], str)
 
 
-def test_table_is_big_and_balanced():
-    assert len(CASES) >= 60
-    assert sum(c[2] for c in CASES) >= 30 and sum(not c[2] for c in CASES) >= 30
+# Every class of answer that math_dapo's docstring says is rejected, by labels of rows in CASES.
+REJECTION_CLASSES = {
+    "lists": ["list with space", "two assignments", "tuple", "set"],
+    "hedges": ["two answers", "boxed and hedge", "negated", "tilde means about"],
+    "relations other than =": ["inequality", "ascii inequality", "approximately",
+                               "relation command before assignment"],
+    "words that are not known units": ["scale word", "variable", "hedge before assignment",
+                                       "conditional assignment", "hedge inside the box",
+                                       "capitals hedge before assignment",
+                                       "capitals with a negation before assignment"],
+    "decimals inside expressions": ["decimal inside expression"],
+    "several different boxed answers": ["two boxed"],
+    "unbalanced LaTeX": ["unbalanced box", "unbalanced frac", "deep unbalanced"],
+    "non-ASCII leftovers": ["unicode superscript", "arabic-indic digit", "fullwidth digits"],
+    "prose around a box off the allowlist": [c[3] for c in CASES if c[3].startswith("boxed prose hedge")],
+}
+
+
+def _first_box(text: str) -> str:
+    """The first outermost \\boxed{...} in text (balanced braces)."""
+    start = text.index("\\boxed{")
+    depth = 0
+    for i in range(start + len("\\boxed"), len(text)):
+        depth += {"{": 1, "}": -1}.get(text[i], 0)
+        if depth == 0:
+            return text[start: i + 1]
+    raise ValueError(text)
+
+
+def test_table_covers_every_rejection_class():
+    rows = {c[3]: c for c in CASES}
+    assert len(CASES) >= 60 and sum(c[2] for c in CASES) >= 30 and sum(not c[2] for c in CASES) >= 30
+    for name, labels in REJECTION_CLASSES.items():
+        assert labels, name
+        for label in labels:
+            response, truth, expected, _ = rows[label]
+            assert expected is False and not compute_score(response, truth)["acc"], (name, label)
+
+
+@pytest.mark.parametrize("accepted", [True, False])
+def test_boxed_prose_rows_differ_only_by_their_prose(accepted):
+    """Both kinds of boxed-prose rows exist, and each row's box alone is correct: a hedged row is
+    rejected for its prose, and a harmless row scores as its box."""
+    prefix = "boxed prose ok" if accepted else "boxed prose hedge"
+    rows = [c for c in CASES if c[3].startswith(prefix)]
+    assert len(rows) >= 10 and all(c[2] is accepted for c in rows)
+    for response, truth, _, label in rows:
+        assert compute_score(f"Answer: {_first_box(response)}", truth)["acc"], label
+        assert compute_score(response, truth)["acc"] is accepted, label
 
 
 def test_pred_is_normalised_answer():
@@ -107,6 +153,33 @@ def test_no_false_positives(a, form, other):
     response = _render(a, form)
     assert compute_score(response, str(a))["acc"], f"form {form} not accepted: {response!r}"
     assert not compute_score(response, str(b))["acc"], f"{response!r} scored as {b}"
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(a=st.integers(-10**7, 10**7), before=st.sampled_from([""] + HEDGE_BEFORE),
+       after=st.sampled_from([""] + HEDGE_AFTER), lead=st.sampled_from(HARMLESS_BEFORE),
+       dollars=st.booleans(), upper=st.booleans())
+def test_hedged_box_is_never_correct(a, before, after, lead, dollars, upper):
+    assume(before or after)
+    box = f"$\\boxed{{{a}}}$" if dollars else f"\\boxed{{{a}}}"
+    prose = f"{lead}{before}{box}{after}"
+    response = f"So the computation gives the result below.\n\nAnswer: {prose.upper() if upper else prose}"
+    assert not compute_score(response, str(a))["acc"], f"{response!r} scored as {a}"
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(a=st.integers(-10**7, 10**7), depth=st.integers(1, 4),
+       pads=st.lists(st.sampled_from(["", " "]), min_size=4, max_size=4), fbox=st.booleans(),
+       before=st.sampled_from(HARMLESS_BEFORE), after=st.sampled_from(HARMLESS_AFTER), dollars=st.booleans())
+def test_nested_boxes_read_as_their_content(a, depth, pads, fbox, before, after, dollars):
+    box = str(a)
+    for level in range(depth):
+        command = "\\fbox" if fbox and level == 0 else "\\boxed"
+        box = f"{command}{{{pads[level]}{box}{pads[level]}}}"
+    box = f"${box}$" if dollars else box
+    response = f"So the computation gives the result below.\n\nAnswer: {before}{box}{after}"
+    assert compute_score(response, str(a))["acc"], f"{response!r} not read as {a}"
+    assert not compute_score(response, str(a + 1))["acc"]
 
 
 # ---------------------------------------------------------------- registry

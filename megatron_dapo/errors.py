@@ -1,0 +1,18 @@
+"""The one error type a user should see as a single line: bad input, not a bug.
+
+``InputError`` names the file, row, field, key or checkpoint at fault and the fix. The CLI prints it
+as ``megatron-dapo: error: <message>`` on stderr, with no traceback, and exits with code 2
+(cli.py). Everything that validates user input raises it (or a subclass: ``ConfigError``), as early
+as the input allows: before a model is built and before anything is written to the run directory.
+It subclasses ValueError, so callers that catch ValueError keep working.
+"""
+
+
+class InputError(ValueError):
+    """Input that cannot be used (data file, checkpoint, run directory, responses file)."""
+
+
+def one_line(err: BaseException) -> str:
+    """The first line of an exception's message, for wrapping third-party errors."""
+    text = str(err).strip() or type(err).__name__
+    return text.splitlines()[0][:300]

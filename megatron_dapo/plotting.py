@@ -1,0 +1,138 @@
+"""Plot a run's metrics.jsonl as a grid of training curves, like the DAPO paper's figures.
+
+    python tools/plot_metrics.py --metrics runs/x/metrics.jsonl --out curves.png [--keys K ...]
+
+(the CLI is ``main`` below; training calls ``plot_run`` in-process at the end of a run.)
+
+Default panels (paper Fig. 1, 2, 6, 7 and section 4.3's advice to watch length and entropy next to
+validation accuracy): held-out accuracy (avg@k / pass@k), training reward and accuracy, response
+length (mean and max), entropy, clip fractions, dynamic-sampling counts, rollout/trainer
+log-prob mismatch, time per step. Each panel lists glob patterns; keys that match nothing are
+skipped, and so are panels left empty, so any subset of metrics plots. ``--keys`` (globs too)
+replaces the defaults with one panel per argument. Metrics logged only on some steps (evaluation)
+are drawn with markers at those steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import json
+import math
+import sys
+from pathlib import Path
+
+# (panel title, glob patterns). Names follow the metric names of the training loop.
+PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("Held-out accuracy", ("eval/acc*", "eval/pass*", "eval/avg@*", "eval/cons@*", "val*/acc*")),
+    ("Train reward", ("reward/acc_mean", "reward/score_mean", "reward/overlong_penalty_mean")),
+    ("Response length (tokens)",
+     ("response_length/mean", "response_length/max", "eval/response_length_mean")),
+    ("Entropy", ("actor/entropy*",)),
+    ("Clip fractions", ("actor/pg_clipfrac*", "response_length/clip_ratio")),
+    ("Dynamic sampling", ("dynamic_sampling/num_gen_batches", "dynamic_sampling/num_groups_kept",
+                          "dynamic_sampling/num_dropped_*")),
+    ("Log-prob mismatch", ("rollout/logprob_mismatch*",)),
+    ("Time per step (s)", ("timing_s/*",)),
+)
+
+
+def load_series(path: str | Path) -> dict[str, tuple[list[int], list[float]]]:
+    """key -> (steps, values) from a metrics.jsonl; nulls, non-numbers and broken lines skipped.
+
+    A step logged twice (a resumed run whose file was not truncated) keeps its last value.
+    """
+    by_key: dict[str, dict[int, float]] = {}
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        try:
+            record = json.loads(line)
+            step = int(record["step"])
+        except (ValueError, KeyError, TypeError):
+            continue
+        for key, value in record.items():
+            if key in ("step", "time") or isinstance(value, bool) or not isinstance(value, (int, float)):
+                continue
+            if math.isfinite(value):
+                by_key.setdefault(key, {})[step] = float(value)
+    return {k: (sorted(v), [v[s] for s in sorted(v)]) for k, v in by_key.items()}
+
+
+def select(series_keys, patterns) -> list[str]:
+    """Keys matching any pattern, in pattern order, each once."""
+    out: list[str] = []
+    for pattern in patterns:
+        out += [k for k in sorted(series_keys) if fnmatch.fnmatchcase(k, pattern) and k not in out]
+    return out
+
+
+def plot(series: dict[str, tuple[list[int], list[float]]], panels, out: str | Path, *, title: str) -> int:
+    """Draws the non-empty panels into ``out``; returns how many were drawn."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only; no display on training nodes
+    import matplotlib.pyplot as plt
+
+    filled = [(name, select(series, patterns)) for name, patterns in panels]
+    filled = [(name, keys) for name, keys in filled if keys]
+    if not filled:
+        return 0
+    num_cols = min(3, len(filled))
+    num_rows = math.ceil(len(filled) / num_cols)
+    fig, axes = plt.subplots(num_rows, num_cols, figsize=(5.2 * num_cols, 3.4 * num_rows), squeeze=False)
+    max_step = max(max(steps) for steps, _ in series.values())
+    for ax, (name, keys) in zip(axes.flat, filled):
+        for key in keys:
+            steps, values = series[key]
+            sparse = len(steps) < 0.5 * (max_step + 1)  # evaluation-style metric: show the points
+            ax.plot(steps, values, marker="o" if sparse else None, markersize=3, linewidth=1.2, label=key)
+        ax.set_title(name, fontsize=10)
+        ax.set_xlabel("step", fontsize=8)
+        ax.tick_params(labelsize=8)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="best")
+    for ax in list(axes.flat)[len(filled):]:
+        ax.set_visible(False)
+    fig.suptitle(title, fontsize=11)
+    fig.tight_layout()
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return len(filled)
+
+
+def plot_run(run_dir: str | Path) -> Path | None:
+    """<run_dir>/curves.png from its metrics.jsonl with the default panels; None if nothing to
+    plot or matplotlib is missing (a plot is never worth failing a finished run for)."""
+    run_dir = Path(run_dir)
+    try:
+        series = load_series(run_dir / "metrics.jsonl")
+        if series and plot(series, PANELS, run_dir / "curves.png", title=str(run_dir / "metrics.jsonl")):
+            return run_dir / "curves.png"
+    except (ImportError, OSError) as e:
+        print(f"megatron-dapo: no curves.png ({e})", file=sys.stderr)
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Plot metrics.jsonl training curves to a PNG.")
+    parser.add_argument("--metrics", required=True, help="path to a run's metrics.jsonl")
+    parser.add_argument("--out", required=True, help="output image (.png)")
+    parser.add_argument("--keys", nargs="+",
+                        help="metric keys or globs, one panel each (default: the standard grid)")
+    args = parser.parse_args(argv)
+    series = load_series(args.metrics)
+    if not series:
+        print(f"no numeric metrics in {args.metrics}", file=sys.stderr)
+        return 1
+    panels = [(k, (k,)) for k in args.keys] if args.keys else PANELS
+    num_drawn = plot(series, panels, args.out, title=str(args.metrics))
+    if not num_drawn:
+        print(f"none of the requested keys are in {args.metrics}; it has: {', '.join(sorted(series))}",
+              file=sys.stderr)
+        return 1
+    print(f"wrote {args.out} ({num_drawn} panels)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

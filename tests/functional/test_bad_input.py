@@ -1,0 +1,124 @@
+"""Bad input ends as one line naming the problem and the fix, exit code 2, before any model is built,
+and the run directory stays untouched (issue 14). Each case is a real `megatron-dapo` command
+(in-process through cli.main, so one interpreter serves them all; one case also as a subprocess to
+show that the whole stderr is that one line)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from megatron_dapo import cli
+from megatron_dapo.config import ToyConfig
+from megatron_dapo.data import toy_task
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = dict(hidden_size=32, intermediate_size=64, num_layers=1, num_attention_heads=2, num_key_value_heads=1,
+            warmup_steps=1, num_train=40, num_val=8)
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory) -> dict[str, Path]:
+    """A tiny HF dir (the toy base, barely warmed up) and good and bad data files."""
+    from megatron_dapo.toy_base import make_toy_base
+
+    d = tmp_path_factory.mktemp("inputs")
+    hf = make_toy_base(d / "hf", seed=0, cfg=ToyConfig(**TINY))
+    train, val = toy_task.make_splits(seed=0, num_train=40, num_val=8, num_digits=5)
+    files = {"hf": hf, "train": toy_task.write_parquet(train, d / "train.parquet"),
+             "val": toy_task.write_parquet(val, d / "val.parquet")}
+    (d / "bad.jsonl").write_text(json.dumps(train[0]) + "\n{not json\n")
+    (d / "empty.jsonl").write_text("")
+    (d / "zero_bytes.parquet").write_bytes(b"")
+    pq.write_table(pa.Table.from_pylist(train[:1]).slice(0, 0), d / "zero_rows.parquet")
+    pq.write_table(pa.table({"question": ["1+1?"], "label": [2]}), d / "schema.parquet")
+    (d / "all_bad.jsonl").write_text("".join(json.dumps({"problem": "x", "answer": 1.5}) + "\n" for _ in range(3)))
+    files.update({k: d / f for k, f in (("bad_jsonl", "bad.jsonl"), ("empty", "empty.jsonl"),
+                                         ("zero_bytes", "zero_bytes.parquet"), ("zero_rows", "zero_rows.parquet"),
+                                         ("schema", "schema.parquet"), ("all_bad", "all_bad.jsonl"))})
+    return files
+
+
+def _train(capsys, run_dir: Path, *overrides: str) -> tuple[int, str]:
+    rc = cli.main(["train", "--config", str(ROOT / "conf" / "cpu_tiny.yaml"), f"logging.dir={run_dir}",
+                   "logging.tensorboard=false", *overrides])
+    return rc, capsys.readouterr().err
+
+
+def _real_run(inputs, **files) -> list[str]:
+    data = {"train": inputs["train"], "val": inputs["val"], **files}
+    return ["toy.enable=false", f"model.hf_path={inputs['hf']}", f"data.train_files=[{data['train']}]",
+            f"data.val_files=[{data['val']}]"]
+
+
+CASES = {  # name -> (file overrides, expected message part)
+    "missing train file": (dict(train="/nonexistent/train.parquet"), "prompt file not found: /nonexistent/train.parquet"),
+    "wrong parquet schema": (dict(train="schema"), "schema.parquet: no 'prompt' or 'problem' column"),
+    "malformed JSONL": (dict(train="bad_jsonl"), "bad.jsonl: line 2: field '<line>': invalid JSON"),
+    "empty file": (dict(train="empty"), "data.train_files=" ),
+    "0-row parquet": (dict(train="zero_rows"), "no usable prompts (0 rows)"),
+    "all rows skipped": (dict(train="all_bad"), "no usable prompts (3 rows, 3 skipped as bad)"),
+    "0-byte parquet": (dict(train="zero_bytes"), "zero_bytes.parquet: not a readable parquet file"),
+    "empty eval file": (dict(val="zero_rows"), "data.val_files="),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_bad_data_is_one_line_and_touches_nothing(inputs, tmp_path, capsys, name):
+    files, expected = CASES[name]
+    files = {k: inputs.get(v, v) for k, v in files.items()}
+    run_dir = tmp_path / "run"
+    extra = ["data.on_bad_row=skip"] if name == "all rows skipped" else []
+    rc, err = _train(capsys, run_dir, *_real_run(inputs, **files), *extra)
+    assert rc == 2, err
+    line = err.strip().splitlines()[-1]
+    assert line.startswith("megatron-dapo: error: ") and expected in line, err
+    assert "Traceback" not in err
+    assert not run_dir.exists(), list(run_dir.rglob("*"))
+
+
+def test_missing_hf_dir(tmp_path, capsys, inputs):
+    rc, err = _train(capsys, tmp_path / "run", *_real_run(inputs), f"model.hf_path={tmp_path / 'nope'}")
+    assert rc == 2 and f"model.hf_path={tmp_path / 'nope'}: no config.json there" in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_toy_size_change_is_refused(tmp_path, capsys):
+    """A run dir made with one toy model refuses another size instead of training the old one."""
+    from megatron_dapo.config_loading import load_config
+    from megatron_dapo.setup import _materialise_start
+
+    run_dir = tmp_path / "run"
+    toy = [f"toy.{k}={v}" for k, v in TINY.items()]
+    cfg = load_config(ROOT / "conf" / "cpu_tiny.yaml", [f"logging.dir={run_dir}", *toy])
+    _materialise_start(cfg, run_dir, rank=0)  # the first run's toy task and base
+    before = {p: p.stat().st_mtime_ns for p in run_dir.rglob("*")}
+    rc, err = _train(capsys, run_dir, *toy, "toy.hidden_size=48")
+    assert rc == 2
+    assert "made with other toy settings (hidden_size 32 -> 48;" in err.strip().splitlines()[-1], err
+    assert {p: p.stat().st_mtime_ns for p in run_dir.rglob("*")} == before
+
+
+def test_score_responses_names_the_bad_line(tmp_path, capsys):
+    path = tmp_path / "responses.jsonl"
+    path.write_text(json.dumps({"response": "Answer: 4", "ground_truth": "4"}) + "\nnot json\n")
+    rc = cli.main(["score", "--responses", str(path)])
+    err = capsys.readouterr().err
+    assert rc == 2 and f"megatron-dapo: error: {path}: line 2: not JSON" in err, err
+
+
+def test_a_fresh_process_prints_one_error_line(inputs, tmp_path):
+    """As a user sees it: a fresh process prints one error line and no traceback."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT", "MASTER_ADDR")}
+    cmd = [sys.executable, "-m", "megatron_dapo.cli", "train", "--config", str(ROOT / "conf" / "cpu_tiny.yaml"),
+           f"logging.dir={tmp_path / 'run'}", *_real_run(inputs, train=inputs["schema"])]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 2
+    errors = [line for line in out.stderr.splitlines() if line.startswith("megatron-dapo:")]
+    assert len(errors) == 1 and "schema.parquet" in errors[0], out.stderr
+    assert "Traceback" not in out.stderr and not (tmp_path / "run").exists()

@@ -1,0 +1,194 @@
+"""Fault injection on the CPU job (issue 14): kills at random moments and mid-save, SIGTERM / SIGUSR1 /
+SIGINT mid-step, two trainers on one directory, a damaged checkpoint, a finished run rerun.
+
+Every run is checked against one uninterrupted reference run of the same command: each metrics
+record present exactly once and bitwise equal (all values but wall times). Processes are checked
+with psutil: everything the trainer started must be gone after it is killed.
+"""
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow
+STEPS = 10
+ARGS = [f"train.total_steps={STEPS}", "checkpoint.save_every=2", "eval.every=5", "logging.tensorboard=false"]
+ENV = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "MASTER_ADDR")}
+
+
+def _cmd(run_dir: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "megatron_dapo.cli", "train", "--config", str(ROOT / "conf" / "cpu_tiny.yaml"),
+            f"logging.dir={run_dir}", *ARGS, *extra]
+
+
+def _run(run_dir: Path, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run(_cmd(run_dir, *extra), cwd=ROOT, capture_output=True, text=True, timeout=900, env=ENV)
+
+
+def _start(run_dir: Path) -> subprocess.Popen:
+    """A trainer writing to files, not pipes: a process left behind would hold a pipe open and
+    hang the reader instead of failing the test."""
+    n = len(list(run_dir.parent.glob("launch_*.out")))
+    out, err = (open(run_dir.parent / f"launch_{n}.{s}", "w+") for s in ("out", "err"))
+    proc = subprocess.Popen(_cmd(run_dir), cwd=ROOT, stdout=out, stderr=err, text=True, env=ENV)
+    proc.out, proc.err = out, err
+    return proc
+
+
+def _finish(proc: subprocess.Popen, timeout: float = 600) -> tuple[str, str]:
+    proc.wait(timeout=timeout)
+    texts = []
+    for f in (proc.out, proc.err):
+        f.seek(0)
+        texts.append(f.read())
+        f.close()
+    return texts[0], texts[1]
+
+
+def _records(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _values(records: list[dict]) -> dict[int, dict]:
+    return {r["step"]: {k: v for k, v in r.items() if k != "time" and not k.startswith("timing_s/")} for r in records}
+
+
+def _assert_same_as_reference(run_dir: Path, reference: Path) -> None:
+    got, want = _records(run_dir), _records(reference)
+    assert [r["step"] for r in got] == list(range(STEPS + 1)), "each step's record exactly once"
+    assert _values(got) == _values(want)  # bitwise: floats compared with ==
+
+
+def _copy_toy(reference: Path, run_dir: Path) -> Path:
+    for name in ("toy", "toy_data", "toy_base"):  # the same task and base, without the warm-up
+        shutil.copytree(reference / name, run_dir / name)
+    return run_dir
+
+
+def _wait_for(predicate, proc: subprocess.Popen, what: str, timeout: float = 300, poll: float = 0.05) -> None:
+    deadline = time.time() + timeout
+    while not predicate():
+        assert proc.poll() is None, f"the run ended before {what}: {_finish(proc)[1][-3000:]}"
+        assert time.time() < deadline, f"timed out waiting for {what}"
+        time.sleep(poll)
+
+
+def _logged(run_dir: Path, step: int):
+    return lambda: any(r["step"] >= step for r in _records(run_dir))
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("reference")
+    out = _run(run_dir)
+    assert out.returncode == 0, out.stderr[-5000:]
+    return run_dir
+
+
+def test_kills_at_random_moments_leave_no_process_and_resume_exactly(reference, tmp_path):
+    run_dir = _copy_toy(reference, tmp_path / "run")
+    rng = random.Random(0)
+    kills = []
+    for attempt in range(3):
+        proc = _start(run_dir)
+        ckpts = run_dir / "checkpoints"
+        if attempt == 0:  # mid-save: as soon as a save's temporary directory appears
+            _wait_for(lambda: ckpts.is_dir() and any(p.suffix == ".tmp" for p in ckpts.iterdir()), proc,
+                      "a checkpoint save", poll=0.001)
+        else:  # a random moment after this attempt's first step
+            done = max([r["step"] for r in _records(run_dir)], default=0)
+            _wait_for(_logged(run_dir, done + 1), proc, "a step")
+            time.sleep(rng.uniform(0.0, 1.0))
+        children = psutil.Process(proc.pid).children(recursive=True)
+        os.kill(proc.pid, signal.SIGKILL)  # the trainer alone, not its process group
+        _finish(proc)
+        assert proc.returncode == -signal.SIGKILL, "the run finished before the kill"
+        _, alive = psutil.wait_procs(children, timeout=20)
+        assert not alive, f"left behind after the kill: {[p.cmdline() for p in alive]}"
+        kills.append((len(children), any(p.suffix == ".tmp" for p in ckpts.iterdir()) if ckpts.is_dir() else False))
+    out = _run(run_dir)
+    assert out.returncode == 0, out.stderr[-5000:]
+    assert "which is no longer running" in out.stderr  # the dead trainer's lock file, taken over
+    assert any(n > 0 for n, _ in kills), "the trainer had children to check"
+    _assert_same_as_reference(run_dir, reference)
+
+
+def test_signals_stop_after_the_step_with_a_checkpoint_and_resume_exactly(reference, tmp_path):
+    run_dir = _copy_toy(reference, tmp_path / "run")
+    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
+        proc = _start(run_dir)
+        done = max([r["step"] for r in _records(run_dir)], default=0)
+        _wait_for(_logged(run_dir, done + 1), proc, "a step")
+        proc.send_signal(sig)
+        stdout, stderr = _finish(proc)
+        assert proc.returncode == 0, stderr[-3000:]
+        step = _records(run_dir)[-1]["step"]
+        assert step < STEPS, "the run finished before the signal"
+        latest = run_dir / "checkpoints" / f"step_{step:08d}"
+        assert f"stopped by {sig.name} after step {step} of {STEPS}" in stdout and str(latest) in stdout
+        assert (run_dir / "checkpoints" / "latest").read_text().strip() == latest.name
+        assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr
+    out = _run(run_dir)
+    assert out.returncode == 0, out.stderr[-5000:]
+    _assert_same_as_reference(run_dir, reference)
+
+
+def test_a_second_trainer_on_the_same_directory_is_refused(reference, tmp_path):
+    run_dir = _copy_toy(reference, tmp_path / "run")
+    first = _start(run_dir)
+    _wait_for(_logged(run_dir, 1), first, "the first trainer's first step")
+    second = _run(run_dir)
+    assert second.returncode == 2
+    assert f"is in use by another trainer (pid {first.pid} on host" in second.stderr.strip().splitlines()[-1]
+    _, stderr = _finish(first)
+    assert first.returncode == 0, stderr[-3000:]
+    _assert_same_as_reference(run_dir, reference)
+
+
+def test_a_damaged_latest_checkpoint_falls_back_to_the_previous_one(reference, tmp_path):
+    run_dir = _copy_toy(reference, tmp_path / "run")
+    shutil.copytree(reference / "checkpoints", run_dir / "checkpoints")
+    shutil.copy(reference / "metrics.jsonl", run_dir / "metrics.jsonl")
+    latest = run_dir / "checkpoints" / f"step_{STEPS:08d}"
+    victim = max(latest.glob("*.distcp"), key=lambda p: p.stat().st_size)
+    victim.write_bytes(victim.read_bytes()[:100])  # truncated, as by a full disk
+    out = _run(run_dir, f"train.total_steps={STEPS}")
+    assert out.returncode == 0, out.stderr[-5000:]
+    assert f"checkpoint {latest} is damaged ({victim.name} has 100 bytes" in out.stderr
+    assert f"resumed from {run_dir / 'checkpoints'} at step {STEPS - 2}" in out.stderr
+    _assert_same_as_reference(run_dir, reference)
+
+
+def test_a_checkpoint_of_another_shape_is_refused_before_building(reference, tmp_path):
+    from megatron_dapo.config import ToyConfig
+    from megatron_dapo.toy_base import make_toy_base
+
+    hf = make_toy_base(tmp_path / "hf", seed=0, cfg=ToyConfig(hidden_size=32, intermediate_size=64, warmup_steps=1))
+    out = _run(tmp_path / "run", "toy.enable=false", f"model.hf_path={hf}",
+               f"data.train_files=[{reference / 'toy_data' / 'train.parquet'}]",
+               f"data.val_files=[{reference / 'toy_data' / 'val.parquet'}]",
+               f"checkpoint.dir={reference / 'checkpoints'}")
+    assert out.returncode == 2
+    line = out.stderr.strip().splitlines()[-1]
+    assert "holds another model shape (hidden_size 64 -> 32, ffn_hidden_size 192 -> 64, kv_channels 16 -> 8;" in line
+    assert not (tmp_path / "run").exists()
+
+
+def test_rerunning_a_finished_run_says_so(reference):
+    before = (reference / "metrics.jsonl").read_bytes()
+    out = _run(reference)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"nothing to do: {reference} is already at step {STEPS} of train.total_steps={STEPS}" in out.stdout
+    assert "eval/avg@4=" in out.stdout and "final evaluation" not in out.stdout
+    assert (reference / "metrics.jsonl").read_bytes() == before
