@@ -34,9 +34,15 @@ def cmd_score(args: argparse.Namespace) -> int:
 
 def cmd_train(args: argparse.Namespace) -> int:
     """DAPO training (resumes automatically from the run's latest checkpoint)."""
-    from megatron_dapo.train import main as train_main
+    from megatron_dapo.preemption import StopRequest
 
-    return train_main(load_config(args.config, args.overrides))
+    stop = StopRequest().install()  # first: a signal during the imports and set-up is handled too
+    try:
+        from megatron_dapo.train import main as train_main
+
+        return train_main(load_config(args.config, args.overrides), stop=stop)
+    finally:
+        stop.restore()
 
 
 def cmd_eval(args: argparse.Namespace) -> int:

@@ -20,9 +20,6 @@ import sys
 import threading
 import time
 
-import torch
-import torch.distributed as dist
-
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
 
@@ -62,6 +59,9 @@ class StopRequest:
 
     def agreed(self) -> bool:
         """True on every rank iff any rank got a signal; collective when torch.distributed is up."""
+        import torch
+        import torch.distributed as dist
+
         if not (dist.is_available() and dist.is_initialized()):
             return self.signum is not None
         device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
@@ -76,4 +76,7 @@ class StopRequest:
 
 
 def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else int(os.environ.get("RANK", "0"))
+    dist = sys.modules.get("torch.distributed")  # not imported yet: not initialised either
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return int(os.environ.get("RANK", "0"))

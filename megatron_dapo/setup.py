@@ -117,6 +117,8 @@ def _load_inputs(cfg: DAPOConfig, ckpt_dir: Path) -> _Inputs:
     val_ids, val_truths = _prompts("data.val_files", cfg.data.val_files, tokenizer, cfg, dedup=True)
     if cfg.checkpoint.resume == "auto":
         _check_resume_shape(ckpt_dir, hf_config)
+    if cfg.model.checkpoint:
+        _check_start_checkpoint(Path(cfg.model.checkpoint))
     return _Inputs(tokenizer, stops, train_ids, train_truths, val_ids, val_truths)
 
 
@@ -129,6 +131,15 @@ def _check_resume_shape(ckpt_dir: Path, hf_config: dict) -> None:
     if path is not None:
         arch = hf_arch(hf_config)
         check_model_shape(path, read_meta(path), {k: getattr(arch, k) for k in SHAPE_FIELDS})
+
+
+def _check_start_checkpoint(path: Path) -> None:
+    """model.checkpoint must hold weights: a typo would otherwise start from random ones."""
+    from megatron_dapo.policy.checkpoint import latest_checkpoint
+
+    if not (path / "metadata.json").is_file() and latest_checkpoint(path) is None:
+        raise InputError(f"model.checkpoint={path}: no checkpoint there; give a converted dist checkpoint "
+                         "(tools/convert_ckpt/hf_to_megatron.py) or a run's checkpoints directory")
 
 
 def _build(cfg: DAPOConfig, rank: int, world: int, run_dir: Path, ckpt_dir: Path, inputs: _Inputs,

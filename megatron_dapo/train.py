@@ -43,16 +43,18 @@ class TrainResult:
     stop_latency_s: float = 0.0  # from the signal to the saved checkpoint
 
 
-def train(cfg: DAPOConfig) -> TrainResult:
+def train(cfg: DAPOConfig, stop: StopRequest | None = None) -> TrainResult:
     """Runs (or resumes) DAPO training. SIGTERM, SIGUSR1 and Ctrl-C stop it after the current
-    step with a checkpoint (preemption.py)."""
-    stop = StopRequest().install()
+    step with a checkpoint (preemption.py); ``stop``: handlers installed by the caller, else here."""
+    own = stop is None
+    stop = StopRequest().install() if own else stop
     run = None
     try:
         run = setup_run(cfg)
         return _train(run, cfg, stop)
     finally:
-        stop.restore()
+        if own:
+            stop.restore()
         if run is not None:
             run.close()
 
@@ -141,7 +143,8 @@ def _loop(run: Run, cfg: DAPOConfig, stop: StopRequest, dyn: DynamicSampler, log
         return TrainResult(final_eval=final, step=done)
     if done > saved:
         _save(run, dyn, done)
-    return TrainResult(final_eval=final, step=done, stopped_by=stop.name, checkpoint=str(_latest(run)),
+    latest = _latest(run)
+    return TrainResult(final_eval=final, step=done, stopped_by=stop.name, checkpoint=latest and str(latest),
                        stop_latency_s=stop.seconds_since())
 
 
@@ -228,11 +231,11 @@ def setup_logging() -> None:
     logging.getLogger("megatron").setLevel(logging.WARNING)  # per-parameter and config dumps
 
 
-def main(cfg: DAPOConfig) -> int:
+def main(cfg: DAPOConfig, stop: StopRequest | None = None) -> int:
     from megatron_dapo.plotting import plot_run
 
     setup_logging()
-    result = train(cfg)
+    result = train(cfg, stop)
     if dist.is_initialized() and dist.get_rank() != 0:
         return 0
     if result.already_complete:
@@ -242,9 +245,10 @@ def main(cfg: DAPOConfig) -> int:
         return 0
     plot_run(cfg.logging.dir)
     if result.stopped_by:
+        saved = f"checkpoint {result.checkpoint}" if result.checkpoint else "no checkpoint yet (nothing to keep)"
         print(f"megatron-dapo: stopped by {result.stopped_by} after step {result.step} of "
-              f"{cfg.train.total_steps} ({result.stop_latency_s:.1f} s after the signal): checkpoint "
-              f"{result.checkpoint}; rerun the same command to resume", flush=True)
+              f"{cfg.train.total_steps} ({result.stop_latency_s:.1f} s after the signal): {saved}; rerun the "
+              "same command to resume", flush=True)
     else:
         print("final evaluation: " + _fmt(result.final_eval), flush=True)
     return 0

@@ -88,6 +88,19 @@ def test_missing_hf_dir(tmp_path, capsys, inputs):
     assert not (tmp_path / "run").exists()
 
 
+def test_missing_start_checkpoint(tmp_path, capsys, inputs):
+    """A typo in model.checkpoint must not start training from random weights."""
+    rc, err = _train(capsys, tmp_path / "run", *_real_run(inputs), f"model.checkpoint={tmp_path / 'ckpt'}")
+    assert rc == 2 and f"model.checkpoint={tmp_path / 'ckpt'}: no checkpoint there" in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_missing_config_file(tmp_path, capsys):
+    rc = cli.main(["train", "--config", str(tmp_path / "nope.yaml")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "nope.yaml" in err and "Traceback" not in err, err
+
+
 def test_toy_size_change_is_refused(tmp_path, capsys):
     """A run dir made with one toy model refuses another size instead of training the old one."""
     from megatron_dapo.config_loading import load_config
