@@ -31,7 +31,19 @@ DONE = ".complete"
 
 
 @dataclass
-class Run:
+class Inputs:
+    """What a run reads from the user's files, checked before anything is built."""
+
+    tokenizer: Any
+    stops: list[int]
+    train_ids: list[list[int]]
+    train_truths: list[str]
+    val_ids: list[list[int]]
+    val_truths: list[str]
+
+
+@dataclass
+class Run(Inputs):
     cfg: DAPOConfig
     rank: int
     world_size: int
@@ -40,12 +52,6 @@ class Run:
     actor: Any
     placement: Any  # rollout.placement.RolloutPlacement: this rank's engine and the replica layout
     pool: Any  # replica leaders only (None elsewhere)
-    tokenizer: Any
-    stops: list[int]
-    train_ids: list[list[int]]
-    train_truths: list[str]
-    val_ids: list[list[int]]
-    val_truths: list[str]
     sampler: Any
     state: dict
     lock: Any = None  # run_lock.RunDirLock on rank 0 of a trainer
@@ -58,16 +64,6 @@ class Run:
         if self.lock is not None:
             self.lock.release()
             self.lock = None
-
-
-@dataclass
-class _Inputs:
-    tokenizer: Any
-    stops: list[int]
-    train_ids: list[list[int]]
-    train_truths: list[str]
-    val_ids: list[list[int]]
-    val_truths: list[str]
 
 
 def setup_run(cfg: DAPOConfig, *, lock: bool = True) -> Run:
@@ -100,7 +96,7 @@ def setup_run(cfg: DAPOConfig, *, lock: bool = True) -> Run:
         raise
 
 
-def _load_inputs(cfg: DAPOConfig, ckpt_dir: Path) -> _Inputs:
+def _load_inputs(cfg: DAPOConfig, ckpt_dir: Path) -> Inputs:
     """Everything read from the user's files, checked; InputError on the first problem."""
     from transformers import AutoTokenizer, GenerationConfig
 
@@ -119,7 +115,7 @@ def _load_inputs(cfg: DAPOConfig, ckpt_dir: Path) -> _Inputs:
         _check_resume_shape(ckpt_dir, hf_config)
     if cfg.model.checkpoint:
         _check_start_checkpoint(Path(cfg.model.checkpoint))
-    return _Inputs(tokenizer, stops, train_ids, train_truths, val_ids, val_truths)
+    return Inputs(tokenizer, stops, train_ids, train_truths, val_ids, val_truths)
 
 
 def _check_resume_shape(ckpt_dir: Path, hf_config: dict) -> None:
@@ -142,7 +138,7 @@ def _check_start_checkpoint(path: Path) -> None:
                          "(tools/convert_ckpt/hf_to_megatron.py) or a run's checkpoints directory")
 
 
-def _build(cfg: DAPOConfig, rank: int, world: int, run_dir: Path, ckpt_dir: Path, inputs: _Inputs,
+def _build(cfg: DAPOConfig, rank: int, world: int, run_dir: Path, ckpt_dir: Path, inputs: Inputs,
            run_lock) -> Run:
     import megatron_dapo.policy  # noqa: F401  (CPU patches before megatron.core is imported)
     from megatron_dapo.config_loading import ConfigError
@@ -177,10 +173,9 @@ def _build(cfg: DAPOConfig, rank: int, world: int, run_dir: Path, ckpt_dir: Path
     logger.info("rank %d: rollout replica %d of %d (%s engine, rollout TP %d)%s", rank, placement.replica,
                 placement.num_replicas, cfg.rollout.engine, cfg.rollout.tensor_parallel_size,
                 ", scoring" if placement.is_leader else "")
-    return Run(cfg=cfg, rank=rank, world_size=world, dir=run_dir, ckpt_dir=ckpt_dir, actor=actor,
-               placement=placement, pool=pool, tokenizer=inputs.tokenizer, stops=inputs.stops,
-               train_ids=inputs.train_ids, train_truths=inputs.train_truths, val_ids=inputs.val_ids,
-               val_truths=inputs.val_truths, sampler=sampler, state=state, lock=run_lock)
+    return Run(**{f.name: getattr(inputs, f.name) for f in dataclasses.fields(Inputs)}, cfg=cfg, rank=rank,
+               world_size=world, dir=run_dir, ckpt_dir=ckpt_dir, actor=actor, placement=placement, pool=pool,
+               sampler=sampler, state=state, lock=run_lock)
 
 
 def check_rollout(cfg: DAPOConfig, world_size: int) -> None:

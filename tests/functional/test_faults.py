@@ -35,12 +35,12 @@ def _run(run_dir: Path, *extra: str) -> subprocess.CompletedProcess:
     return subprocess.run(_cmd(run_dir, *extra), cwd=ROOT, capture_output=True, text=True, timeout=900, env=ENV)
 
 
-def _start(run_dir: Path) -> subprocess.Popen:
+def _start(run_dir: Path, *extra: str) -> subprocess.Popen:
     """A trainer writing to files, not pipes: a process left behind would hold a pipe open and
     hang the reader instead of failing the test."""
     n = len(list(run_dir.parent.glob("launch_*.out")))
     out, err = (open(run_dir.parent / f"launch_{n}.{s}", "w+") for s in ("out", "err"))
-    proc = subprocess.Popen(_cmd(run_dir), cwd=ROOT, stdout=out, stderr=err, text=True, env=ENV)
+    proc = subprocess.Popen(_cmd(run_dir, *extra), cwd=ROOT, stdout=out, stderr=err, text=True, env=ENV)
     proc.out, proc.err = out, err
     return proc
 
@@ -148,12 +148,27 @@ def test_a_second_trainer_on_the_same_directory_is_refused(reference, tmp_path):
     run_dir = _copy_toy(reference, tmp_path / "run")
     first = _start(run_dir)
     _wait_for(_logged(run_dir, 1), first, "the first trainer's first step")
-    second = _run(run_dir)
+    os.kill(first.pid, signal.SIGSTOP)  # mid-run for as long as the second one needs, on any machine
+    try:
+        second = _run(run_dir)
+    finally:
+        os.kill(first.pid, signal.SIGCONT)
     assert second.returncode == 2
     assert f"is in use by another trainer (pid {first.pid} on host" in second.stderr.strip().splitlines()[-1]
     _, stderr = _finish(first)
     assert first.returncode == 0, stderr[-3000:]
     _assert_same_as_reference(run_dir, reference)
+
+
+def test_eval_reads_a_run_whose_trainer_holds_the_lock(reference):
+    from megatron_dapo.run_lock import RunDirLock
+
+    cmd = _cmd(reference)
+    cmd[cmd.index("train")] = "eval"
+    with RunDirLock(reference):  # as a live trainer holds it
+        out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=ENV)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads((reference / "eval.json").read_text())["step"] == STEPS
 
 
 def test_a_damaged_latest_checkpoint_falls_back_to_the_previous_one(reference, tmp_path):
@@ -192,3 +207,29 @@ def test_rerunning_a_finished_run_says_so(reference):
     assert f"nothing to do: {reference} is already at step {STEPS} of train.total_steps={STEPS}" in out.stdout
     assert "eval/avg@4=" in out.stdout and "final evaluation" not in out.stdout
     assert (reference / "metrics.jsonl").read_bytes() == before
+
+
+def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step(reference, tmp_path):
+    """torchrun, 2 ranks (DP=2): SIGTERM to rank 1 alone; rank 0 learns of it through the per-step
+    all-reduce, both save the same step, every process exits 0; the rerun completes the run."""
+    run_dir = _copy_toy(reference, tmp_path / "run")
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    cmd = launcher + _cmd(run_dir)[1:]
+    with open(tmp_path / "out.txt", "w+") as out:
+        agent = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, text=True, env=ENV)
+        agent.out, agent.err = out, open(os.devnull)
+        _wait_for(_logged(run_dir, 1), agent, "a step")
+        rank1 = [p for p in psutil.Process(agent.pid).children() if p.environ().get("RANK") == "1"]
+        assert len(rank1) == 1
+        rank1[0].send_signal(signal.SIGTERM)
+        agent.wait(timeout=600)
+        out.seek(0)
+        text = out.read()
+    assert agent.returncode == 0, text[-3000:]
+    step = _records(run_dir)[-1]["step"]
+    assert step < STEPS and f"stopped by SIGTERM after step {step} of {STEPS}" in text
+    saved = run_dir / "checkpoints" / f"step_{step:08d}"
+    assert sorted(p.name for p in (saved / "rng").iterdir()) == ["rank_00000.pt", "rank_00001.pt"]
+    rerun = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env=ENV)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert [r["step"] for r in _records(run_dir)] == list(range(STEPS + 1))
