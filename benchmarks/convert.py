@@ -3,8 +3,8 @@
 For each Qwen2.5 shape (real dimensions, random bf16 weights written by this script):
   baseline        every shard read with safe_open, tensor by tensor, and written back with save_file
                   (one shard in memory at a time): the I/O floor of any converter
-  hf_to_megatron  megatron_dapo.convert.checkpoint.hf_to_megatron (TP=1, torch_dist checkpoint)
-  megatron_to_hf  megatron_dapo.convert.checkpoint.megatron_to_hf (back to sharded safetensors)
+  hf_to_megatron  megatron_dapo.policy.hf_conversion.hf_to_megatron (TP=1, torch_dist checkpoint)
+  megatron_to_hf  megatron_dapo.policy.hf_conversion.megatron_to_hf (back to sharded safetensors)
 then checks that the round trip is bit-exact. Each step runs in its own process; peak RSS is that
 process's ru_maxrss (the dist-checkpoint writer's helper process is not counted), and "after imports"
 is its RSS before any weight is touched. Ratios are against the baseline measured in the same run.

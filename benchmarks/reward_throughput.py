@@ -7,7 +7,7 @@ responses per second for
   (b) RewardPool with 2 worker processes (startup timed separately),
   (c) the baseline verify(parse(gt), parse(full_text)) with math-verify's own 5 s timeouts
       (main thread). It is much slower, so it runs on at most --baseline-num responses.
-It also reports the accuracy of each on the labelled table in tests/unit/reward_cases.py. Some
+It also reports the accuracy of each on the labelled table in megatron_dapo/reward/labelled_cases.py. Some
 labels there are format policy, not math (a correct \boxed{} without an "Answer:" line is
 wrong), so the baseline's "false positives" include such rows.
 The last line gives CPU seconds: if the load average exceeds the CPU count, the pool's workers
@@ -23,11 +23,11 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # repo root: package + tests
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # repo root: the package from a checkout
 
 from megatron_dapo.reward import RewardPool, compute_score  # noqa: E402
+from megatron_dapo.reward.labelled_cases import CASES  # noqa: E402
 from megatron_dapo.reward.math_dapo import warm_up  # noqa: E402
-from tests.unit.reward_cases import CASES  # noqa: E402
 
 PROSE = [
     "We now consider the case where the sum is even.",

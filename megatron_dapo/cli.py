@@ -80,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from megatron_dapo.quiet import quiet_start_up
+
+    quiet_start_up()
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

@@ -27,16 +27,6 @@ def _fail(msg: str) -> None:
     raise ValueError(msg)
 
 
-def resolve_dtype(dtype: str, on_gpu: bool) -> Literal["bf16", "fp32"]:
-    """model.dtype with "auto" resolved: bf16 on GPU, fp32 on CPU (the trainer's and the rollout
-    engine's dtype alike)."""
-    if dtype == "auto":
-        return "bf16" if on_gpu else "fp32"
-    if dtype not in ("bf16", "fp32"):
-        _fail(f"model.dtype must be auto, bf16 or fp32, got {dtype!r}")
-    return dtype
-
-
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     hf_path: str = _f("", "HF model dir (config.json, tokenizer; safetensors for conversion)")
@@ -112,7 +102,7 @@ class DataConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class RolloutConfig:
-    engine: Literal["vllm", "hf"] = _f("vllm", "generation backend: vllm (GPU) or hf (transformers; CPU)")
+    engine: str = _f("vllm", "generation backend (registry): vllm (GPU, or its CPU build) or hf (transformers; CPU)")
     n: int = _f(16, "responses per prompt (the group size G)")
     temperature: float = _f(1.0, "sampling temperature; trainer log-probs use the same temperature")
     top_p: float = _f(1.0, "nucleus sampling for training rollouts")
@@ -147,8 +137,8 @@ class RolloutConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class FilterGroupsConfig:
-    enable: bool = _f(True, "dynamic sampling: drop groups whose answers are all right or all wrong")
-    metric: Literal["acc"] = _f("acc", "what must be mixed within a group: correctness before length shaping")
+    enable: bool = _f(True, "dynamic sampling: drop groups whose answers are all right or all wrong "
+                                  "(correctness, before length shaping)")
     max_num_gen_batches: int = _f(10, "generation batches per step before giving up; 0 = unbounded")
     surplus: Literal["drop", "carry"] = _f("drop", "kept groups beyond the batch: drop (paper, verl) or carry over")
 
@@ -334,6 +324,7 @@ def _validate_cross_section(cfg: DAPOConfig) -> None:
     """Rules that involve more than one section; each message names the values and the fix."""
     from megatron_dapo.algo import ADVANTAGE_ESTIMATORS, AGG_MODES, POLICY_LOSSES
     from megatron_dapo.reward import REWARD_FNS
+    from megatron_dapo.rollout.engine import ENGINES
 
     d, t, r = cfg.data, cfg.train, cfg.rollout
     if d.prompts_per_step % t.mini_batch_prompts:
@@ -352,6 +343,7 @@ def _validate_cross_section(cfg: DAPOConfig) -> None:
     for name, registry, value in (("loss.loss_agg_mode", AGG_MODES, cfg.loss.loss_agg_mode),
                                   ("loss.policy_loss", POLICY_LOSSES, cfg.loss.policy_loss),
                                   ("algorithm.adv_estimator", ADVANTAGE_ESTIMATORS, cfg.algorithm.adv_estimator),
+                                  ("rollout.engine", ENGINES, cfg.rollout.engine),
                                   ("reward.fn", REWARD_FNS, cfg.reward.fn),
                                   ("eval.reward_fn", REWARD_FNS, cfg.eval.reward_fn)):
         if value not in registry:

@@ -14,7 +14,6 @@ share of a replica, rollout/placement.py) and, on replica leaders, a reward pool
 """
 
 import dataclasses
-import importlib.util
 import json
 import logging
 import os
@@ -179,22 +178,15 @@ def _build(cfg: DAPOConfig, rank: int, world: int, run_dir: Path, ckpt_dir: Path
 
 
 def check_rollout(cfg: DAPOConfig, world_size: int) -> None:
-    """The rollout settings that need the world size or the installed packages, before heavy work;
-    a ConfigError, which the CLI prints as one line."""
-    import torch
-
+    """The rollout settings that need the world size or the installed packages, before heavy work
+    (the engine's own ``preflight``); a ConfigError, which the CLI prints as one line."""
     from megatron_dapo.config_loading import ConfigError
-    from megatron_dapo.rollout import vllm_engine  # its checks; vllm itself is imported by engines only
+    from megatron_dapo.rollout.engine import get_engine_cls  # imports the engine module, not vllm
     from megatron_dapo.rollout.placement import replica_layout
 
     try:
         replica_layout(0, world_size, cfg.rollout.tensor_parallel_size)
-        if cfg.rollout.engine == "vllm":
-            if importlib.util.find_spec("vllm") is None:
-                raise ValueError(vllm_engine.VLLM_MISSING)
-            if not torch.cuda.is_available():
-                mb = cfg.rollout.kv_cache_memory_mb
-                vllm_engine.check_cpu_kv_cache(mb << 20 if mb > 0 else None)
+        get_engine_cls(cfg.rollout.engine).preflight(cfg)
     except ValueError as e:
         raise ConfigError(str(e)) from None
 

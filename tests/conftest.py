@@ -1,4 +1,5 @@
-"""Shared test set-up: GPU tests skip without CUDA; paths to the repo's data files."""
+"""Shared test set-up: GPU tests skip without CUDA; known-harmless third-party start-up messages
+filtered as at the CLI (megatron_dapo/quiet.py); paths to the repo's data files."""
 
 from pathlib import Path
 
@@ -7,6 +8,12 @@ import torch
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 AIME_PARQUET = REPO_ROOT / "data" / "aime-2024.parquet"
+
+
+def pytest_configure(config):
+    from megatron_dapo.quiet import quiet_start_up
+
+    quiet_start_up()
 
 
 def pytest_collection_modifyitems(config, items):

@@ -3,12 +3,11 @@
 * ``mapping.py`` / ``table.py`` / ``qwen2.py``: the declarative mapping table, pure torch.
 * ``safetensors_io.py``: one-tensor-at-a-time reads, size-bounded sharded writes.
 * ``export.py``: ``(hf_name, full tensor)`` from a live TP/PP-sharded model, in byte buckets.
-* ``checkpoint.py``: HF dir <-> Megatron dist checkpoint (uses megatron_dapo.policy).
-* ``verify.py``: HF vs Megatron logits on fixed prompts.
 * ``plan.py``: per-rank shard sizes on meta tensors (dry run).
 
-Importing this package does not import megatron.core; ``checkpoint`` and ``verify`` do (after
-megatron_dapo.policy's CPU patches), so import them explicitly.
+Nothing here imports megatron.core (tests/unit/test_boundaries.py): the parts of conversion that
+need it live under policy/ (``policy/hf_conversion.py``: HF dir <-> Megatron dist checkpoint;
+``policy/logit_check.py``: HF vs Megatron logits), and they use this package's tables.
 """
 
 from megatron_dapo.convert import qwen2 as _qwen2  # noqa: F401  (registers Qwen2ForCausalLM)

@@ -27,7 +27,8 @@ from typing import Any, Mapping
 import torch
 import torch.nn.functional as F
 
-from megatron_dapo.config import ModelConfig, ParallelConfig, resolve_dtype
+from megatron_dapo.config import ModelConfig, ParallelConfig
+from megatron_dapo.precision import resolve_dtype
 
 
 @dataclass(frozen=True)

@@ -72,6 +72,10 @@ class HFEngine:
 
         return cls(AutoModelForCausalLM.from_pretrained(path, dtype=dtype), **kwargs)
 
+    @staticmethod
+    def preflight(cfg) -> None:
+        """Nothing to check ahead: transformers is always installed and any head size works."""
+
     @classmethod
     def from_config(cls, model_path: str, cfg, **kwargs) -> HFEngine:
         """The engine of a training run (config.DAPOConfig): the checkpoint in fp32 on the CPU, every

@@ -128,8 +128,8 @@ def logprobs_mode_for(params: SamplingParams) -> LogprobsMode | None:
 
 
 def vllm_dtype(model_dtype: str, on_gpu: bool) -> str:
-    """config.ModelConfig.dtype -> vLLM's name for the trainer's dtype (config.resolve_dtype)."""
-    from megatron_dapo.config import resolve_dtype
+    """config.ModelConfig.dtype -> vLLM's name for the trainer's dtype (precision.resolve_dtype)."""
+    from megatron_dapo.precision import resolve_dtype
 
     return {"bf16": "bfloat16", "fp32": "float32"}[resolve_dtype(model_dtype, on_gpu)]
 
@@ -303,6 +303,17 @@ class VLLMEngine:
         self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
         self._asleep: set[str] = set()
         self._reloading = False
+
+    @staticmethod
+    def preflight(cfg: Any) -> None:
+        """Before any heavy work: vllm is installed, and on CPU the KV cache can be reserved."""
+        import importlib.util
+
+        if importlib.util.find_spec("vllm") is None:
+            raise ValueError(VLLM_MISSING)
+        if not torch.cuda.is_available():
+            mb = cfg.rollout.kv_cache_memory_mb
+            check_cpu_kv_cache(mb << 20 if mb > 0 else None)
 
     @classmethod
     def from_config(cls, model_path: str, cfg: Any, *, mode: Literal["colocated", "standalone"] = "colocated",

@@ -63,10 +63,10 @@ def test_verify_cli_at_tp2_prints_and_passes(converted):
 
 
 def _worker(rank, hf, ckpt, offline, tp, pp):
-    from megatron_dapo.convert.checkpoint import load_megatron_checkpoint
+    from megatron_dapo.policy.hf_conversion import load_megatron_checkpoint
     from megatron_dapo.convert.export import export_hf_weights
     from megatron_dapo.convert.safetensors_io import SafetensorsReader
-    from megatron_dapo.convert.verify import verify
+    from megatron_dapo.policy.logit_check import verify
     from megatron_dapo.policy import destroy_parallel
 
     report = verify(hf, ckpt, tp=tp, pp=pp)
@@ -100,7 +100,7 @@ def test_tp2_pp2_on_four_processes(converted):
 
 
 def _vpp_worker(rank, hf, ckpt):
-    from megatron_dapo.convert.checkpoint import load_megatron_checkpoint
+    from megatron_dapo.policy.hf_conversion import load_megatron_checkpoint
     from megatron_dapo.convert.export import export_hf_weights
     from megatron_dapo.convert.safetensors_io import SafetensorsReader
 

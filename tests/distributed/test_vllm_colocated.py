@@ -4,18 +4,22 @@ every weight sync.
 
 Per spawn (one per rollout layout: TP=2, and TP=1 x 2 replicas), for untied and tied embeddings:
 build the actor from a DAPOConfig + HF config dict and the engine with VLLMEngine.from_config on
-a directory holding only config.json (dummy weights until the first sync); sync the actor's
-export into the engine in small buckets (fused qkv / gate_up and tied embeddings go through
-vLLM's own load_weights); generate (the replicas take different numbers of prompts); the
-engine's log-probs of its samples equal actor.get_inference_log_probs. Then one DAPO update,
-sync again: the engine's log-probs of the same tokens (vLLM prompt log-probs) equal the actor's
-new ones and differ from the old ones by far more than the tolerance, and fresh samples agree too.
+a directory holding only config.json (dummy weights until the first sync); score fixed probe
+tokens with those dummy weights; sync the actor's export into the engine in small buckets (fused
+qkv / gate_up and tied embeddings go through vLLM's own load_weights): the engine's log-probs of
+the probes now equal the actor's and differ from the dummy ones by far more than the tolerance
+(so the first sync really replaced the weights); generate (the replicas take different numbers
+of prompts); the engine's log-probs of its samples equal actor.get_inference_log_probs. Then one
+DAPO update, sync again: the engine's log-probs of the same tokens (vLLM prompt log-probs) equal
+the actor's new ones and differ from the old ones by far more than the tolerance, and fresh
+samples agree too.
 Both sides compute in fp32; the largest difference measured is ~1e-6 (TOL = 1e-4), while
 the update moves the log-probs by ~1.
 """
 
 import importlib.util
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -34,6 +38,8 @@ pytestmark = [
 TOL = 1e-4
 PROMPTS = [[5, 17, 42, 8], [7, 9, 11], [100, 101, 102, 103, 104, 105], [3, 4]]
 N = 2
+# Fixed token sequences (first token as prompt) scored before and after the first sync.
+PROBES = [SimpleNamespace(prompt_ids=p[:1], response_ids=p[1:]) for p in PROMPTS]
 
 
 def hf_config(tied: bool) -> dict:
@@ -111,8 +117,13 @@ def _worker(rank, config_dirs, rollout_tp):
         engine = VLLMEngine.from_config(config_dirs[tied], cfg)
         assert (engine.dp_rank, engine.dp_size) == ((0, 1) if rollout_tp == 2 else (rank, 2))
         assert torch.get_num_threads() == 1  # the harness's setting survives the engine build
+        dummy = engine_scores(engine, PROBES)  # vLLM's dummy weights: what the first sync replaces
         stats = sync_weights(engine, actor.export_hf_weights(), bucket)
         assert stats["num_buckets"] > 4
+        actor.prepare_for_inference()
+        probe_ref = actor.get_inference_log_probs(samples_of(PROBES))
+        assert max_diff(engine_scores(engine, PROBES), probe_ref) < TOL, f"tied={tied}: the first sync"
+        assert max_diff(dummy, probe_ref) > 100 * TOL, f"tied={tied}: the engine was the actor before the sync"
         params = SamplingParams(temperature=1.0, max_tokens=12, seed=7)
         rollouts, mine = all_rollouts(engine, params)
         assert len(rollouts) == len(PROMPTS) * N

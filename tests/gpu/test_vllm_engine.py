@@ -106,7 +106,7 @@ def test_bf16_logprobs_match_teacher_forced_hf(engine, ckpt_dir, top_p, top_k):
     assert m["rollout/logprob_abs_diff_max"] < 0.25, m
 
 
-def test_sleep_releases_device_memory(engine):
+def test_sleep_releases_device_memory(engine, ckpt_dir):
     total = torch.cuda.mem_get_info()[1]
     awake = free_bytes()
     engine.sleep()
@@ -117,7 +117,12 @@ def test_sleep_releases_device_memory(engine):
         engine.generate(PROMPTS, n=1, params=SamplingParams(max_tokens=4, seed=0))
     engine.wake_up()
     assert awake - free_bytes() > 0.5 * UTILIZATION * total
-    assert len(flat(engine.generate(PROMPTS, n=1, params=SamplingParams(max_tokens=4, seed=0)))) == 4
+    # The weights came back from host memory intact: the checkpoint's log-probs, as before sleeping.
+    rollouts = flat(engine.generate(PROMPTS, n=2, params=SamplingParams(max_tokens=16, seed=0)))
+    assert len(rollouts) == 8
+    m = check_against(hf_reference(ckpt_dir), rollouts, 1.0)
+    assert m["rollout/logprob_mismatch"] < MISMATCH_TOL, m
+    assert m["rollout/logprob_abs_diff_max"] < 0.25, m
 
 
 def test_weight_sync_through_sleep_changes_outputs_to_the_new_model(engine, ckpt_dir):

@@ -9,10 +9,10 @@ import json
 import pytest
 import torch
 
-from megatron_dapo.convert.checkpoint import hf_to_megatron, megatron_to_hf  # noqa: I001  (before policy)
+from megatron_dapo.policy.hf_conversion import hf_to_megatron, megatron_to_hf  # noqa: I001  (before policy)
 from megatron_dapo.convert import ConversionError, SafetensorsReader
 from megatron_dapo.convert.synthetic import QWEN25_CONFIGS
-from megatron_dapo.convert.verify import verify
+from megatron_dapo.policy.logit_check import verify
 from tools.convert_ckpt import hf_to_megatron as hf_to_megatron_cli
 
 DIVISIBLE_BY = 64  # vocab 100 -> 128 rows at TP 1 and 2 alike, so one checkpoint serves both

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from megatron_dapo.reward import REWARD_FNS, RewardPool, compute_score, get_reward_fn
 from megatron_dapo.reward.math_dapo import TAIL_CHARS
-from tests.unit.reward_cases import CASES, HARMLESS_AFTER, HARMLESS_BEFORE, HEDGE_AFTER, HEDGE_BEFORE
+from megatron_dapo.reward.labelled_cases import CASES, HARMLESS_AFTER, HARMLESS_BEFORE, HEDGE_AFTER, HEDGE_BEFORE
 
 POOL_TIMEOUT_S = 2.0
 SLACK_S = 2.5  # scheduling noise on a loaded 2-core box; the kill itself takes milliseconds

@@ -4,7 +4,7 @@ table, the scorer registry, and a RewardPool that holds both."""
 import pytest
 
 from megatron_dapo.reward import PAPER_REWARD_FN, VALUE_REWARD_FN, RewardPool, get_reward_fn, paper_rule
-from tests.unit.reward_cases import SCORER_CASES
+from megatron_dapo.reward.labelled_cases import SCORER_CASES
 
 paper = get_reward_fn(PAPER_REWARD_FN)
 ours = get_reward_fn(VALUE_REWARD_FN)

@@ -54,7 +54,7 @@ def main(argv=None) -> int:
         if args.dry_run:
             dry_run(args)
             return 0
-        from megatron_dapo.convert.checkpoint import hf_to_megatron
+        from megatron_dapo.policy.hf_conversion import hf_to_megatron
 
         meta = hf_to_megatron(args.hf_dir, args.out, dtype=args.dtype, tp=args.tp, pp=args.pp,
                               force=args.force, progress=not args.no_progress,

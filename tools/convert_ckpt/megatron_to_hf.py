@@ -29,7 +29,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
-        from megatron_dapo.convert.checkpoint import megatron_to_hf
+        from megatron_dapo.policy.hf_conversion import megatron_to_hf
 
         files = megatron_to_hf(args.ckpt, args.out, dtype=args.dtype, tp=args.tp, pp=args.pp,
                                force=args.force, max_shard_bytes=int(args.max_shard_size * 1e9),

@@ -29,7 +29,7 @@ def main(argv=None) -> int:
     try:
         import torch.distributed as dist
 
-        from megatron_dapo.convert.verify import verify
+        from megatron_dapo.policy.logit_check import verify
 
         report = verify(args.hf_dir, args.ckpt, tp=args.tp, pp=args.pp, atol=args.atol, seq_len=args.seq_len)
     except ConversionError as e:

@@ -1,6 +1,8 @@
 """HF model dir <-> Megatron dist checkpoint (torch_dist), streaming one tensor / bucket at a time.
 
-Checkpoint layout written by ``hf_to_megatron`` (read by ``megatron_to_hf``, verify.py, the trainer):
+Lives under policy/ (the only importer of megatron.core); the pure mapping it applies is
+megatron_dapo.convert. Checkpoint layout written by ``hf_to_megatron`` (read by ``megatron_to_hf``,
+logit_check.py, the trainer):
     <ckpt>/                 megatron.core.dist_checkpointing files (metadata.json, .metadata, *.distcp)
     <ckpt>/hf/              the source's config.json, generation_config.json and tokenizer files
     <ckpt>/convert.json     dtype, vocabulary padding and architecture the checkpoint was written with
@@ -26,8 +28,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-import megatron_dapo.policy  # noqa: F401  (CPU patches before anything imports megatron.core)
 
 from megatron_dapo.convert.export import DEFAULT_BUCKET_BYTES, export_hf_weights, load_hf_weights
 from megatron_dapo.convert.mapping import ConversionError

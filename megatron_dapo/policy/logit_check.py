@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from megatron_dapo.convert.checkpoint import load_megatron_checkpoint
 from megatron_dapo.convert.export import export_hf_weights
 from megatron_dapo.convert.safetensors_io import SafetensorsReader
+from megatron_dapo.policy.hf_conversion import load_megatron_checkpoint
 
 DEFAULT_ATOL = {"fp32": 1e-5, "bf16": 5e-2}
 
@@ -120,9 +120,9 @@ def verify(hf_dir: str | os.PathLike, ckpt_dir: str | os.PathLike, *, tp: int = 
 @torch.no_grad()
 def _hf_logits(hf_dir, ids: torch.Tensor, dtype: str) -> torch.Tensor:
     """Logits of the transformers model. Built with from_config and filled from the safetensors
-    files rather than from_pretrained: from_pretrained's meta-device init yields garbage RoPE
-    buffers when megatron_dapo.policy was imported before megatron_dapo.convert.checkpoint (see
-    there), while a plain constructor does not depend on import order."""
+    files rather than from_pretrained: from_pretrained's meta-device init yielded garbage RoPE
+    buffers depending on the order in which megatron_dapo.policy (its CPU patches) and this module
+    were imported, while a plain constructor does not depend on import order."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(hf_dir)

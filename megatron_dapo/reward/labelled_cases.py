@@ -1,7 +1,8 @@
 """Hand-labelled (response, ground_truth, expected_acc, label) rows for the DAPO-Math scorer.
 
-Shared by tests/unit/test_reward.py and benchmarks/reward_throughput.py, so this module stays a
-plain list with no imports from the package.
+The scorers' specification as data: tests/unit/test_reward.py and test_scorers.py assert on it,
+benchmarks/reward_throughput.py reports accuracy on it (benchmarks import nothing from tests/).
+Plain lists with no imports, so reading it costs nothing.
 """
 
 _COT = "Let me think step by step. We have $x^2 + y^2 = 25$ and so on.\n\n"

@@ -1,0 +1,90 @@
+"""The package's import rules, enforced (docs/DESIGN.md "Target layout"):
+
+* a fresh interpreter that imports the megatron-free parts has neither megatron nor vllm loaded;
+* megatron is imported only under policy/, vllm only by the vLLM engine's two modules;
+* no import cycle between the package's units (its subpackages and top-level modules), counting
+  imports inside functions too (a lazy import is still a dependency);
+* benchmarks/ and the package import nothing from tests/.
+"""
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+PKG = Path(__file__).resolve().parents[2] / "megatron_dapo"
+FREE = ["algo", "reward", "data", "collect", "rollout", "rollout.engine", "rollout.placement", "rollout.hf_engine",
+        "rollout.vllm_engine", "rollout.weight_sync", "convert", "eval", "eval_metrics", "config",
+        "config_loading", "metrics_log", "errors", "run_lock", "preemption", "quiet", "plotting", "toy_base"]
+VLLM_HOMES = {"rollout/vllm_engine.py", "rollout/vllm_colocation.py"}
+
+
+def _imports(path: Path):
+    """(line, imported module) of every import statement, at any depth; relative imports resolved."""
+    tree = ast.parse(path.read_text(), str(path))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            yield from ((node.lineno, a.name) for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            yield node.lineno, node.module
+
+
+def _unit(module: str) -> str:
+    """megatron_dapo.policy.actor -> policy; megatron_dapo.train -> train."""
+    return module.split(".")[1]
+
+
+def test_megatron_free_parts_load_neither_megatron_nor_vllm():
+    code = ("import sys; " + "; ".join(f"import megatron_dapo.{m}" for m in FREE)
+            + "; print(sorted({m.split('.')[0] for m in sys.modules} & {'megatron', 'vllm'}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_megatron_only_under_policy_and_vllm_only_in_its_engine():
+    bad = []
+    for path in sorted(PKG.rglob("*.py")):
+        rel = path.relative_to(PKG).as_posix()
+        for line, module in _imports(path):
+            top = module.split(".")[0]
+            if top == "megatron" and not rel.startswith("policy/"):
+                bad.append(f"{rel}:{line} imports {module} (megatron belongs under policy/)")
+            if top == "vllm" and rel not in VLLM_HOMES:
+                bad.append(f"{rel}:{line} imports {module} (vllm belongs in {sorted(VLLM_HOMES)})")
+            if top == "tests":
+                bad.append(f"{rel}:{line} imports {module} (the package imports nothing from tests/)")
+    for path in sorted((PKG.parent / "benchmarks").glob("*.py")):
+        bad += [f"benchmarks/{path.name}:{line} imports {m}" for line, m in _imports(path) if m.split(".")[0] == "tests"]
+    assert not bad, "\n".join(bad)
+
+
+def _graph() -> dict[str, dict[str, str]]:
+    """unit -> {unit it imports: where}."""
+    edges: dict[str, dict[str, str]] = {}
+    for path in sorted(PKG.rglob("*.py")):
+        rel = path.relative_to(PKG)
+        unit = rel.parts[0].removesuffix(".py")
+        for line, module in _imports(path):
+            if module.startswith("megatron_dapo.") and _unit(module) != unit:
+                edges.setdefault(unit, {}).setdefault(_unit(module), f"{rel.as_posix()}:{line}")
+    return edges
+
+
+def test_no_import_cycle_between_units():
+    edges, cycles = _graph(), []
+
+    def visit(unit, stack):
+        for nxt in edges.get(unit, {}):
+            if nxt in stack:
+                cycle = stack[stack.index(nxt):] + [nxt]
+                cycles.append(" -> ".join(f"{a} ({edges[a][b]})" for a, b in zip(cycle, cycle[1:])))
+            elif nxt not in done:
+                visit(nxt, stack + [nxt])
+        done.add(unit)
+
+    done: set[str] = set()
+    for unit in sorted(edges):
+        if unit not in done:
+            visit(unit, [unit])
+    assert not cycles, "import cycles:\n" + "\n".join(sorted(set(cycles)))
