@@ -14,17 +14,23 @@ each replica's leader scores its share and sends back per-problem summaries (no 
 every rank computes the same numbers, equal to a one-process evaluation with the same seed.
 """
 
+import re
+
 from megatron_dapo.collect import score_rollouts
 from megatron_dapo.eval_metrics import eval_metrics
 from megatron_dapo.rollout.engine import SamplingParams
 from megatron_dapo.rollout.placement import RolloutPlacement
 
 
+_INTEGER = re.compile(r"-?\d+")
+
+
 def evaluate(placement: RolloutPlacement, prompt_ids: list[list[int]], ground_truths: list[str], *, tokenizer,
              params: SamplingParams, n: int, pool, prefix: str = "eval/", reward_fn: str | None = None,
              value_fn: str | None = None) -> dict[str, float]:
     """Generates ``n`` responses per prompt and returns {prefix + avg@n (also as acc_mean), pass@1,
-    pass@n, cons@n, response_length_mean, truncation_rate, num_timeouts}, on every rank, scored by
+    pass@n, cons@n, format_rate (the scorer read an integer answer), response_length_mean,
+    truncation_rate, num_timeouts}, on every rank, scored by
     the pool's fn ``reward_fn`` (None: its default). With ``value_fn``, also avg@n, pass@.., cons@n
     and acc_mean scored by that fn, each key with the suffix "_value"."""
     fns = (reward_fn,) if value_fn is None else (reward_fn, value_fn)
@@ -46,6 +52,8 @@ def evaluate(placement: RolloutPlacement, prompt_ids: list[list[int]], ground_tr
         out |= {prefix + key + suffix: v for key, v in summary.items()}
         out[prefix + "acc_mean" + suffix] = summary[f"avg@{n}"]  # mean accuracy over all samples (avg@n)
     num_responses = sum(len(p["lengths"]) for p in problems)
+    preds = [pred for p in problems for _, pred in p["samples"][0]]
+    out[prefix + "format_rate"] = sum(bool(_INTEGER.fullmatch(pred)) for pred in preds) / num_responses
     out[prefix + "response_length_mean"] = sum(sum(p["lengths"]) for p in problems) / num_responses
     out[prefix + "truncation_rate"] = sum(p["truncated"] for p in problems) / num_responses
     out[prefix + "num_timeouts"] = float(sum(p["timeouts"] for p in problems))

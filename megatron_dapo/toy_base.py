@@ -16,18 +16,16 @@ format rate and accuracy).
 Determinism: everything is seeded from ``seed``; on the same machine and thread count the weights
 are bit-identical run to run.
 
-``generate`` is a minimal sampler with a KV cache (temperature sampling, per-token log-probs),
-shared by the warm-up check and benchmarks/toy_rl_prototype.py.
+The warm-up check samples and scores through the library's own path (the HF rollout engine,
+eval.evaluate, the value scorer): there is one sampler and one evaluator in the package.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import inspect
 import json
 import random
-import re
 import time
 from pathlib import Path
 from typing import Any
@@ -124,93 +122,27 @@ def warm_up(model, tokenizer, cfg: ToyConfig, *, seed: int, log_every: int = 0) 
     return losses
 
 
-@torch.no_grad()
-def generate(model, prompts: torch.Tensor, *, max_new_tokens: int, temperature: float, top_p: float,
-             stop_ids: list[int], pad_id: int, generator: torch.Generator | None
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Sample continuations of equal-length prompts with a KV cache.
-
-    Args:
-        prompts: [B, P] prompt ids (equal lengths: all toy prompts of one num_digits are).
-        temperature: > 0 samples from softmax(logits / temperature); 0 is greedy.
-        top_p: nucleus sampling: keep the smallest set of tokens whose probability reaches top_p.
-
-    Returns:
-        tokens [B, T] (pad_id after each response's stop token), logprobs [B, T] (fp32 log-probs
-        of the sampled tokens under softmax(logits / temperature), before top-p, which is what
-        the trainer recomputes; 0 at padding), lengths [B] (tokens including the stop token).
-    """
-    batch = prompts.shape[0]
-    stop = torch.tensor(stop_ids)
-    done = torch.zeros(batch, dtype=torch.bool)
-    lengths = torch.zeros(batch, dtype=torch.long)
-    tokens, logps = [], []
-    # transformers 5 names the KV cache `cache`; 4.x (and 5.x before the rename) `past_key_values`.
-    cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-    out = model(input_ids=prompts, use_cache=True)
-    for _ in range(max_new_tokens):
-        logits = out.logits[:, -1].float()
-        logp_all = F.log_softmax(logits / (temperature if temperature > 0 else 1.0), dim=-1)
-        if temperature > 0:
-            nxt = torch.multinomial(_top_p_probs(logp_all.exp(), top_p), 1, generator=generator).squeeze(-1)
-        else:
-            nxt = logits.argmax(-1)
-        logp = logp_all.gather(-1, nxt[:, None]).squeeze(-1)
-        nxt = torch.where(done, torch.full_like(nxt, pad_id), nxt)
-        tokens.append(nxt)
-        logps.append(torch.where(done, torch.zeros_like(logp), logp))
-        lengths += (~done).long()
-        done |= torch.isin(nxt, stop)
-        if done.all():
-            break
-        out = model(input_ids=nxt[:, None], use_cache=True, **{cache_kw: getattr(out, cache_kw)})
-    return torch.stack(tokens, 1), torch.stack(logps, 1), lengths
-
-
-def _top_p_probs(probs: torch.Tensor, top_p: float) -> torch.Tensor:
-    """[B, V] probabilities with everything outside the top-p nucleus zeroed (not renormalised:
-    torch.multinomial normalises)."""
-    if top_p >= 1.0:
-        return probs
-    sorted_p, order = probs.sort(dim=-1, descending=True)
-    # A token stays if the mass before it is below top_p; the most likely token always stays.
-    keep_sorted = (sorted_p.cumsum(-1) - sorted_p) < top_p
-    keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
-    return probs * keep
-
-
-_INTEGER_RE = re.compile(r"-?\d+")
-
-
-@torch.no_grad()
 def evaluate(model, tokenizer, prompts: list[list[int]], ground_truths: list[str], *, num_samples: int,
              temperature: float, top_p: float, max_new_tokens: int, seed: int) -> dict[str, float]:
-    """Held-out metrics: ``num_samples`` responses to each of the (equal-length) ``prompts``.
-
-    Returns ``acc_mean`` (avg@k: mean correctness over all samples, the paper's avg@32),
-    ``pass_at_k`` (any sample right), ``format_rate`` (the last Answer line holds an integer) and
-    ``response_length_mean`` (tokens, including the stop token).
-    """
-    from megatron_dapo.reward import compute_score
+    """Held-out metrics of ``model`` through the trainer's evaluation (eval.evaluate on the HF engine,
+    scored inline by our value scorer): ``acc_mean`` (avg@k), ``pass_at_k``, ``format_rate`` (the
+    answer is an integer) and ``response_length_mean`` (tokens, including the stop token)."""
+    from megatron_dapo.eval import evaluate as evaluate_engine
+    from megatron_dapo.reward import RewardPool
+    from megatron_dapo.rollout.engine import SamplingParams
+    from megatron_dapo.rollout.hf_engine import HFEngine
+    from megatron_dapo.rollout.placement import RolloutPlacement
 
     was_training = model.training
-    model.eval()
-    gen = torch.Generator().manual_seed(seed)
-    tokens, _, lengths = generate(model, torch.tensor(prompts).repeat_interleave(num_samples, dim=0),
-                                  max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                                  stop_ids=stop_token_ids(tokenizer), pad_id=tokenizer.pad_token_id,
-                                  generator=gen)
+    params = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_new_tokens, seed=seed,
+                            stop_token_ids=tuple(stop_token_ids(tokenizer)), logprobs=False)
+    placement = RolloutPlacement(HFEngine(model, pad_token_id=tokenizer.pad_token_id), alone=True)
+    with RewardPool(num_workers=0, timeout_s=10.0) as pool:  # inline: toy responses are short
+        out = evaluate_engine(placement, prompts, ground_truths, tokenizer=tokenizer, params=params,
+                              n=num_samples, pool=pool, prefix="")
     model.train(was_training)
-    texts = tokenizer.batch_decode(tokens, skip_special_tokens=True)
-    truths = [gt for gt in ground_truths for _ in range(num_samples)]
-    scores = [compute_score(t, gt) for t, gt in zip(texts, truths)]
-    acc = torch.tensor([s["acc"] for s in scores], dtype=torch.float32).view(len(prompts), num_samples)
-    return {
-        "acc_mean": acc.mean().item(),
-        "pass_at_k": acc.amax(dim=1).mean().item(),
-        "format_rate": sum(bool(_INTEGER_RE.fullmatch(s["pred"])) for s in scores) / len(scores),
-        "response_length_mean": lengths.float().mean().item(),
-    }
+    return {"acc_mean": out["acc_mean"], "pass_at_k": out[f"pass@{num_samples}"],
+            "format_rate": out["format_rate"], "response_length_mean": out["response_length_mean"]}
 
 
 def make_toy_base(out_dir: str | Path, *, seed: int, cfg: ToyConfig, eval_rows: list[dict] | None = None,

@@ -45,7 +45,7 @@ MIN_ANSWER = 3
 """Answers are drawn uniformly from MIN_ANSWER..9, not from the max of uniform digits. With
 uniform digits the answer is 9 a third of the time (4 digits), and the RL policy collapsed onto
 "always 9" (one answer, entropy near 0, no mixed groups left) before it learned to read the
-digits (measured with benchmarks/toy_rl_prototype.py); with uniform answers no constant answer
+digits (measured with an early plain-torch prototype of the loop); with uniform answers no constant answer
 beats 1/7. Small answers are left out because they have too few distinct problems (answer 1 has
 2 ** n - 1) for disjoint train and validation splits of the same distribution."""
 

@@ -17,14 +17,13 @@ from __future__ import annotations
 from typing import Iterator
 
 import torch
-import torch.distributed as dist
 
 from megatron_dapo.config import DAPOConfig
 from megatron_dapo.policy import checkpoint
 from megatron_dapo.policy.batching import Sample, split_for_data_parallel
 from megatron_dapo.policy.model import build_model, hf_arch, padded_vocab_size
 from megatron_dapo.policy.optimizer import build_optimizer, build_scheduler, wrap_model
-from megatron_dapo.policy.parallel import initialize_parallel
+from megatron_dapo.policy.parallel import all_gather_rows, initialize_parallel
 from megatron_dapo.policy.train_step import StepSettings, compute_device, compute_log_probs, train_step
 
 
@@ -81,8 +80,7 @@ class MegatronActor:
         sizes = [sum(batch[i].num_response_tokens for i in shard) for shard in shards]
         flat = torch.zeros(max(sizes), dtype=torch.float32, device=compute_device())
         flat[: sizes[ps.get_data_parallel_rank()]] = torch.cat(log_probs).to(flat.device) if mine else 0
-        gathered = [torch.empty_like(flat) for _ in shards]
-        dist.all_gather(gathered, flat, group=ps.get_data_parallel_group())
+        gathered = all_gather_rows(flat, ps.get_data_parallel_group())
         out: list[torch.Tensor | None] = [None] * len(batch)
         for shard, size, values in zip(shards, sizes, gathered):
             lengths = [batch[i].num_response_tokens for i in shard]

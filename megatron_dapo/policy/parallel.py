@@ -88,6 +88,14 @@ def initialize_parallel(hf_config, *, parallel: ParallelConfig, model: ModelConf
     return sizes
 
 
+def all_gather_rows(local: torch.Tensor, group) -> torch.Tensor:
+    """[n] on every rank of ``group`` (same n and dtype everywhere) -> [group size, n], in rank
+    order: the one DP gather of the package (batch counts, metrics, inference log-probs)."""
+    gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, local, group=group)
+    return torch.stack(gathered)
+
+
 def destroy_parallel(process_group: bool = True) -> None:
     """Tear down megatron's groups and, unless told not to, the process group (gloo can abort at
     interpreter exit when it is left alive)."""

@@ -45,6 +45,7 @@ from megatron_dapo.policy.batching import (
 )
 from megatron_dapo.policy.logprobs import logprobs_output_processor
 from megatron_dapo.policy.optimizer import current_lr
+from megatron_dapo.policy.parallel import all_gather_rows
 
 
 @dataclass(frozen=True)
@@ -124,9 +125,7 @@ def _micro_batches(model, samples: list[Sample],
     local = torch.tensor([sum(float(v.sum()) for v in valid), sum(float((v > 0).sum()) for v in valid),
                           float(len(mbs)), float(len(missing))], dtype=torch.float64, device=compute_device())
     dp_group, _ = _groups()
-    gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(dp_group))]
-    dist.all_gather(gathered, local, group=dp_group)
-    table = torch.stack(gathered)
+    table = all_gather_rows(local, dp_group)
     if table[:, 3].sum() > 0:  # on every DP rank alike (no rank is left waiting in a collective)
         raise ValueError(f"loss.tis_cap={settings.tis_cap} needs the rollout engine's log-probs, but "
                          f"{int(table[:, 3].sum())} samples of the mini-batch have no rollout_log_probs "
@@ -207,9 +206,7 @@ def _reduce_metrics(per_mb: list[dict], settings: StepSettings) -> dict[str, tor
                   + [torch.stack([m[k] for m in per_mb]).max() for k in max_keys])
         local.copy_(torch.stack(values))
     dp_group, pp_group = _groups()
-    gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(dp_group))]
-    dist.all_gather(gathered, local, group=dp_group)
-    table = torch.stack(gathered)
+    table = all_gather_rows(local, dp_group)
     reduced = torch.cat([table[:, : len(sum_keys)].sum(0), table[:, len(sum_keys):].amax(0)])
     if dist.get_world_size(pp_group) > 1:
         dist.broadcast(reduced, src=_pp_last_rank(), group=pp_group)

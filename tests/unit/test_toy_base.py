@@ -11,7 +11,7 @@ from megatron_dapo import toy_base
 from megatron_dapo.data import toy_task, toy_tokenizer
 
 # A reduced warm-up (one narrow layer, 60 steps: ~3 s on one core) with the same recipe as the
-# default; the default's own numbers are in benchmarks/toy_rl_prototype.py's output.
+# default; the default's own numbers are in README ("Measured").
 SMALL = dataclasses.replace(toy_base.ToyConfig(), hidden_size=32, intermediate_size=64, num_layers=1,
                             warmup_steps=60, warmup_batch_size=32, warmup_lr=1e-2)
 
@@ -59,20 +59,22 @@ def test_generation_stops_on_im_end_and_endoftext(base_dir):
 
 
 def test_reloaded_model_answers_in_format(base_dir, one_thread):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """Greedy answers of the saved checkpoint through the HF rollout engine (the package's one sampler)."""
+    from transformers import AutoTokenizer
+
+    from megatron_dapo.rollout.engine import SamplingParams
+    from megatron_dapo.rollout.hf_engine import HFEngine
 
     tok = AutoTokenizer.from_pretrained(base_dir)
-    model = AutoModelForCausalLM.from_pretrained(base_dir)
+    engine = HFEngine.from_pretrained(str(base_dir))
     questions = ["Largest digit of 31415?", "Largest digit of 27182?"]
-    prompts = torch.tensor(toy_base.batch_prompt_ids(tok, questions))
-    tokens, logps, lengths = toy_base.generate(model, prompts, max_new_tokens=20, temperature=0.0, top_p=1.0,
-                                               stop_ids=toy_base.stop_token_ids(tok), pad_id=tok.pad_token_id,
-                                               generator=None)
-    for row, n in zip(tokens.tolist(), lengths.tolist()):
-        assert row[n - 1] in toy_base.stop_token_ids(tok)
-        assert all(t == tok.pad_token_id for t in row[n:])
-        assert tok.decode(row[:n], skip_special_tokens=True).splitlines()[-1].startswith("Answer: ")
-    assert (logps <= 0).all()
+    stops = toy_base.stop_token_ids(tok)
+    out = engine.generate(toy_base.batch_prompt_ids(tok, questions), 1,
+                          SamplingParams(temperature=0.0, max_tokens=20, stop_token_ids=tuple(stops), seed=0))
+    for (rollout,) in out:
+        assert rollout.finish_reason == "stop" and rollout.response_ids[-1] in stops
+        assert tok.decode(rollout.response_ids, skip_special_tokens=True).splitlines()[-1].startswith("Answer: ")
+        assert all(lp <= 0 for lp in rollout.logprobs)
 
 
 def test_same_seed_same_weights(tmp_path, one_thread):
@@ -80,13 +82,6 @@ def test_same_seed_same_weights(tmp_path, one_thread):
     a = toy_base.make_toy_base(tmp_path / "a", seed=5, cfg=quick)
     b = toy_base.make_toy_base(tmp_path / "b", seed=5, cfg=quick)
     assert (a / "model.safetensors").read_bytes() == (b / "model.safetensors").read_bytes()
-
-
-def test_top_p_keeps_the_nucleus_and_always_the_top_token():
-    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.97, 0.01, 0.01, 0.01]])
-    kept = toy_base._top_p_probs(probs, 0.7)
-    assert torch.equal(kept, torch.tensor([[0.5, 0.3, 0.0, 0.0], [0.97, 0.0, 0.0, 0.0]]))
-    assert torch.equal(toy_base._top_p_probs(probs, 1.0), probs)
 
 
 def test_warmup_prompt_shortcut_equals_the_chat_template_path(base_dir):
