@@ -5,8 +5,8 @@ The first signal only sets a flag and prints one line. The loop finishes the ste
 that has started updating the weights cannot be abandoned without losing its updates), then all
 ranks agree to stop (one all-reduce of the flag per step, so ranks that got the signal at different
 moments stop after the same step), save a checkpoint and exit 0 with one line naming it. A second
-signal exits at once without a checkpoint (exit code 128 + signal): the last saved checkpoint
-stays intact, since saves are atomic (policy/checkpoint.py).
+signal (more than FORWARD_WINDOW_S after the first) exits at once without a checkpoint (exit code
+128 + signal): the last saved checkpoint stays intact, since saves are atomic (policy/checkpoint.py).
 
 So the grace period must exceed one step: SLURM's ``--signal`` lead time (recipes) or torchrun's
 30 s between its SIGTERM and SIGKILL. The time from the signal to the saved checkpoint is printed.
@@ -21,6 +21,9 @@ import threading
 import time
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+# A second signal this soon after the first is the same request: Ctrl-C under torchrun reaches each
+# worker directly (SIGINT, from the terminal) and again through the agent (SIGTERM), milliseconds apart.
+FORWARD_WINDOW_S = 2.0
 
 
 class StopRequest:
@@ -48,6 +51,8 @@ class StopRequest:
 
     def _handle(self, signum: int, frame) -> None:
         name = signal.Signals(signum).name
+        if self.signum is not None and time.monotonic() - self.received_at < FORWARD_WINDOW_S:
+            return  # the same request again: Ctrl-C reaches torchrun's workers directly and forwarded
         if self.signum is not None:
             print(f"megatron-dapo: second {name}: exiting now without saving; rerun to resume from the "
                   "last checkpoint", file=sys.stderr, flush=True)
