@@ -60,30 +60,36 @@ class ModelDims:
     @classmethod
     def from_hf_config(cls, config: dict[str, Any], *, padded_vocab_size: int | None = None) -> "ModelDims":
         """Dims of a Llama-like HF config dict (config.json contents)."""
-        required = ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size",
-                    "vocab_size")
-        missing = [k for k in required if config.get(k) is None]
-        if missing:
-            raise ConversionError(f"HF config lacks {missing}, needed to convert "
-                                  f"{config.get('architectures')}")
-        heads = config["num_attention_heads"]
-        return cls(
-            num_layers=config["num_hidden_layers"],
-            hidden_size=config["hidden_size"],
-            num_attention_heads=heads,
-            num_query_groups=config.get("num_key_value_heads") or heads,  # absent means plain MHA
-            head_dim=config.get("head_dim") or config["hidden_size"] // heads,
-            ffn_hidden_size=config["intermediate_size"],
-            vocab_size=config["vocab_size"],
-            padded_vocab_size=padded_vocab_size or config["vocab_size"],
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-        )
+        sizes = hf_sizes(config)
+        return cls(num_layers=sizes["num_layers"], hidden_size=sizes["hidden_size"],
+                   num_attention_heads=sizes["num_attention_heads"], num_query_groups=sizes["num_query_groups"],
+                   head_dim=sizes["kv_channels"], ffn_hidden_size=sizes["ffn_hidden_size"],
+                   vocab_size=sizes["vocab_size"], padded_vocab_size=padded_vocab_size or sizes["vocab_size"],
+                   tie_word_embeddings=sizes["tie_word_embeddings"])
 
     def size(self, symbol: str) -> int:
         """Resolve a symbolic dimension used by the tables' ``shape`` tuples."""
         sizes = {"hidden": self.hidden_size, "ffn": self.ffn_hidden_size, "vocab": self.vocab_size,
                  "q": self.num_attention_heads * self.head_dim, "kv": self.num_query_groups * self.head_dim}
         return sizes[symbol]
+
+
+_HF_SIZE_KEYS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "vocab_size")
+
+
+def hf_sizes(config: dict[str, Any]) -> dict[str, Any]:
+    """The sizes in a Llama-like HF config dict, under Megatron's names: the package's one reader of
+    them (ModelDims here; policy.model.hf_arch adds the Qwen2 checks and the rest of the model)."""
+    missing = [k for k in _HF_SIZE_KEYS if config.get(k) is None]
+    if missing:
+        raise ConversionError(f"HF config lacks {missing}, needed for {config.get('architectures')}")
+    heads = config["num_attention_heads"]
+    return {"num_layers": config["num_hidden_layers"], "hidden_size": config["hidden_size"],
+            "num_attention_heads": heads,
+            "num_query_groups": config.get("num_key_value_heads") or heads,  # absent means plain MHA
+            "kv_channels": config.get("head_dim") or config["hidden_size"] // heads,
+            "ffn_hidden_size": config["intermediate_size"], "vocab_size": config["vocab_size"],
+            "tie_word_embeddings": bool(config.get("tie_word_embeddings", False))}
 
 
 def _fill(pattern: str, layer: int | None) -> str:

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_dapo.config import ModelConfig, ParallelConfig
+from megatron_dapo.convert.mapping import hf_sizes
 from megatron_dapo.precision import resolve_dtype
 
 
@@ -73,18 +74,10 @@ def hf_arch(hf_config: Mapping[str, Any] | Any) -> HFArch:
         if rope_type != "default":
             raise ValueError(f"RoPE scaling {rope_type!r} (rope_scaling / rope_parameters) is not "
                              "supported; remove it from config.json for contexts within the trained length")
-    heads = cfg["num_attention_heads"]
     return HFArch(
-        vocab_size=cfg["vocab_size"],
-        hidden_size=cfg["hidden_size"],
-        ffn_hidden_size=cfg["intermediate_size"],
-        num_layers=cfg["num_hidden_layers"],
-        num_attention_heads=heads,
-        num_query_groups=cfg.get("num_key_value_heads") or heads,
-        kv_channels=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+        **hf_sizes(cfg),
         norm_eps=cfg["rms_norm_eps"],
         rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         max_position_embeddings=cfg["max_position_embeddings"],
         init_std=cfg.get("initializer_range", 0.02),
         attention_dropout=float(cfg.get("attention_dropout", 0.0)),
