@@ -33,6 +33,8 @@ DONE = ".complete"
 class Inputs:
     """What a run reads from the user's files, checked before anything is built."""
 
+    hf_config: dict  # model.hf_path's config.json
+    resume_from: Path | None  # the latest intact checkpoint of the run (checkpoint.resume=auto)
     tokenizer: Any
     stops: list[int]
     train_ids: list[list[int]]
@@ -110,15 +112,15 @@ def _load_inputs(cfg: DAPOConfig, ckpt_dir: Path) -> Inputs:
                                        dedup=cfg.data.dedup)
     # Always merged: eval.n draws the samples, and copies would skew pass@n and cons@n.
     val_ids, val_truths = _prompts("data.val_files", cfg.data.val_files, tokenizer, cfg, dedup=True)
-    if cfg.checkpoint.resume == "auto":
-        _check_resume_shape(ckpt_dir, hf_config)
+    resume_from = _resume_point(ckpt_dir, hf_config) if cfg.checkpoint.resume == "auto" else None
     if cfg.model.checkpoint:
         _check_start_checkpoint(Path(cfg.model.checkpoint))
-    return Inputs(tokenizer, stops, train_ids, train_truths, val_ids, val_truths)
+    return Inputs(hf_config, resume_from, tokenizer, stops, train_ids, train_truths, val_ids, val_truths)
 
 
-def _check_resume_shape(ckpt_dir: Path, hf_config: dict) -> None:
-    """Refuses, before any model is built, to resume a checkpoint of another architecture."""
+def _resume_point(ckpt_dir: Path, hf_config: dict) -> Path | None:
+    """The run's latest intact checkpoint (found once: the actor loads this one), refused before
+    any model is built when it holds another architecture."""
     from megatron_dapo.policy.checkpoint import SHAPE_FIELDS, check_model_shape, latest_checkpoint, read_meta
     from megatron_dapo.policy.model import hf_arch
 
@@ -126,6 +128,7 @@ def _check_resume_shape(ckpt_dir: Path, hf_config: dict) -> None:
     if path is not None:
         arch = hf_arch(hf_config)
         check_model_shape(path, read_meta(path), {k: getattr(arch, k) for k in SHAPE_FIELDS})
+    return path
 
 
 def _check_start_checkpoint(path: Path) -> None:
@@ -147,8 +150,8 @@ def _build(cfg: DAPOConfig, rank: int, world: int, run_dir: Path, ckpt_dir: Path
     from megatron_dapo.rollout.placement import RolloutPlacement
 
     hf_path = Path(cfg.model.hf_path)
-    actor = MegatronActor(cfg, json.loads((hf_path / "config.json").read_text()))
-    state = actor.load_checkpoint(str(ckpt_dir)) if cfg.checkpoint.resume == "auto" else None
+    actor = MegatronActor(cfg, inputs.hf_config)
+    state = actor.load_checkpoint(str(inputs.resume_from)) if inputs.resume_from else None
     if state:
         logger.info("resumed from %s at step %d", ckpt_dir, state["step"])
     elif cfg.model.checkpoint:

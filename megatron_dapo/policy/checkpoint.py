@@ -167,8 +167,8 @@ def damage(path: str | os.PathLike) -> str | None:
         file = path / name
         if not file.is_file():
             return f"{name} is missing"
-        if file.stat().st_size != size:
-            return f"{name} has {file.stat().st_size} bytes, the save wrote {size}"
+        if (found := file.stat().st_size) != size:
+            return f"{name} has {found} bytes, the save wrote {size}"
     try:
         json.loads((path / TRAINER_STATE).read_text())
     except (OSError, ValueError):
@@ -212,12 +212,12 @@ def latest_checkpoint(root: str | os.PathLike) -> Path | None:
     pointer = root / LATEST
     if pointer.is_file():
         named = root / pointer.read_text().strip()
-        if is_complete(named) and damage(named) is None:
-            return named
         if not is_complete(named):
             logger.warning("%s names %s, which is not a complete checkpoint; using the newest intact one",
                            pointer, named.name)
-    for _, path in reversed(list_checkpoints(root)):
+        elif damage(named) is None:
+            return named
+    for _, path in reversed(list_checkpoints(root)):  # a damaged named one is reported here
         why = damage(path)
         if why is None:
             return path
