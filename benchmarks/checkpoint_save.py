@@ -23,7 +23,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _child(args) -> None:
-    import megatron_dapo.policy  # noqa: F401  (CPU patches first)
+    from megatron_dapo.policy.cpu_compat import apply_cpu_compat
+
+    apply_cpu_compat()  # before anything imports megatron.core
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     from megatron_dapo.config_loading import load_config

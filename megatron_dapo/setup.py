@@ -4,9 +4,9 @@ Order matters. (1) Cheap checks first, so that bad input fails in seconds as one
 (errors.InputError) and leaves the run directory untouched: the rollout layout and engine, the HF
 dir, the data files (loaded and tokenised: every rank, so the sampler state is the same everywhere)
 and the shape of the checkpoint the run would resume from. (2) Rank 0 locks the run directory
-(run_lock.py) before anything is written there. (3) The toy task and base model of the CPU demo
-(``toy.enable``) are made once, by rank 0, before any collective; other ranks wait for its
-completion marker, which records the toy settings (a rerun with other settings is refused). (4) The
+(run_lock.py) before anything is written there. (3) With ``toy.enable``, the CPU demo's task and
+base model are made inside the run directory by one call (toy/bootstrap.py), before any
+collective; nothing else here knows about the demo. (4) The
 actor starts torch.distributed and Megatron's parallel state and loads the latest intact checkpoint
 of the run (resume), else ``model.checkpoint``, else the HF weights of ``model.hf_path`` directly
 (each rank reads its own shard: no conversion step). (5) Every rank builds its rollout engine (its
@@ -17,7 +17,6 @@ import dataclasses
 import json
 import logging
 import os
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,7 +25,6 @@ from megatron_dapo.config import DAPOConfig
 from megatron_dapo.errors import InputError
 
 logger = logging.getLogger("megatron_dapo.setup")
-DONE = ".complete"
 
 
 @dataclass
@@ -79,8 +77,10 @@ def setup_run(cfg: DAPOConfig, *, lock: bool = True) -> Run:
         torch.set_num_threads(cfg.num_threads)
     run_dir = Path(cfg.logging.dir)
     ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
-    if cfg.toy.enable:  # its inputs are made below, once; a rerun must ask for the same toy
-        _check_record(run_dir / "toy" / DONE, _toy_record(cfg))
+    if cfg.toy.enable:  # fail fast: its inputs are made below, after the lock
+        from megatron_dapo.toy import bootstrap as toy
+
+        toy.check(cfg, run_dir)
     inputs = None if cfg.toy.enable else _load_inputs(cfg, ckpt_dir)
     run_lock = None
     if lock and rank == 0:
@@ -88,7 +88,8 @@ def setup_run(cfg: DAPOConfig, *, lock: bool = True) -> Run:
 
         run_lock = RunDirLock(run_dir).acquire()
     try:
-        cfg = _materialise_start(cfg, run_dir, rank)
+        if cfg.toy.enable:
+            cfg = toy.materialise(cfg, run_dir, rank)
         inputs = inputs or _load_inputs(cfg, ckpt_dir)
         return _build(cfg, rank, world, run_dir, ckpt_dir, inputs, run_lock)
     except BaseException:
@@ -101,6 +102,9 @@ def _load_inputs(cfg: DAPOConfig, ckpt_dir: Path) -> Inputs:
     """Everything read from the user's files, checked; InputError on the first problem."""
     from transformers import AutoTokenizer, GenerationConfig
 
+    if not cfg.model.hf_path:
+        raise InputError("model.hf_path is empty: point it at an HF model dir (config.json, tokenizer), "
+                         "or set toy.enable=true for the CPU demo")
     hf_path = Path(cfg.model.hf_path)
     if not (hf_path / "config.json").is_file():
         raise InputError(f"model.hf_path={hf_path}: no config.json there; point it at an HF model dir "
@@ -142,7 +146,9 @@ def _check_start_checkpoint(path: Path) -> None:
 
 def _build(cfg: DAPOConfig, rank: int, world: int, run_dir: Path, ckpt_dir: Path, inputs: Inputs,
            run_lock) -> Run:
-    import megatron_dapo.policy  # noqa: F401  (CPU patches before megatron.core is imported)
+    from megatron_dapo.policy.cpu_compat import apply_cpu_compat
+
+    apply_cpu_compat()  # on a CPU machine, before anything imports megatron.core
     from megatron_dapo.config_loading import ConfigError
     from megatron_dapo.data import PromptSampler
     from megatron_dapo.policy.actor import MegatronActor
@@ -192,68 +198,6 @@ def check_rollout(cfg: DAPOConfig, world_size: int) -> None:
         get_engine_cls(cfg.rollout.engine).preflight(cfg)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-
-
-def _materialise_start(cfg: DAPOConfig, run_dir: Path, rank: int) -> DAPOConfig:
-    """cfg with the toy's data files and HF dir filled in (toy.enable), made on first use."""
-    if cfg.toy.enable:
-        data_dir, hf_path = run_dir / "toy_data", run_dir / "toy_base"
-        cfg = dataclasses.replace(cfg, data=dataclasses.replace(
-            cfg.data, train_files=(str(data_dir / "train.parquet"),), val_files=(str(data_dir / "val.parquet"),)))
-        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, hf_path=str(hf_path)))
-        _once(run_dir / "toy", rank, lambda: _make_toy(cfg, data_dir, hf_path), record=_toy_record(cfg))
-    if not cfg.model.hf_path:
-        raise InputError("model.hf_path is empty: point it at an HF model dir (config.json, tokenizer), "
-                         "or set toy.enable=true for the CPU demo")
-    return cfg
-
-
-def _once(marker_dir: Path, rank: int, fn, *, record: dict, timeout_s: float = 3600) -> None:
-    """Rank 0 runs ``fn`` unless its marker exists; other ranks wait for the marker. The marker
-    keeps ``record``, the settings ``fn`` ran with (see _check_record)."""
-    done = marker_dir / DONE
-    if rank == 0 and not done.exists():
-        fn()
-        marker_dir.mkdir(parents=True, exist_ok=True)
-        done.write_text(json.dumps(record, sort_keys=True) + "\n")
-    deadline = time.time() + timeout_s
-    while not done.exists():
-        if time.time() > deadline:
-            raise TimeoutError(f"rank {rank}: rank 0 did not finish {marker_dir} within {timeout_s} s")
-        time.sleep(0.5)
-
-
-def _toy_record(cfg: DAPOConfig) -> dict:
-    return {"seed": cfg.seed, **dataclasses.asdict(cfg.toy)}
-
-
-def _check_record(done: Path, record: dict) -> None:
-    """Refuses a rerun whose settings differ from those a marker recorded: what the marker stands
-    for would not be made again, and the run would silently use the old result."""
-    if not done.exists():
-        return
-    try:
-        before = json.loads(done.read_text())
-    except ValueError:  # a marker of an older version (a time stamp): nothing to compare
-        return
-    diff = {k: (before.get(k), v) for k, v in record.items() if before.get(k, v) != v}
-    if diff:
-        changes = ", ".join(f"{k} {a} -> {b}" for k, (a, b) in diff.items())
-        raise InputError(f"{done.parent.parent} was made with other toy settings ({changes}; run dir -> "
-                         "this command): use a new logging.dir, or the settings it was made with")
-
-
-def _make_toy(cfg: DAPOConfig, data_dir: Path, hf_path: Path) -> None:
-    from megatron_dapo.data import toy_task
-    from megatron_dapo.toy_base import make_toy_base
-
-    t = cfg.toy
-    logger.info("toy task: writing data to %s and warming up the base model in %s", data_dir, hf_path)
-    train, val = toy_task.make_splits(seed=cfg.seed, num_train=t.num_train, num_val=t.num_val,
-                                      num_digits=t.num_digits)
-    toy_task.write_parquet(train, data_dir / "train.parquet")
-    toy_task.write_parquet(val, data_dir / "val.parquet")
-    make_toy_base(hf_path, seed=cfg.seed, cfg=t, eval_rows=val)
 
 
 def make_reward_pool(cfg: DAPOConfig):

@@ -1,5 +1,6 @@
 """Shared test set-up: GPU tests skip without CUDA; known-harmless third-party start-up messages
-filtered as at the CLI (megatron_dapo/quiet.py); paths to the repo's data files."""
+filtered as at the CLI (megatron_dapo/quiet.py); megatron-core's CPU compatibility layer applied
+once for the session (policy/cpu_compat.py); paths to the repo's data files."""
 
 from pathlib import Path
 
@@ -11,9 +12,11 @@ AIME_PARQUET = REPO_ROOT / "data" / "aime-2024.parquet"
 
 
 def pytest_configure(config):
+    from megatron_dapo.policy.cpu_compat import apply_cpu_compat
     from megatron_dapo.quiet import quiet_start_up
 
     quiet_start_up()
+    apply_cpu_compat()  # megatron-core on a machine without CUDA; a no-op with CUDA (docs/cpu_compat.md)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,22 +1,21 @@
 """The Megatron-Core policy: the only package that imports megatron.core.
 
-Importing it first applies the CPU compatibility patches (cpu_compat.py; a no-op when CUDA is
-present), which must precede any ``import megatron.core``: entry points and spawned child
-processes that import this package are covered.
+Importing it changes nothing outside it. On a machine without CUDA, megatron-core needs the
+compatibility layer (cpu_compat.py) applied before ``megatron.core`` is imported; the places that
+start megatron work apply it explicitly (setup, the converter, test fixtures, spawned test
+children), and the two doors into megatron (``initialize_parallel``, ``transformer_config_from_hf``)
+refuse to run without it, naming the call. See docs/cpu_compat.md.
 """
 
 from megatron_dapo.policy.cpu_compat import apply_cpu_compat
-
-apply_cpu_compat()
-
-from megatron_dapo.policy.logprobs import vocab_parallel_logprobs  # noqa: E402
-from megatron_dapo.policy.model import (  # noqa: E402
+from megatron_dapo.policy.logprobs import vocab_parallel_logprobs
+from megatron_dapo.policy.model import (
     build_model,
     hf_arch,
     padded_vocab_size,
     transformer_config_from_hf,
 )
-from megatron_dapo.policy.parallel import (  # noqa: E402
+from megatron_dapo.policy.parallel import (
     destroy_parallel,
     initialize_parallel,
     validate_parallel,

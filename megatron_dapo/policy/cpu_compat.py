@@ -1,14 +1,17 @@
 """Run megatron-core 0.19.2 on a machine without CUDA: the few CUDA-only calls it makes, patched.
 
-Applied by ``megatron_dapo.policy.__init__`` before anything imports ``megatron.core``, and only
-when ``torch.cuda.is_available()`` is False (on a GPU nothing here runs). Each patch answers one
+Applied explicitly, once, by whatever starts megatron work (``setup._build``, the converter's
+``build_parallel_model``, ``tests/conftest.py``, spawned test children), before anything imports
+``megatron.core``, and only when ``torch.cuda.is_available()`` is False (on a GPU nothing here
+runs). Importing a package patches nothing; ``require_cpu_compat`` (called by
+``initialize_parallel`` and ``transformer_config_from_hf``) refuses megatron work on a CPU machine
+where the layer was not applied, with the call to make. Each patch answers one
 measured failure from docs/reference/megatron_on_cpu.md: on CPU the "CUDA" device, RNG and
 stream simply become the CPU ones.
 
 ``PATCHES`` is the registry. Each entry names the megatron call that needs it (``why``), the error
 that call raises without it (``expect``), an ``apply`` and a ``probe`` that runs that call.
-Checks, each in a fresh interpreter that runs this file (not the package, whose import applies
-everything): ``python megatron_dapo/policy/cpu_compat.py --all`` applies all patches and runs
+Checks, each in a fresh interpreter that runs this file (so that nothing is applied beforehand): ``python megatron_dapo/policy/cpu_compat.py --all`` applies all patches and runs
 every probe (ENOUGH), then undoes each run-time patch in turn and expects its probe to fail with
 ``expect`` (NEEDED); ``... cpu_compat.py NAME`` applies all but NAME first (NEEDED, for the two
 import-time patches, which cannot be undone).
@@ -419,8 +422,8 @@ def apply_cpu_compat(skip: Iterable[str] = ()) -> bool:
     if _applied:
         return True
     if "megatron.core" in sys.modules:
-        raise RuntimeError("megatron.core was imported before megatron_dapo.policy applied its CPU "
-                           "compatibility patches; import megatron_dapo.policy first")
+        raise RuntimeError("megatron.core was imported before the CPU compatibility layer was applied; "
+                           "call megatron_dapo.policy.cpu_compat.apply_cpu_compat() before importing it")
     skip = set(skip)
     unknown = skip - PATCHES.keys()
     if unknown:
@@ -435,6 +438,14 @@ def apply_cpu_compat(skip: Iterable[str] = ()) -> bool:
             _apply(PATCHES[name])
     _applied = not skip
     return True
+
+
+def require_cpu_compat() -> None:
+    """Raises unless megatron can run here: CUDA is present or ``apply_cpu_compat`` has run."""
+    if not _applied and not torch.cuda.is_available():
+        raise RuntimeError("megatron-core on a machine without CUDA needs the CPU compatibility layer: call "
+                           "megatron_dapo.policy.cpu_compat.apply_cpu_compat() once, before megatron.core "
+                           "is imported (the CLI, setup_run and the converter do)")
 
 
 def _expect_failure(patch: Patch) -> str:

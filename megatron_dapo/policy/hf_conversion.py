@@ -35,6 +35,7 @@ from megatron_dapo.convert.safetensors_io import (
     DEFAULT_MAX_SHARD_BYTES, SafetensorsReader, ShardedSafetensorsWriter, copy_side_files, read_hf_config,
 )
 from megatron_dapo.convert.table import ConversionTable, conversion_table
+from megatron_dapo.policy.cpu_compat import apply_cpu_compat
 
 HF_SUBDIR = "hf"
 META_NAME = "convert.json"
@@ -61,10 +62,12 @@ def build_parallel_model(hf_config: dict[str, Any], *, dtype: str, tp: int = 1, 
 
     Returns (chunks, table resolved with the model's vocabulary padding, tp_group, pp_group).
     """
-    import megatron_dapo.policy as policy
+    apply_cpu_compat()  # an entry point of the converter: before megatron.core is imported
     from megatron.core import parallel_state as ps
 
     from megatron_dapo.config import ModelConfig, ParallelConfig
+    from megatron_dapo.policy.model import build_model, padded_vocab_size
+    from megatron_dapo.policy.parallel import initialize_parallel
 
     table = conversion_table(hf_config)  # unsupported architecture: fail before any heavy work
     padding = {} if make_vocab_size_divisible_by is None else {
@@ -75,9 +78,9 @@ def build_parallel_model(hf_config: dict[str, Any], *, dtype: str, tp: int = 1, 
     table.check_parallel(tp, pp * (vpp or 1))
     _ensure_process_env()
     if not ps.model_parallel_is_initialized():
-        policy.initialize_parallel(hf_config, parallel=parallel, model=model_cfg, seed=0)
-    chunks = policy.build_model(hf_config, model=model_cfg, parallel=parallel, **overrides)
-    padded = policy.padded_vocab_size(hf_config["vocab_size"], model_cfg.make_vocab_size_divisible_by, tp)
+        initialize_parallel(hf_config, parallel=parallel, model=model_cfg, seed=0)
+    chunks = build_model(hf_config, model=model_cfg, parallel=parallel, **overrides)
+    padded = padded_vocab_size(hf_config["vocab_size"], model_cfg.make_vocab_size_divisible_by, tp)
     table = conversion_table(hf_config, padded_vocab_size=padded)
     return chunks, table, ps.get_tensor_model_parallel_group(), ps.get_pipeline_model_parallel_group()
 
@@ -115,6 +118,7 @@ def hf_to_megatron(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dty
     ``dtype``: "bf16" or "fp32"; None keeps the checkpoint's own dtype. TP / PP only decide how the
     work is split across the launched processes; the checkpoint itself is layout-free.
     """
+    apply_cpu_compat()  # an entry point of the converter: before megatron.core is imported
     from megatron.core import dist_checkpointing
     from tqdm import tqdm
 
@@ -179,6 +183,7 @@ def load_megatron_checkpoint(ckpt_dir: str | os.PathLike, *, tp: int = 1, pp: in
     """Build the model a converted checkpoint describes (at this TP / PP / VPP) and load it.
 
     Returns (chunks, table, tp_group, pp_group, meta)."""
+    apply_cpu_compat()  # an entry point of the converter: before megatron.core is imported
     from megatron.core import dist_checkpointing
 
     config, meta = read_checkpoint_meta(ckpt_dir)

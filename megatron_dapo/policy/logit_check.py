@@ -121,8 +121,8 @@ def verify(hf_dir: str | os.PathLike, ckpt_dir: str | os.PathLike, *, tp: int = 
 def _hf_logits(hf_dir, ids: torch.Tensor, dtype: str) -> torch.Tensor:
     """Logits of the transformers model. Built with from_config and filled from the safetensors
     files rather than from_pretrained: from_pretrained's meta-device init yielded garbage RoPE
-    buffers depending on the order in which megatron_dapo.policy (its CPU patches) and this module
-    were imported, while a plain constructor does not depend on import order."""
+    buffers depending on the order in which the CPU compatibility layer was applied and this module
+    was imported, while a plain constructor does not depend on import order."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(hf_dir)

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from megatron_dapo.config import ModelConfig, ParallelConfig
 from megatron_dapo.convert.mapping import hf_sizes
+from megatron_dapo.policy.cpu_compat import require_cpu_compat
 from megatron_dapo.precision import resolve_dtype
 
 
@@ -139,6 +140,7 @@ def transformer_config_from_hf(hf_config, *, model: ModelConfig, parallel: Paral
     ``overrides`` are set on the TransformerConfig last (e.g. calculate_per_token_loss for the
     train step, hidden_dropout for a test). The architecture part alone is ``hf_arch``.
     """
+    require_cpu_compat()
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.enums import AttnBackend
 

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_dapo.config import ModelConfig, ParallelConfig
+from megatron_dapo.policy.cpu_compat import require_cpu_compat
 from megatron_dapo.policy.model import hf_arch, padded_vocab_size, resolve_runtime
 
 
@@ -64,6 +65,7 @@ def initialize_parallel(hf_config, *, parallel: ParallelConfig, model: ModelConf
     ``seed`` seeds megatron's RNG tracker (model_parallel_cuda_manual_seed), which attention
     dropout and recompute fork even when dropout is 0.
     """
+    require_cpu_compat()
     from megatron.core import parallel_state, tensor_parallel
 
     on_gpu = torch.cuda.is_available()

@@ -50,7 +50,9 @@ def _entry(rank, fn, world_size, port, args):
     torch.set_num_threads(1)  # 2 ranks on 2 cores
     import torch.distributed as dist
 
-    import megatron_dapo.policy  # noqa: F401  (applies the CPU patches in this child)
+    from megatron_dapo.policy.cpu_compat import apply_cpu_compat
+
+    apply_cpu_compat()  # a fresh interpreter: before anything imports megatron.core
     from megatron_dapo.policy.parallel import destroy_parallel
 
     dist.init_process_group("gloo", rank=rank, world_size=world_size)

@@ -15,7 +15,7 @@ import pytest
 
 from megatron_dapo import cli
 from megatron_dapo.config import ToyConfig
-from megatron_dapo.data import toy_task
+from megatron_dapo.toy import task as toy_task
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = dict(hidden_size=32, intermediate_size=64, num_layers=1, num_attention_heads=2, num_key_value_heads=1,
@@ -25,7 +25,7 @@ TINY = dict(hidden_size=32, intermediate_size=64, num_layers=1, num_attention_he
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory) -> dict[str, Path]:
     """A tiny HF dir (the toy base, barely warmed up) and good and bad data files."""
-    from megatron_dapo.toy_base import make_toy_base
+    from megatron_dapo.toy.base import make_toy_base
 
     d = tmp_path_factory.mktemp("inputs")
     hf = make_toy_base(d / "hf", seed=0, cfg=ToyConfig(**TINY))
@@ -104,12 +104,12 @@ def test_missing_config_file(tmp_path, capsys):
 def test_toy_size_change_is_refused(tmp_path, capsys):
     """A run dir made with one toy model refuses another size instead of training the old one."""
     from megatron_dapo.config_loading import load_config
-    from megatron_dapo.setup import _materialise_start
+    from megatron_dapo.toy.bootstrap import materialise
 
     run_dir = tmp_path / "run"
     toy = [f"toy.{k}={v}" for k, v in TINY.items()]
     cfg = load_config(ROOT / "conf" / "cpu_tiny.yaml", [f"logging.dir={run_dir}", *toy])
-    _materialise_start(cfg, run_dir, rank=0)  # the first run's toy task and base
+    materialise(cfg, run_dir, rank=0)  # the first run's toy task and base
     before = {p: p.stat().st_mtime_ns for p in run_dir.rglob("*")}
     rc, err = _train(capsys, run_dir, *toy, "toy.hidden_size=48")
     assert rc == 2

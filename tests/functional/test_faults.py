@@ -187,7 +187,7 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_previous_one(reference, t
 
 def test_a_checkpoint_of_another_shape_is_refused_before_building(reference, tmp_path):
     from megatron_dapo.config import ToyConfig
-    from megatron_dapo.toy_base import make_toy_base
+    from megatron_dapo.toy.base import make_toy_base
 
     hf = make_toy_base(tmp_path / "hf", seed=0, cfg=ToyConfig(hidden_size=32, intermediate_size=64, warmup_steps=1))
     out = _run(tmp_path / "run", "toy.enable=false", f"model.hf_path={hf}",

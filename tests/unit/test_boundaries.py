@@ -4,10 +4,13 @@
 * megatron is imported only under policy/, vllm only by the vLLM engine's two modules;
 * no import cycle between the package's units (its subpackages and top-level modules), counting
   imports inside functions too (a lazy import is still a dependency);
-* benchmarks/ and the package import nothing from tests/.
+* benchmarks/ and the package import nothing from tests/;
+* the CPU demo (toy/) is off the main path: only setup.py imports it, and importing the main path's
+  modules does not load it.
 """
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +18,10 @@ from pathlib import Path
 PKG = Path(__file__).resolve().parents[2] / "megatron_dapo"
 FREE = ["algo", "reward", "data", "collect", "rollout", "rollout.engine", "rollout.placement", "rollout.hf_engine",
         "rollout.vllm_engine", "rollout.weight_sync", "convert", "eval", "eval_metrics", "config",
-        "config_loading", "metrics_log", "errors", "run_lock", "preemption", "quiet", "plotting", "toy_base"]
+        "config_loading", "metrics_log", "errors", "run_lock", "preemption", "quiet", "plotting", "toy",
+        "toy.task", "toy.tokenizer", "toy.base", "toy.bootstrap"]
+MAIN_PATH = ["cli", "setup", "train", "eval", "collect", "policy.actor", "policy.checkpoint", "rollout.placement"]
+DEMO_GATES = {"setup.py"}  # the one module that reaches the demo (under toy.enable)
 VLLM_HOMES = {"rollout/vllm_engine.py", "rollout/vllm_colocation.py"}
 
 
@@ -88,3 +94,28 @@ def test_no_import_cycle_between_units():
         if unit not in done:
             visit(unit, [unit])
     assert not cycles, "import cycles:\n" + "\n".join(sorted(set(cycles)))
+
+
+def test_the_demo_is_off_the_main_path():
+    bad = [f"{path.relative_to(PKG).as_posix()}:{line} imports {module}"
+           for path in sorted(PKG.rglob("*.py")) if path.relative_to(PKG).parts[0] != "toy"
+           and path.relative_to(PKG).as_posix() not in DEMO_GATES
+           for line, module in _imports(path) if module.startswith("megatron_dapo.toy")]
+    assert not bad, "demo code imported outside toy/ and " + str(sorted(DEMO_GATES)) + ":\n" + "\n".join(bad)
+    code = ("import sys; " + "; ".join(f"import megatron_dapo.{m}" for m in MAIN_PATH)
+            + "; print(sorted(m for m in sys.modules if m.startswith('megatron_dapo.toy')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_documents_the_code_cites_are_in_the_repository():
+    """Comments point at docs/ inside the repository, and every cited file exists."""
+    root, cited, bad = PKG.parent, re.compile(r"docs/[\w/.-]+\.md"), []
+    for path in sorted(p for d in ("megatron_dapo", "tools", "benchmarks", "tests") for p in (root / d).rglob("*.py")):
+        text, rel = path.read_text(), path.relative_to(root).as_posix()
+        if path == Path(__file__).resolve():
+            continue  # the patterns below
+        bad += [f"{rel}: cites {m} (missing)" for m in cited.findall(text) if not (root / m).is_file()]
+        bad += [f"{rel}: points outside the repository ({m})" for m in re.findall(r"\.\./shared\S*|shared/reference\S*", text)]
+    assert not bad, "\n".join(bad)

@@ -1,7 +1,7 @@
 """Every CPU patch is still NEEDED (its megatron call fails without it) and they are ENOUGH.
 
 Patches are global, so the checks run in fresh interpreters that execute cpu_compat.py as a file
-(not through the package, whose import applies everything): ``--all`` applies all patches, runs
+(so that nothing is applied before the check): ``--all`` applies all patches, runs
 every probe, then undoes each run-time patch in turn and records the failure of its probe; the
 two import-time patches get a process each that applies everything else. A patch whose probe
 passes without it is obsolete after a megatron-core upgrade: delete it.
@@ -56,7 +56,7 @@ def test_patch_is_needed_and_probe_passes_with_it(name, needed):
 
 
 def test_applied_in_this_process():
-    """Importing megatron_dapo.policy applied everything; megatron's jit fuser is the identity and
+    """conftest.py applied everything for the session; megatron's jit fuser is the identity and
     torch.compile is torch's own again (the triton stub is gone)."""
     import megatron.core.jit
     assert cpu_compat.apply_cpu_compat() is True  # idempotent
@@ -92,3 +92,25 @@ def test_stub_kernel_launch_fails_loudly():
     kernel = stub.jit(lambda x: x)
     with pytest.raises(RuntimeError, match="cannot run on CPU"):
         kernel[(1,)](0)
+
+
+def test_importing_the_policy_patches_nothing_and_megatron_work_asks_for_the_layer():
+    """Import has no side effect: every policy module loads with torch untouched and megatron.core
+    not imported; the first megatron call then refuses to run, naming the fix."""
+    code = """
+import importlib, pkgutil, sys, torch
+import megatron_dapo.policy as policy
+originals = (torch.zeros, torch.Tensor.to, torch.cuda.current_device)
+for m in pkgutil.iter_modules(policy.__path__):
+    importlib.import_module("megatron_dapo.policy." + m.name)
+assert (torch.zeros, torch.Tensor.to, torch.cuda.current_device) == originals, "torch was patched on import"
+assert "megatron.core" not in sys.modules, "megatron.core imported on import"
+from megatron_dapo.config import ModelConfig, ParallelConfig
+try:
+    policy.initialize_parallel({}, parallel=ParallelConfig(), model=ModelConfig(), seed=0)
+except RuntimeError as e:
+    print("REFUSED", e)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "REFUSED" in out.stdout and "apply_cpu_compat()" in out.stdout, out.stdout

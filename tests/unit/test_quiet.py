@@ -8,7 +8,8 @@ import sys
 
 from megatron_dapo.quiet import HARMLESS_WARNINGS
 
-IMPORTS = ("import megatron_dapo.policy, megatron.core.optimizer, megatron.core.models.gpt.gpt_layer_specs; "
+IMPORTS = ("from megatron_dapo.policy.cpu_compat import apply_cpu_compat; apply_cpu_compat(); "
+           "import megatron.core.optimizer, megatron.core.models.gpt.gpt_layer_specs; "
            "import warnings; warnings.warn('an unrelated warning', UserWarning)")
 
 

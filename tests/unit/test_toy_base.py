@@ -7,8 +7,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from megatron_dapo import toy_base
-from megatron_dapo.data import toy_task, toy_tokenizer
+from megatron_dapo.toy import base as toy_base
+from megatron_dapo.toy import task as toy_task
+from megatron_dapo.toy import tokenizer as toy_tokenizer
 
 # A reduced warm-up (one narrow layer, 60 steps: ~3 s on one core) with the same recipe as the
 # default; the default's own numbers are in README ("Measured").

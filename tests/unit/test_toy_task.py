@@ -6,7 +6,7 @@ from collections import Counter
 import pytest
 
 from megatron_dapo.data import load_prompts
-from megatron_dapo.data import toy_task
+from megatron_dapo.toy import task as toy_task
 from megatron_dapo.reward import compute_score
 
 

@@ -6,7 +6,9 @@ import pytest
 from tokenizers import Tokenizer
 from transformers import AutoTokenizer
 
-from megatron_dapo.data import apply_chat_template, toy_task, toy_tokenizer
+from megatron_dapo.data import apply_chat_template
+from megatron_dapo.toy import task as toy_task
+from megatron_dapo.toy import tokenizer as toy_tokenizer
 from megatron_dapo.reward import compute_score
 
 # What a Qwen2 checkpoint directory holds next to the tokenizer. transformers 5 picks the

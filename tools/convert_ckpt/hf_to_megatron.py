@@ -37,7 +37,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def dry_run(args) -> None:
     from megatron_dapo.config import ModelConfig
-    from megatron_dapo.policy import padded_vocab_size  # megatron is imported, but nothing is allocated
+    from megatron_dapo.policy import padded_vocab_size  # arithmetic only: megatron is not imported
 
     config = read_hf_config(args.hf_dir)
     divisible_by = args.make_vocab_size_divisible_by or ModelConfig().make_vocab_size_divisible_by

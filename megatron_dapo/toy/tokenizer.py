@@ -31,7 +31,7 @@ from pathlib import Path
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
-from megatron_dapo.data import toy_task
+from megatron_dapo.toy import task as toy_task
 
 EOS = "<|endoftext|>"
 IM_START = "<|im_start|>"

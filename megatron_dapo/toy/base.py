@@ -10,7 +10,7 @@ DAPO does from a base model that only follows the prompt's output format.
 
 Output directory (what ``model.hf_path`` points at, loaded like a Qwen2.5 checkpoint):
 config.json, generation_config.json (eos = [<|im_end|>, <|endoftext|>]), model.safetensors, the
-tokenizer files of ``data/toy_tokenizer.py``, and warmup.json (settings and the base's measured
+tokenizer files of ``toy/tokenizer.py``, and warmup.json (settings and the base's measured
 format rate and accuracy).
 
 Determinism: everything is seeded from ``seed``; on the same machine and thread count the weights
@@ -34,7 +34,8 @@ import torch
 import torch.nn.functional as F
 
 from megatron_dapo.config import ToyConfig
-from megatron_dapo.data import toy_task, toy_tokenizer
+from megatron_dapo.toy import task as toy_task
+from megatron_dapo.toy import tokenizer as toy_tokenizer
 
 # Settings of this module (task size, model shape, warm-up) are ``config.ToyConfig`` (the ``toy:``
 # section); ``enable`` there is the trainer's switch and is not used here.
