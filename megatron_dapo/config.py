@@ -226,13 +226,17 @@ class TrainConfig:
     ppo_epochs: int = _f(1, "passes over each step's batch")
     micro_batch_size: int = _f(1, "sequences per micro-batch when max_tokens_per_micro_batch is 0")
     max_tokens_per_micro_batch: int = _f(22528, "token budget per micro-batch (dynamic batch size); 0 = fixed size")
+    generation_budget: int = _f(0, "also stop after the step in which this many responses have been generated in "
+                                   "all (kept or dropped by dynamic sampling): runs compared at equal generation "
+                                   "cost; 0 = no budget")
 
     def __post_init__(self):
         for name in ("total_steps", "mini_batch_prompts", "ppo_epochs", "micro_batch_size"):
             if getattr(self, name) < 1:
                 _fail(f"train.{name} must be >= 1, got {getattr(self, name)}")
-        if self.max_tokens_per_micro_batch < 0:
-            _fail(f"train.max_tokens_per_micro_batch must be >= 0, got {self.max_tokens_per_micro_batch}")
+        for name in ("max_tokens_per_micro_batch", "generation_budget"):
+            if getattr(self, name) < 0:
+                _fail(f"train.{name} must be >= 0, got {getattr(self, name)}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -279,6 +283,8 @@ class LoggingConfig:
 class ToyConfig:
     enable: bool = _f(False, "CPU demo: make the toy task and a tiny warmed-up base under logging.dir, train on it")
     num_digits: int = _f(5, "digits per problem; the answer is the largest")
+    min_digits: int = _f(0, "fewest digits per problem: lengths uniform in [min_digits, num_digits], so responses "
+                            "with the reasoning line vary in length; 0 = every problem has num_digits")
     num_train: int = _f(2000, "training problems (unique, disjoint from validation)")
     num_val: int = _f(128, "held-out problems for evaluation")
     hidden_size: int = _f(64, "model width")
@@ -292,6 +298,10 @@ class ToyConfig:
     warmup_batch_size: int = _f(64, "sequences per warm-up step")
     warmup_lr: float = _f(3e-3, "AdamW learning rate of the warm-up")
     reasoning_prob: float = _f(0.5, "fraction of warm-up responses with the optional reasoning line")
+
+    def __post_init__(self):
+        if self.min_digits and not 2 <= self.min_digits <= self.num_digits:
+            _fail(f"toy.min_digits={self.min_digits} must be in [2, toy.num_digits={self.num_digits}] (or 0 = fixed length)")
 
 
 @dataclass(frozen=True, kw_only=True)

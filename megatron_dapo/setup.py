@@ -19,7 +19,7 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from megatron_dapo.config import DAPOConfig
 from megatron_dapo.errors import InputError
@@ -65,8 +65,10 @@ class Run(Inputs):
             self.lock = None
 
 
-def setup_run(cfg: DAPOConfig, *, lock: bool = True) -> Run:
-    """``lock``: take the run directory (training); evaluation reads a live run without it."""
+def setup_run(cfg: DAPOConfig, *, lock: bool = True, done: Callable[[dict], bool] | None = None) -> Run:
+    """``lock``: take the run directory (training); evaluation reads a live run without it.
+    ``done``: given the trainer state of the checkpoint the run would resume from, says whether
+    the run is finished; then nothing is built (``Run.actor`` is None) and only ``state`` is set."""
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     check_rollout(cfg, world)
     if cfg.num_threads:
@@ -91,6 +93,13 @@ def setup_run(cfg: DAPOConfig, *, lock: bool = True) -> Run:
         if cfg.toy.enable:
             cfg = toy.materialise(cfg, run_dir, rank)
         inputs = inputs or _load_inputs(cfg, ckpt_dir)
+        if done is not None and inputs.resume_from is not None:
+            from megatron_dapo.policy.checkpoint import read_trainer_state
+
+            state = read_trainer_state(inputs.resume_from)
+            if done(state):
+                return Run(**_fields(inputs), cfg=cfg, rank=rank, world_size=world, dir=run_dir, ckpt_dir=ckpt_dir,
+                           actor=None, placement=None, pool=None, sampler=None, state=state, lock=run_lock)
         return _build(cfg, rank, world, run_dir, ckpt_dir, inputs, run_lock)
     except BaseException:
         if run_lock is not None:
@@ -181,9 +190,13 @@ def _build(cfg: DAPOConfig, rank: int, world: int, run_dir: Path, ckpt_dir: Path
     logger.info("rank %d: rollout replica %d of %d (%s engine, rollout TP %d)%s", rank, placement.replica,
                 placement.num_replicas, cfg.rollout.engine, cfg.rollout.tensor_parallel_size,
                 ", scoring" if placement.is_leader else "")
-    return Run(**{f.name: getattr(inputs, f.name) for f in dataclasses.fields(Inputs)}, cfg=cfg, rank=rank,
+    return Run(**_fields(inputs), cfg=cfg, rank=rank,
                world_size=world, dir=run_dir, ckpt_dir=ckpt_dir, actor=actor, placement=placement, pool=pool,
                sampler=sampler, state=state, lock=run_lock)
+
+
+def _fields(inputs: Inputs) -> dict:
+    return {f.name: getattr(inputs, f.name) for f in dataclasses.fields(Inputs)}
 
 
 def check_rollout(cfg: DAPOConfig, world_size: int) -> None:

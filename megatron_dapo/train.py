@@ -11,12 +11,12 @@ checkpoint.
 import dataclasses
 import json
 import logging
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from megatron_dapo.algo import DynamicSampler
 from megatron_dapo.collect import Group, generate_groups, rollout_metrics, to_samples
@@ -50,7 +50,9 @@ def train(cfg: DAPOConfig, stop: StopRequest | None = None) -> TrainResult:
     stop = StopRequest().install() if own else stop
     run = None
     try:
-        run = setup_run(cfg)
+        run = setup_run(cfg, done=lambda state: _finished(cfg, state))
+        if run.actor is None:  # nothing was built: the checkpoint it would resume from ends the run
+            return TrainResult(final_eval=_last_eval(run.dir), step=run.state["step"], already_complete=True)
         return _train(run, cfg, stop)
     finally:
         if own:
@@ -69,8 +71,6 @@ def _train(run: Run, cfg: DAPOConfig, stop: StopRequest) -> TrainResult:
     if run.state:
         run.sampler.load_state_dict(run.state["sampler"])
         dyn.load_state_dict({"held": [_group_from_dict(g) for g in run.state["held_groups"]]})
-    if start >= cfg.train.total_steps:
-        return TrainResult(final_eval=_last_eval(run.dir), step=start, already_complete=True)
     # Records are numbered by completed steps; a checkpoint at step N already holds step N's
     # record, so a resume drops only what came after it (a fresh run drops everything).
     log = MetricsLogger(run.dir, tensorboard=cfg.logging.tensorboard, wandb=cfg.logging.wandb,
@@ -93,6 +93,8 @@ def _loop(run: Run, cfg: DAPOConfig, stop: StopRequest, dyn: DynamicSampler, log
         final = _log(log, 0, _evaluate(run, cfg), cfg, start)
 
     done = saved = start  # completed steps; the step the newest checkpoint holds
+    generated = run.state.get("responses_generated", 0)  # every response generated so far, kept or not
+    finished = False  # at total_steps, or the generation budget spent
     for step in range(start, cfg.train.total_steps):
         if stop.agreed():  # every rank stops after the same step
             break
@@ -109,7 +111,9 @@ def _loop(run: Run, cfg: DAPOConfig, stop: StopRequest, dyn: DynamicSampler, log
                 dyn.add(groups, acc)
             groups, ds_metrics = dyn.pop()
         placement.sleep()  # the engine's memory goes to the trainer until the next sync
-        metrics.update(ds_metrics | rollout_metrics(groups))
+        generated += int(ds_metrics["dynamic_sampling/num_groups_generated"]) * cfg.rollout.n
+        finished = step + 1 == cfg.train.total_steps or _spent(cfg, generated)
+        metrics.update(ds_metrics | rollout_metrics(groups), **{"rollout/responses_generated_total": generated})
         samples = to_samples(groups, cfg)
 
         with log.timer("old_log_probs"):
@@ -128,7 +132,7 @@ def _loop(run: Run, cfg: DAPOConfig, stop: StopRequest, dyn: DynamicSampler, log
                     _accumulate(metrics, actor.get_loss_and_metrics(samples[i:i + size]))
         with log.timer("weight_sync"):
             _sync(run)
-        if cfg.eval.every and (step + 1) % cfg.eval.every == 0 or step + 1 == cfg.train.total_steps:
+        if cfg.eval.every and (step + 1) % cfg.eval.every == 0 or finished:
             with log.timer("eval"):
                 metrics.update(_evaluate(run, cfg))
         metrics["timing_s/step"] = time.perf_counter() - step_start
@@ -136,22 +140,33 @@ def _loop(run: Run, cfg: DAPOConfig, stop: StopRequest, dyn: DynamicSampler, log
         # rewrites this step's record, never leaves a step without one.
         final = _log(log, step + 1, metrics, cfg, start) or final
         done = step + 1
-        if cfg.checkpoint.save_every and done % cfg.checkpoint.save_every == 0 or done == cfg.train.total_steps:
-            _save(run, dyn, done)
+        if cfg.checkpoint.save_every and done % cfg.checkpoint.save_every == 0 or finished:
+            _save(run, dyn, done, generated)
             saved = done
-    if stop.signum is None or done == cfg.train.total_steps:
+        if finished:
+            break
+    if stop.signum is None or finished:
         return TrainResult(final_eval=final, step=done)
     if done > saved:
-        _save(run, dyn, done)
+        _save(run, dyn, done, generated)
     latest = _latest(run)
     return TrainResult(final_eval=final, step=done, stopped_by=stop.name, checkpoint=latest and str(latest),
                        stop_latency_s=stop.seconds_since())
 
 
-def _save(run: Run, dyn: DynamicSampler, step: int) -> None:
+def _save(run: Run, dyn: DynamicSampler, step: int, generated: int) -> None:
     held = [dataclasses.asdict(g) for g in dyn.state_dict()["held"]]
     run.actor.save_checkpoint(str(run.ckpt_dir), {"step": step, "sampler": run.sampler.state_dict(),
-                                                  "held_groups": held})
+                                                  "held_groups": held, "responses_generated": generated})
+
+
+def _finished(cfg: DAPOConfig, state: dict) -> bool:
+    """A run whose checkpoint holds this trainer state has nothing left to do."""
+    return state["step"] >= cfg.train.total_steps or _spent(cfg, state.get("responses_generated", 0))
+
+
+def _spent(cfg: DAPOConfig, generated: int) -> bool:
+    return 0 < cfg.train.generation_budget <= generated
 
 
 def _latest(run: Run) -> Path | None:
@@ -236,11 +251,12 @@ def main(cfg: DAPOConfig, stop: StopRequest | None = None) -> int:
 
     setup_logging()
     result = train(cfg, stop)
-    if dist.is_initialized() and dist.get_rank() != 0:
+    if int(os.environ.get("RANK", 0)) != 0:  # a finished run never starts torch.distributed
         return 0
     if result.already_complete:
+        budget = f" or train.generation_budget={cfg.train.generation_budget}" if cfg.train.generation_budget else ""
         print(f"nothing to do: {cfg.logging.dir} is already at step {result.step} of train.total_steps="
-              f"{cfg.train.total_steps} (raise it to train on); its last evaluation: "
+              f"{cfg.train.total_steps}{budget} (raise it to train on); its last evaluation: "
               f"{_fmt(result.final_eval) or 'none'}", flush=True)
         return 0
     plot_run(cfg.logging.dir)

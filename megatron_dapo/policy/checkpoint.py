@@ -355,7 +355,12 @@ def load_checkpoint(path: str | os.PathLike, *, model: list, optimizer=None, sch
         else:
             logger.warning("parallel layout changed (%s -> %s): RNG states not restored",
                            meta["layout"], _layout())
-    return json.loads((path / TRAINER_STATE).read_text())
+    return read_trainer_state(path)
+
+
+def read_trainer_state(path: str | os.PathLike) -> dict:
+    """The caller's dict saved with a checkpoint (plain JSON: readable before anything is built)."""
+    return json.loads((Path(path) / TRAINER_STATE).read_text())
 
 
 @contextlib.contextmanager
@@ -373,8 +378,7 @@ def _torch_adam_load_fixes(optimizer):
     * that loaded ``step`` is one tensor shared by every param's state (:1028-1032), and AdamW
       increments it in place once per param: after N params the bias correction of the next
       update used step + N. Each param gets its own copy."""
-    from megatron.core.optimizer import ChainedOptimizer
-    from megatron.core.optimizer import distrib_optimizer
+    from megatron.core.optimizer import ChainedOptimizer, distrib_optimizer
 
     parts = [] if optimizer is None else (
         optimizer.chained_optimizers if isinstance(optimizer, ChainedOptimizer) else [optimizer])

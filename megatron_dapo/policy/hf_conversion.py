@@ -32,7 +32,11 @@ import torch
 from megatron_dapo.convert.export import DEFAULT_BUCKET_BYTES, export_hf_weights, load_hf_weights
 from megatron_dapo.convert.mapping import ConversionError
 from megatron_dapo.convert.safetensors_io import (
-    DEFAULT_MAX_SHARD_BYTES, SafetensorsReader, ShardedSafetensorsWriter, copy_side_files, read_hf_config,
+    DEFAULT_MAX_SHARD_BYTES,
+    SafetensorsReader,
+    ShardedSafetensorsWriter,
+    copy_side_files,
+    read_hf_config,
 )
 from megatron_dapo.convert.table import ConversionTable, conversion_table
 from megatron_dapo.policy.cpu_compat import apply_cpu_compat

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from megatron_dapo.convert.export import export_hf_weights
 from megatron_dapo.convert.safetensors_io import SafetensorsReader
+from megatron_dapo.policy.cpu_compat import apply_cpu_compat
 from megatron_dapo.policy.hf_conversion import load_megatron_checkpoint
 
 DEFAULT_ATOL = {"fp32": 1e-5, "bf16": 5e-2}
@@ -85,6 +86,7 @@ def megatron_logits(chunks, ids: torch.Tensor, tp_group) -> torch.Tensor | None:
 def verify(hf_dir: str | os.PathLike, ckpt_dir: str | os.PathLike, *, tp: int = 1, pp: int = 1,
            atol: float | None = None, batch: int = 2, seq_len: int = 16) -> VerifyReport:
     """Load ``ckpt_dir`` at TP x PP, compare weights and logits with ``hf_dir``; collective."""
+    apply_cpu_compat()  # an entry point: before megatron.core is imported
     from megatron.core import parallel_state as ps
 
     chunks, table, tp_group, pp_group, meta = load_megatron_checkpoint(ckpt_dir, tp=tp, pp=pp)

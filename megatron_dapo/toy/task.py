@@ -1,6 +1,7 @@
 """A synthetic verifiable task for the CPU demo: "which digit is the largest?".
 
-Each problem is a string of ``num_digits`` digits; the answer is the largest one, an integer that
+Each problem is a string of ``num_digits`` digits (or of a length uniform in [min_digits,
+num_digits], so that responses with the reasoning line vary in length); the answer is the largest one, an integer that
 the DAPO reward fn (``megatron_dapo.reward.compute_score``) reads from the final ``Answer:`` line
 exactly as it reads AIME answers. Rows use the DAPO/verl parquet schema of data/aime-2024.parquet
 (``prompt`` chat messages, ``reward_model.ground_truth`` integer string, ``data_source``,
@@ -63,10 +64,16 @@ def make_problem(rng: random.Random, num_digits: int, answer: int) -> list[int]:
             return digits
 
 
-def sample_problem(rng: random.Random, num_digits: int) -> tuple[list[int], int]:
-    """(digits, answer) with the answer uniform in MIN_ANSWER..9 (see ``MIN_ANSWER``)."""
+def sample_problem(rng: random.Random, num_digits: int, min_digits: int | None = None) -> tuple[list[int], int]:
+    """(digits, answer) with the answer uniform in MIN_ANSWER..9 (see ``MIN_ANSWER``) and the length
+    uniform in [min_digits, num_digits] (``num_digits`` when ``min_digits`` is None)."""
     answer = rng.randint(MIN_ANSWER, 9)
-    return make_problem(rng, num_digits, answer), answer
+    return make_problem(rng, _length(rng, min_digits, num_digits), answer), answer
+
+
+def _length(rng: random.Random, lo: int | None, hi: int) -> int:
+    # A fixed length draws nothing, so fixed-length data is the same as before lengths could vary.
+    return hi if lo is None or lo == hi else rng.randint(lo, hi)
 
 
 def num_problems(num_digits: int, answer: int) -> int:
@@ -106,29 +113,35 @@ def make_row(digits: list[int], answer: int, *, split: str, index: int) -> dict[
     }
 
 
-def make_splits(*, seed: int, num_train: int, num_val: int, num_digits: int
+def make_splits(*, seed: int, num_train: int, num_val: int, num_digits: int, min_digits: int | None = None
                 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Disjoint train and validation rows from one distribution, a pure function of the arguments.
 
     Problems are unique within and across splits, so held-out accuracy measures generalisation
     rather than recall. Validation is drawn first so that changing ``num_train`` keeps it fixed.
+    With ``min_digits`` the length of each problem is uniform in [min_digits, num_digits].
     """
+    lo = num_digits if min_digits is None else min_digits
+    if not 2 <= lo <= num_digits:
+        raise ValueError(f"need 2 <= min_digits <= num_digits, got {min_digits}, {num_digits}")
     answers = list(range(MIN_ANSWER, 10))
-    # Every answer gets ~1/len(answers) of the rows; demand 2x headroom in the smallest bucket so
-    # that uniqueness never starves it (a starved bucket would skew train against validation).
-    smallest = min(num_problems(num_digits, a) for a in answers)
-    if 2 * (num_train + num_val) / len(answers) > smallest:
-        raise ValueError(f"{num_train} + {num_val} problems is too many for {num_digits} digits: answer "
-                         f"{MIN_ANSWER} has only {smallest} distinct problems; use fewer or raise num_digits")
-    rng = random.Random(f"toy-max-{seed}-{num_digits}")  # str seeds hash stably across runs
+    # Every (length, answer) bucket gets an equal share of the rows; demand 2x headroom in the
+    # smallest so that uniqueness never starves it (a starved bucket would skew train against val).
+    smallest = num_problems(lo, MIN_ANSWER)
+    if 2 * (num_train + num_val) / (len(answers) * (num_digits - lo + 1)) > smallest:
+        raise ValueError(f"{num_train} + {num_val} problems is too many for {lo} digits: answer "
+                         f"{MIN_ANSWER} has only {smallest} distinct problems; use fewer or raise the digits")
+    # str seeds hash stably across runs; the fixed-length name is the one data was always made with
+    rng = random.Random(f"toy-max-{seed}-{num_digits}" if lo == num_digits else f"toy-max-{seed}-{lo}-{num_digits}")
     seen: set[tuple[int, ...]] = set()
     splits: dict[str, list[dict[str, Any]]] = {"val": [], "train": []}
     for split, count in (("val", num_val), ("train", num_train)):
         for index in range(count):
             answer = rng.randint(MIN_ANSWER, 9)
-            digits = make_problem(rng, num_digits, answer)
-            while tuple(digits) in seen:  # redraw with the same answer, keeping answers uniform
-                digits = make_problem(rng, num_digits, answer)
+            length = _length(rng, lo, num_digits)
+            digits = make_problem(rng, length, answer)
+            while tuple(digits) in seen:  # redraw with the same answer and length, keeping both uniform
+                digits = make_problem(rng, length, answer)
             seen.add(tuple(digits))
             splits[split].append(make_row(digits, answer, split=split, index=index))
     return splits["train"], splits["val"]
@@ -142,9 +155,10 @@ def write_parquet(rows: list[dict[str, Any]], path: str | Path) -> Path:
 
 
 def write_toy_dataset(out_dir: str | Path, *, seed: int, num_train: int, num_val: int,
-                      num_digits: int) -> tuple[Path, Path]:
+                      num_digits: int, min_digits: int | None = None) -> tuple[Path, Path]:
     """Writes ``out_dir/train.parquet`` and ``out_dir/val.parquet``; returns their paths."""
-    train, val = make_splits(seed=seed, num_train=num_train, num_val=num_val, num_digits=num_digits)
+    train, val = make_splits(seed=seed, num_train=num_train, num_val=num_val, num_digits=num_digits,
+                             min_digits=min_digits)
     out_dir = Path(out_dir)
     return write_parquet(train, out_dir / "train.parquet"), write_parquet(val, out_dir / "val.parquet")
 

@@ -206,6 +206,7 @@ def test_rerunning_a_finished_run_says_so(reference):
     assert out.returncode == 0, out.stderr[-3000:]
     assert f"nothing to do: {reference} is already at step {STEPS} of train.total_steps={STEPS}" in out.stdout
     assert "eval/avg@4=" in out.stdout and "final evaluation" not in out.stdout
+    assert "rollout replica" not in out.stderr and "resumed from" not in out.stderr  # nothing was built
     assert (reference / "metrics.jsonl").read_bytes() == before
 
 
@@ -233,3 +234,25 @@ def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step(reference, tm
     rerun = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env=ENV)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert [r["step"] for r in _records(run_dir)] == list(range(STEPS + 1))
+
+
+def test_a_generation_budget_ends_the_run_like_its_last_step(reference, tmp_path):
+    """train.generation_budget: the run stops after the step that spends it, evaluates and saves
+    there as at train.total_steps, trains exactly as the unbudgeted run up to that step, and a
+    rerun has nothing to do."""
+    ref = {r["step"]: r for r in _records(reference)}
+    totals = [ref[s]["rollout/responses_generated_total"] for s in range(1, STEPS + 1)]
+    counted = [sum(ref[s]["dynamic_sampling/num_groups_generated"] * 8 for s in range(1, t + 1)) for t in range(1, STEPS + 1)]
+    assert totals == counted  # every generation batch counted, kept or dropped
+    budget = int(totals[2]) - 1  # spent during step 3
+    run_dir = _copy_toy(reference, tmp_path / "run")
+    out = _run(run_dir, f"train.generation_budget={budget}")
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = _records(run_dir)
+    assert [r["step"] for r in got] == [0, 1, 2, 3]
+    assert "eval/avg@4" in got[-1] and "final evaluation: eval/" in out.stdout
+    assert (run_dir / "checkpoints" / "step_00000003").is_dir()
+    same = lambda r: {k: v for k, v in _values([r])[r["step"]].items() if not k.startswith("eval/")}  # noqa: E731
+    assert [same(r) for r in got] == [same(ref[r["step"]]) for r in got]
+    again = _run(run_dir, f"train.generation_budget={budget}")
+    assert again.returncode == 0 and "nothing to do" in again.stdout and f"generation_budget={budget}" in again.stdout

@@ -6,8 +6,8 @@ from collections import Counter
 import pytest
 
 from megatron_dapo.data import load_prompts
-from megatron_dapo.toy import task as toy_task
 from megatron_dapo.reward import compute_score
+from megatron_dapo.toy import task as toy_task
 
 
 @pytest.fixture(scope="module")
@@ -83,3 +83,25 @@ def test_the_taught_format_is_scored_by_the_real_reward_fn(reasoning):
     assert right.splitlines()[-1] == "Answer: 9"
     assert compute_score(right, "9") == {"score": 1.0, "acc": True, "pred": "9"}
     assert compute_score(wrong, "9")["acc"] is False
+
+
+def test_lengths_vary_uniformly_and_problems_stay_unique_and_disjoint():
+    train, val = toy_task.make_splits(seed=3, num_train=2000, num_val=128, num_digits=12, min_digits=4)
+    digits = [toy_task.parse_question(r["prompt"][0]["content"]) for r in train + val]
+    assert len({tuple(d) for d in digits}) == len(digits)
+    counts = Counter(len(d) for d in digits)
+    assert sorted(counts) == list(range(4, 13))
+    assert max(counts.values()) < 1.5 * min(counts.values())  # ~236 each
+    assert all(int(r["reward_model"]["ground_truth"]) == max(d) for r, d in zip(train + val, digits))
+
+
+def test_a_fixed_length_draws_the_same_data_as_before_lengths_could_vary():
+    fixed = toy_task.make_splits(seed=3, num_train=50, num_val=16, num_digits=5)
+    assert toy_task.make_splits(seed=3, num_train=50, num_val=16, num_digits=5, min_digits=5) == fixed
+    assert fixed[1][0]["prompt"][0]["content"] == "Largest digit of 00730?"  # pinned before min_digits existed
+
+
+@pytest.mark.parametrize("min_digits", [1, 6])
+def test_bad_min_digits_is_refused(min_digits):
+    with pytest.raises(ValueError, match="min_digits"):
+        toy_task.make_splits(seed=0, num_train=10, num_val=4, num_digits=5, min_digits=min_digits)

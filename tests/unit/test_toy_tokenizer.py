@@ -7,9 +7,9 @@ from tokenizers import Tokenizer
 from transformers import AutoTokenizer
 
 from megatron_dapo.data import apply_chat_template
+from megatron_dapo.reward import compute_score
 from megatron_dapo.toy import task as toy_task
 from megatron_dapo.toy import tokenizer as toy_tokenizer
-from megatron_dapo.reward import compute_score
 
 # What a Qwen2 checkpoint directory holds next to the tokenizer. transformers 5 picks the
 # tokenizer class from model_type and rebuilds Qwen2's pipeline, so the test must include it.
