@@ -125,6 +125,7 @@ def _summarise(name: str, seed: int, run_dir: Path) -> dict:
         "truncation_rate": final["eval/truncation_rate"],
         "train_truncation_rate": statistics.fmean(r["response_length/clip_ratio"] for r in steps),
         "generated_per_trained": generated / trained,
+        "avg_at_k_by_step": {r["step"]: r["eval/acc_mean"] for r in evals},
         "curve": [{"generated": by_step[r["step"]], "avg_at_k": r["eval/acc_mean"],
                    "response_length": r["eval/response_length_mean"], "truncation_rate": r["eval/truncation_rate"]}
                   for r in evals],
@@ -150,13 +151,16 @@ def _mean_sd(values: list[float]) -> str:
 
 def table(results: list[dict], budget: int) -> str:
     k = results[0]["k"]
-    lines = [f"| row | held-out avg@{k} (paper's rule) | avg@{k}, our value scorer | final entropy | "
-             "response length (tokens) | truncated (eval) | truncated (training) | generated per trained "
-             "sample | steps |", "|---|---|---|---|---|---|---|---|---|"]
+    # the last step every run evaluated at: the rows side by side at equal steps, not equal generation
+    common = max(set.intersection(*(set(r["avg_at_k_by_step"]) for r in results)))
+    lines = [f"| row | held-out avg@{k} (paper's rule) | avg@{k}, our value scorer | avg@{k} at step {common} | "
+             "final entropy | response length (tokens) | truncated (eval) | truncated (training) | generated per "
+             "trained sample | steps |", "|---|---|---|---|---|---|---|---|---|---|"]
     for name, _ in STEPS:
         rs = [r for r in results if r["row"] == name]
         col = lambda key: [r[key] for r in rs]  # noqa: E731
-        lines.append(f"| {name} | {_mean_sd(col('avg_at_k'))} | {_mean_sd(col('avg_at_k_value'))} | "
+        at_common = [r["avg_at_k_by_step"][common] for r in rs]
+        lines.append(f"| {name} | {_mean_sd(col('avg_at_k'))} | {_mean_sd(col('avg_at_k_value'))} | {_mean_sd(at_common)} | "
                      f"{_mean_sd(col('entropy'))} | {statistics.fmean(col('response_length')):.1f} | "
                      f"{statistics.fmean(col('truncation_rate')):.3f} | {statistics.fmean(col('train_truncation_rate')):.3f} | "
                      f"{statistics.fmean(col('generated_per_trained')):.2f} | {statistics.fmean(col('steps')):.0f} |")

@@ -54,6 +54,23 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    """A training checkpoint of the run -> an HF dir (policy/run_export.py); also under torchrun."""
+    import os
+
+    from megatron_dapo.convert import ConversionError
+    from megatron_dapo.policy.run_export import export_run
+
+    try:
+        ckpt = export_run(load_config(args.config, args.overrides), args.out, step=args.step, dtype=args.dtype,
+                          force=args.force, progress=not args.no_progress)
+    except ConversionError as e:
+        raise InputError(str(e)) from None
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(f"exported {ckpt} -> {args.out} (HF: config, generation config, tokenizer, safetensors)", flush=True)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megatron-dapo", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -69,6 +86,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("eval", help="avg@n / pass@k / cons@n of a run's latest checkpoint; also under torchrun")
     _add_config_args(p)
     p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("export", help="a run's training checkpoint -> an HF dir (any TP/PP; also under torchrun)")
+    _add_config_args(p)
+    p.add_argument("--out", required=True, help="output HF model dir (must be empty unless --force)")
+    p.add_argument("--step", type=int, help="the checkpoint of this step; default: the newest intact one")
+    p.add_argument("--dtype", choices=["bf16", "fp32"], help="output dtype; default: the trained weights' own")
+    p.add_argument("--force", action="store_true", help="overwrite a non-empty --out")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("score", help="score a JSONL of responses, or self-check the reward on a data set")
     _add_config_args(p)

@@ -17,6 +17,8 @@ HARMLESS_WARNINGS = (
     (r"full scope is deprecated", "raised by megatron-core 0.19's own TransformerConfig default "
      "(cuda_graph_scope), not by a setting of ours; CUDA graphs are off"),
     (r"MimoModelConfig is experimental", "an import side effect of megatron.core.models; MIMO is unused"),
+    (r"Please use DTensor instead and we are deprecating ShardedTensor", "torch's FutureWarning on every "
+     "dist-checkpoint load: megatron-core 0.19's checkpoint format is built on ShardedTensor, not our choice"),
     (r"The following imports from `dynamic_context\.py` will be removed", "a DeprecationWarning megatron-core "
      "0.19's own inference package raises on import; we import nothing from it"),
 )

@@ -236,6 +236,7 @@ def evaluate_run(cfg: DAPOConfig) -> dict[str, float]:
     finally:
         run.close()
     if run.rank == 0:
+        run.dir.mkdir(parents=True, exist_ok=True)  # evaluating an HF dir: a fresh logging.dir
         (run.dir / "eval.json").write_text(json.dumps(result, indent=2) + "\n")
         print("evaluation: " + _fmt(result), flush=True)
     return result

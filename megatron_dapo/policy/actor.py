@@ -21,7 +21,7 @@ import torch
 from megatron_dapo.config import DAPOConfig
 from megatron_dapo.policy import checkpoint
 from megatron_dapo.policy.batching import Sample, split_for_data_parallel
-from megatron_dapo.policy.model import build_model, hf_arch, padded_vocab_size
+from megatron_dapo.policy.model import build_model, conversion_table_for, hf_arch
 from megatron_dapo.policy.optimizer import build_optimizer, build_scheduler, wrap_model
 from megatron_dapo.policy.parallel import all_gather_rows, initialize_parallel
 from megatron_dapo.policy.train_step import StepSettings, compute_device, compute_log_probs, train_step
@@ -112,13 +112,7 @@ class MegatronActor:
             bucket_bytes=bucket_bytes or DEFAULT_BUCKET_BYTES, dtype=dtype)
 
     def _conversion_table(self):
-        """The Qwen2 HF <-> Megatron table at this model's vocabulary padding."""
-        from megatron_dapo.convert import conversion_table
-
-        vocab = padded_vocab_size(hf_arch(self.hf_config).vocab_size,
-                                  self.cfg.model.make_vocab_size_divisible_by,
-                                  self.cfg.parallel.tensor_model_parallel_size)
-        return conversion_table(self.hf_config, padded_vocab_size=vocab)
+        return conversion_table_for(self.hf_config, model=self.cfg.model, tp=self.cfg.parallel.tensor_model_parallel_size)
 
     def save_checkpoint(self, dir: str, trainer_state: dict) -> str:
         """Save under the checkpoint root ``dir`` as step ``trainer_state["step"]``; collective."""

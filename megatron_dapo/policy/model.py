@@ -95,6 +95,14 @@ def _as_dict(hf_config) -> dict:
     return hf_config.to_dict()  # a transformers PretrainedConfig
 
 
+def conversion_table_for(hf_config: Mapping[str, Any], *, model: ModelConfig, tp: int):
+    """The HF <-> Megatron table (convert/) at the vocabulary padding this model has at TP=``tp``."""
+    from megatron_dapo.convert import conversion_table
+
+    vocab = padded_vocab_size(hf_arch(hf_config).vocab_size, model.make_vocab_size_divisible_by, tp)
+    return conversion_table(hf_config, padded_vocab_size=vocab)
+
+
 def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
     """Round up to a multiple of lcm(divisible_by, TP); unchanged when it divides.
 

@@ -40,12 +40,18 @@ def _unit(module: str) -> str:
     return module.split(".")[1]
 
 
-def test_megatron_free_parts_load_neither_megatron_nor_vllm():
-    code = ("import sys; " + "; ".join(f"import megatron_dapo.{m}" for m in FREE)
-            + "; print(sorted({m.split('.')[0] for m in sys.modules} & {'megatron', 'vllm'}))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+def _loaded_after_importing(units: list[str], which: str) -> str:
+    """A fresh interpreter imports megatron_dapo.<unit> for each unit and prints ``which``, an
+    expression over the names in ``sys.modules`` (``mods``)."""
+    code = ("import sys; " + "; ".join(f"import megatron_dapo.{m}" for m in units)
+            + f"; mods = list(sys.modules); print({which})")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.strip().splitlines()[-1] == "[]"
+    return out.stdout.strip().splitlines()[-1]
+
+
+def test_megatron_free_parts_load_neither_megatron_nor_vllm():
+    assert _loaded_after_importing(FREE, "sorted({m.split('.')[0] for m in mods} & {'megatron', 'vllm'})") == "[]"
 
 
 def test_megatron_only_under_policy_and_vllm_only_in_its_engine():
@@ -102,11 +108,7 @@ def test_the_demo_is_off_the_main_path():
            and path.relative_to(PKG).as_posix() not in DEMO_GATES
            for line, module in _imports(path) if module.startswith("megatron_dapo.toy")]
     assert not bad, "demo code imported outside toy/ and " + str(sorted(DEMO_GATES)) + ":\n" + "\n".join(bad)
-    code = ("import sys; " + "; ".join(f"import megatron_dapo.{m}" for m in MAIN_PATH)
-            + "; print(sorted(m for m in sys.modules if m.startswith('megatron_dapo.toy')))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.strip().splitlines()[-1] == "[]"
+    assert _loaded_after_importing(MAIN_PATH, "sorted(m for m in mods if m.startswith('megatron_dapo.toy'))") == "[]"
 
 
 def test_documents_the_code_cites_are_in_the_repository():

@@ -1,0 +1,93 @@
+"""A training run's checkpoint -> an HF dir that transformers, vLLM and other evaluators load.
+
+``megatron-dapo export --config F --out D [--step N]``: the run is named by its config, as for
+``train`` and ``eval`` (logging.dir, checkpoint.dir, model.hf_path; the toy's base under
+``toy.enable``). The checkpoint (the newest intact one, or step N) is loaded at the config's
+TP / PP (checkpoints reshard on load, so any layout works, also under torchrun), its weights
+stream out through the same conversion table the rollout sync uses, and config.json,
+generation_config.json and the tokenizer come from model.hf_path. ``export.json`` records where
+the weights came from. Only the model is read: no optimizer, no rollout engine, no reward pool.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from megatron_dapo.config import DAPOConfig
+from megatron_dapo.errors import InputError
+from megatron_dapo.policy.cpu_compat import apply_cpu_compat
+
+EXPORT_META = "export.json"
+
+
+def run_checkpoint(cfg: DAPOConfig, step: int | None = None) -> Path:
+    """The run's newest intact checkpoint, or the one of ``step``; InputError naming what exists."""
+    from megatron_dapo.policy.checkpoint import checkpoint_name, damage, latest_checkpoint, list_checkpoints
+
+    root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else Path(cfg.logging.dir) / "checkpoints"
+    if step is None:
+        path = latest_checkpoint(root)
+        if path is None:
+            raise InputError(f"{root}: no intact checkpoint to export; train first (or point logging.dir / "
+                             "checkpoint.dir at the run)")
+        return path
+    path = root / checkpoint_name(step)
+    if not path.is_dir():
+        have = [s for s, _ in list_checkpoints(root)]
+        raise InputError(f"{path}: no checkpoint of step {step}; {root} holds steps {have or 'none'}")
+    if (why := damage(path)) is not None:
+        raise InputError(f"checkpoint {path} is damaged ({why}); export another step")
+    return path
+
+
+def hf_source(cfg: DAPOConfig) -> Path:
+    """The HF dir the run started from (its config, generation config and tokenizer)."""
+    path = Path(cfg.logging.dir) / "toy_base" if cfg.toy.enable else Path(cfg.model.hf_path or ".")
+    if not (path / "config.json").is_file():
+        raise InputError(f"{path}: no config.json; export needs the HF dir the run started from "
+                         "(model.hf_path, or the toy base of a toy.enable run)")
+    return path
+
+
+def export_run(cfg: DAPOConfig, out_dir: str | os.PathLike, *, step: int | None = None, dtype: str | None = None,
+               force: bool = False, progress: bool = True) -> Path:
+    """Writes the HF dir (rank 0; every rank of the job must call); returns the checkpoint exported.
+    ``dtype``: "bf16" or "fp32"; default: the trained parameters' own."""
+    import torch.distributed as dist
+
+    from megatron_dapo.convert.safetensors_io import read_hf_config
+    from megatron_dapo.policy.hf_conversion import DTYPES, _check_out, _prepare_out, write_hf_checkpoint
+
+    out_dir = Path(out_dir)
+    ckpt, src = run_checkpoint(cfg, step), hf_source(cfg)
+    _check_out(out_dir, force)
+    apply_cpu_compat()  # an entry point: before megatron.core is imported
+    from megatron.core import parallel_state as ps
+
+    from megatron_dapo.policy.checkpoint import load_checkpoint
+    from megatron_dapo.policy.model import build_model, conversion_table_for
+    from megatron_dapo.policy.parallel import initialize_parallel
+
+    hf_config = read_hf_config(src)
+    if not ps.model_parallel_is_initialized():
+        initialize_parallel(hf_config, parallel=cfg.parallel, model=cfg.model, seed=cfg.seed)
+    chunks = build_model(hf_config, model=cfg.model, parallel=cfg.parallel, perform_initialization=False)
+    state = load_checkpoint(ckpt, model=chunks, load_rng=False)
+    table = conversion_table_for(hf_config, model=cfg.model, tp=cfg.parallel.tensor_model_parallel_size)
+    p = cfg.parallel
+    _prepare_out(out_dir, force)
+    write_hf_checkpoint(chunks, table, out_dir, hf_config=hf_config, side_files_from=src,
+                        tp_group=ps.get_tensor_model_parallel_group() if p.tensor_model_parallel_size > 1 else None,
+                        pp_group=ps.get_pipeline_model_parallel_group() if p.pipeline_model_parallel_size > 1 else None,
+                        dtype=DTYPES[dtype] if dtype else None, progress=progress)
+    if dist.get_rank() == 0:
+        (out_dir / "warmup.json").unlink(missing_ok=True)  # the toy base's warm-up report: not this model's
+        meta = {"checkpoint": str(ckpt.resolve()), "step": state.get("step"), "run_dir": str(Path(cfg.logging.dir).resolve()),
+                "hf_source": str(src.resolve()), "tensor_model_parallel_size": p.tensor_model_parallel_size,
+                "pipeline_model_parallel_size": p.pipeline_model_parallel_size}
+        (out_dir / EXPORT_META).write_text(json.dumps(meta, indent=2) + "\n")
+    dist.barrier()
+    return ckpt
+
