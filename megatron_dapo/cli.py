@@ -71,6 +71,15 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_prepare_data(args: argparse.Namespace) -> int:
+    """Downloaded DAPO-Math-17K / AIME files -> deduplicated train / eval files (data/prepare.py)."""
+    from megatron_dapo.data.prepare import format_report, prepare_data
+
+    report = prepare_data(args.out, train=args.train, eval=args.eval, on_bad_row=args.on_bad_row, force=args.force)
+    print(format_report(report, args.out), flush=True)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megatron-dapo", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -95,6 +104,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="overwrite a non-empty --out")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("prepare-data", help="downloaded DAPO-Math-17K / AIME files -> deduplicated train / eval files")
+    p.add_argument("--train", nargs="+", required=True, help="training file(s): parquet or JSONL, DAPO schema")
+    p.add_argument("--eval", nargs="+", help="evaluation file(s), e.g. the AIME-2024 parquet")
+    p.add_argument("--out", required=True, help="output dir: train.parquet, eval.parquet, prepare.json")
+    p.add_argument("--on-bad-row", choices=["error", "skip"], default="error",
+                   help="error: stop at the first bad row (file, row, field); skip: count and drop bad rows")
+    p.add_argument("--force", action="store_true", help="replace existing output files")
+    p.set_defaults(func=cmd_prepare_data)
 
     p = sub.add_parser("score", help="score a JSONL of responses, or self-check the reward on a data set")
     _add_config_args(p)

@@ -1,0 +1,84 @@
+"""``megatron-dapo prepare-data``: the files as users download them -> the files a run reads.
+
+DAPO-Math-17K ships ~1.79M rows for ~17k unique prompts (each repeated ~100x by accident), and the
+AIME-2024 file ships each of its 30 problems 32 times (for avg@32 by repetition). The trainer
+deduplicates on load either way; preparing once writes the unique prompts (with their copy count in
+``extra_info.num_copies``) so that every later load is fast and the counts are known up front.
+
+    megatron-dapo prepare-data --train dapo-math-17k.parquet --eval aime-2024.parquet --out data/prepared
+
+writes ``<out>/train.parquet``, ``<out>/eval.parquet`` (DAPO/verl schema, as data.train_files /
+data.val_files expect) and ``<out>/prepare.json`` (the counts printed). A bad row stops the job
+with its file, row and field (``--on-bad-row skip`` counts and drops bad rows instead, reported
+by reason). Nothing is written unless every input loads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from megatron_dapo.data.loading import LoadResult, load_prompts
+from megatron_dapo.data.schema import PromptRecord
+from megatron_dapo.errors import InputError
+
+REPORT = "prepare.json"
+
+
+def to_row(record: PromptRecord) -> dict[str, Any]:
+    """One row in the DAPO/verl schema (the columns of data/aime-2024.parquet)."""
+    return {"data_source": record.data_source, "prompt": record.chat(), "ability": record.ability,
+            "reward_model": {"ground_truth": record.ground_truth, "style": "rule"},
+            "extra_info": {**record.extra_info, "num_copies": record.num_copies}}
+
+
+def _write(records: tuple[PromptRecord, ...], path: Path) -> None:
+    tmp = path.with_suffix(".parquet.tmp")
+    try:
+        table = pa.Table.from_pylist([to_row(r) for r in records])
+    except (pa.ArrowInvalid, pa.ArrowTypeError) as e:  # extra_info of mixed types across rows
+        raise InputError(f"cannot write {path}: the rows' extra_info fields differ in type ({e})") from None
+    pq.write_table(table, tmp)
+    os.replace(tmp, path)  # a crash never leaves a half-written file under the final name
+
+
+def _counts(name: str, files: list[str], loaded: LoadResult) -> dict[str, Any]:
+    return {"split": name, "files": files, "rows": loaded.num_rows, "unique_prompts": len(loaded.records),
+            "duplicate_rows": loaded.num_duplicates, "skipped_rows": loaded.skipped}
+
+
+def prepare_data(out_dir: str | os.PathLike, *, train: list[str], eval: list[str] | None = None,
+                 on_bad_row: str = "error", force: bool = False) -> list[dict[str, Any]]:
+    """Loads every input (deduplicated), then writes train.parquet / eval.parquet and the report.
+    Returns the per-split counts."""
+    out_dir = Path(out_dir)
+    splits = [("train", train), ("eval", eval or [])]
+    targets = [out_dir / f"{name}.parquet" for name, files in splits if files]
+    if not force and any(p.exists() for p in targets):
+        raise InputError(f"{', '.join(str(p) for p in targets if p.exists())} exists; pass --force to replace it")
+    loaded = {name: load_prompts(files, dedup=True, on_bad_row=on_bad_row) for name, files in splits if files}
+    for name, result in loaded.items():
+        if not result.records:
+            raise InputError(f"--{name} {', '.join(dict(splits)[name])}: no usable rows ({result.num_rows} rows, "
+                             f"{result.num_skipped} skipped as bad)")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    report = []
+    for name, result in loaded.items():
+        _write(result.records, out_dir / f"{name}.parquet")
+        report.append(_counts(name, [str(f) for f in dict(splits)[name]], result))
+    (out_dir / REPORT).write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
+def format_report(report: list[dict[str, Any]], out_dir: str | os.PathLike) -> str:
+    lines = []
+    for r in report:
+        skipped = f", {sum(r['skipped_rows'].values())} bad row(s) skipped {r['skipped_rows']}" if r["skipped_rows"] else ""
+        lines.append(f"{r['split']}: {r['rows']} rows -> {r['unique_prompts']} unique prompts "
+                     f"({r['duplicate_rows']} duplicate rows merged{skipped}) -> {Path(out_dir) / (r['split'] + '.parquet')}")
+    return "\n".join(lines)
