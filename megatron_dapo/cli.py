@@ -13,11 +13,18 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_config(args: argparse.Namespace) -> int:
-    """Prints the resolved configuration (or, with --defaults, conf/base.yaml)."""
+    """Prints the resolved configuration (or, with --defaults, conf/base.yaml; with --world-size, the
+    checked layout at that many processes)."""
     if args.defaults:
         sys.stdout.write(defaults_yaml())
         return 0
-    sys.stdout.write(dump_yaml(load_config(args.config, args.overrides)))
+    cfg = load_config(args.config, args.overrides)
+    if args.world_size:
+        from megatron_dapo.layout import describe_layout
+
+        print(describe_layout(cfg, args.world_size, shape=args.shape))
+        return 0
+    sys.stdout.write(dump_yaml(cfg))
     return 0
 
 
@@ -86,6 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("config", help="validate and print the resolved configuration")
     _add_config_args(p)
     p.add_argument("--defaults", action="store_true", help="print every key with its default and comment")
+    p.add_argument("--world-size", type=int, help="instead: check and print the layout at this many processes")
+    p.add_argument("--shape", help="with --world-size: the Qwen2.5 shape (0.5B, 1.5B, 7B, 32B) when "
+                                   "model.hf_path is not on this machine")
     p.set_defaults(func=cmd_config)
 
     p = sub.add_parser("train", help="DAPO training; also under torchrun")

@@ -124,13 +124,15 @@ class Runtime:
     params_dtype: torch.dtype
 
 
-def resolve_runtime(model: ModelConfig, on_gpu: bool) -> Runtime:
+def resolve_runtime(model: ModelConfig, on_gpu: bool, *, check_installed: bool = True) -> Runtime:
+    """``check_installed=False``: a layout check for another machine (a launcher's dry run on a login
+    node) does not ask for Transformer Engine here."""
     impl = model.transformer_impl
     if impl == "auto":
         impl = "transformer_engine" if on_gpu else "local"
     if impl == "transformer_engine" and not on_gpu:
         raise ValueError("model.transformer_impl=transformer_engine needs CUDA; use local (or auto) on CPU")
-    if impl == "transformer_engine" and importlib.util.find_spec("transformer_engine") is None:
+    if check_installed and impl == "transformer_engine" and importlib.util.find_spec("transformer_engine") is None:
         raise ValueError("model.transformer_impl=transformer_engine (the GPU default) needs Transformer "
                          "Engine: use the NGC container (container/Dockerfile) or set "
                          "model.transformer_impl=local")

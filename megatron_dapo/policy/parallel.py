@@ -19,9 +19,10 @@ from megatron_dapo.policy.model import hf_arch, padded_vocab_size, resolve_runti
 
 
 def validate_parallel(hf_config, *, parallel: ParallelConfig, model: ModelConfig, world_size: int,
-                      on_gpu: bool | None = None) -> dict[str, int]:
+                      on_gpu: bool | None = None, check_installed: bool = True) -> dict[str, int]:
     """Raise ValueError on the first inconsistency; return the derived sizes
-    (data_parallel_size, padded_vocab_size, layers_per_chunk)."""
+    (data_parallel_size, padded_vocab_size, layers_per_chunk). ``check_installed=False``: for a
+    layout that will run elsewhere (resolve_runtime)."""
     arch = hf_arch(hf_config)
     on_gpu = torch.cuda.is_available() if on_gpu is None else on_gpu
     tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
@@ -43,7 +44,7 @@ def validate_parallel(hf_config, *, parallel: ParallelConfig, model: ModelConfig
     if arch.hidden_size % tp or arch.ffn_hidden_size % tp:
         raise ValueError(f"hidden_size={arch.hidden_size} and intermediate_size={arch.ffn_hidden_size} "
                          f"must be divisible by tensor_model_parallel_size={tp}")
-    runtime = resolve_runtime(model, on_gpu)
+    runtime = resolve_runtime(model, on_gpu, check_installed=check_installed)
     if parallel.context_parallel_size > 1 and runtime.transformer_impl != "transformer_engine":
         raise ValueError(f"context_parallel_size={parallel.context_parallel_size} needs the Transformer "
                          "Engine spec (megatron's local DotProductAttention has no CP); set it to 1 on CPU")

@@ -1,0 +1,68 @@
+"""The resolved layout of a run at a world size, checked before anything launches.
+
+``megatron-dapo config --config F --world-size N [--shape 32B]`` prints it, and every launcher's dry
+run (recipes/) calls it: Megatron's TP x PP x CP x DP with the layers per stage and the vocabulary
+padding, the rollout replicas, and the batch arithmetic of one step. The model's shape comes from
+``model.hf_path``'s config.json, or, on a machine without the weights (a login node, CI), from the
+Qwen2.5 shape named by ``shape`` (convert/synthetic.py). Every inconsistency is an InputError naming
+the values and the fix, as at the start of a real run. Memory is not planned here.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from megatron_dapo.config import DAPOConfig
+from megatron_dapo.errors import InputError
+
+
+def model_shape(cfg: DAPOConfig, shape: str | None = None) -> tuple[dict, str]:
+    """(HF config dict, where it came from)."""
+    from megatron_dapo.convert.synthetic import QWEN25_CONFIGS
+
+    if shape is not None:
+        if shape not in QWEN25_CONFIGS:
+            raise InputError(f"--shape {shape!r} is not one of {sorted(QWEN25_CONFIGS)} (Qwen2.5 sizes)")
+        return QWEN25_CONFIGS[shape], f"Qwen2.5-{shape} shape"
+    path = Path(cfg.model.hf_path or ".") / "config.json"
+    if not path.is_file():
+        raise InputError(f"{path} not found: point model.hf_path at the HF model, or name its shape with "
+                         f"--shape ({', '.join(sorted(QWEN25_CONFIGS))})")
+    return json.loads(path.read_text()), str(path)
+
+
+def describe_layout(cfg: DAPOConfig, world_size: int, *, shape: str | None = None, on_gpu: bool = True) -> str:
+    """The layout's lines (see module docstring); InputError when it cannot run at ``world_size``."""
+    from megatron_dapo.config_loading import ConfigError
+    from megatron_dapo.policy.parallel import validate_parallel
+    from megatron_dapo.rollout.placement import replica_layout
+
+    hf_config, source = model_shape(cfg, shape)
+    p, d, t = cfg.parallel, cfg.data, cfg.train
+    try:
+        sizes = validate_parallel(hf_config, parallel=p, model=cfg.model, world_size=world_size, on_gpu=on_gpu,
+                                  check_installed=False)
+        _, replicas, _ = replica_layout(0, world_size, cfg.rollout.tensor_parallel_size)
+    except ValueError as e:  # ConfigError (a ValueError) included
+        raise ConfigError(f"at world size {world_size}: {e}") from None
+    dp = sizes["data_parallel_size"]
+    if (t.mini_batch_prompts * cfg.rollout.n) % dp:
+        raise ConfigError(f"train.mini_batch_prompts x rollout.n = {t.mini_batch_prompts} x {cfg.rollout.n} responses "
+                          f"per update do not split over DP={dp}; pick a mini-batch divisible by {dp}")
+    layers = hf_config["num_hidden_layers"]
+    gen = d.gen_prompts_per_batch if cfg.algorithm.filter_groups.enable else d.prompts_per_step
+    return "\n".join([
+        f"model: {source}: {layers} layers, hidden {hf_config['hidden_size']}, {hf_config['num_attention_heads']} "
+        f"heads / {hf_config['num_key_value_heads']} KV groups, vocabulary {hf_config['vocab_size']} "
+        f"(padded to {sizes['padded_vocab_size']})",
+        f"layout at world size {world_size}: TP {p.tensor_model_parallel_size} x PP {p.pipeline_model_parallel_size}"
+        f" x CP {p.context_parallel_size} x DP {dp}; {sizes['layers_per_chunk']} layers per pipeline chunk; "
+        f"sequence parallel {'on' if p.sequence_parallel else 'off'}; distributed optimizer "
+        f"{'on' if p.use_distributed_optimizer else 'off'}",
+        f"rollout: {replicas} engine replica(s) of rollout TP {cfg.rollout.tensor_parallel_size} ({cfg.rollout.engine}), "
+        f"{cfg.rollout.n} responses per prompt, up to {cfg.rollout.max_response_length} tokens",
+        f"step: {d.prompts_per_step} prompts x {cfg.rollout.n} responses, {cfg.updates_per_step} update(s) of "
+        f"{t.mini_batch_prompts} prompts ({t.mini_batch_prompts * cfg.rollout.n // dp} responses per DP rank); "
+        f"generation batches of {gen} prompts",
+    ])
