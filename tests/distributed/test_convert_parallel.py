@@ -116,3 +116,22 @@ def test_virtual_pipeline_chunks_load_and_export(tmp_path):
     """PP=2 x VPP=2 on 4 layers: each rank holds two non-adjacent chunks (a list of models)."""
     hf, ckpt, _ = _convert(tmp_path, tied=False, num_layers=4, offline=False)
     spawn(_vpp_worker, str(hf), str(ckpt), world_size=2)
+
+
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)], ids=["tp2", "pp2"])
+def test_parallel_conversion_writes_the_same_weights_as_the_serial_one(converted, tmp_path, tp, pp):
+    """hf_to_megatron.py under torchrun: each rank reads its shard's tensors and writes its part; the
+    checkpoint exports (serially, at TP=1) to exactly the tensors of the serial conversion's export."""
+    from megatron_dapo.convert.safetensors_io import SafetensorsReader
+
+    hf, _, offline = converted
+    done = _run(TOOLS / "hf_to_megatron.py", "--hf-dir", hf, "--out", tmp_path / "ckpt", "--no-progress",
+                "--make-vocab-size-divisible-by", DIVISIBLE_BY, "--tp", tp, "--pp", pp, nproc=tp * pp)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"at TP={tp} PP={pp}; peak RSS per rank: " in done.stdout and done.stdout.count(" MB") == 2
+    back = _run(TOOLS / "megatron_to_hf.py", "--ckpt", tmp_path / "ckpt", "--out", tmp_path / "hf", "--no-progress")
+    assert back.returncode == 0, back.stderr[-3000:]
+    with SafetensorsReader(offline) as want, SafetensorsReader(tmp_path / "hf") as got:
+        assert sorted(got.names()) == sorted(want.names())
+        for name in want.names():
+            assert torch.equal(got.get(name), want.get(name)), name

@@ -1,7 +1,8 @@
 """HF Qwen2-family dir -> Megatron dist checkpoint (torch_dist), loadable at any TP / PP / DP.
 
     python tools/convert_ckpt/hf_to_megatron.py --hf-dir Qwen2.5-0.5B --out ckpt/qwen2.5-0.5b [--dtype bf16]
-    torchrun --nproc-per-node 2 tools/convert_ckpt/hf_to_megatron.py ... --tp 2   # split the work (optional)
+    torchrun --nproc-per-node 2 tools/convert_ckpt/hf_to_megatron.py ... --tp 2   # in parallel: each rank
+                      # reads only its shard's tensors and writes its part of the checkpoint
     python tools/convert_ckpt/hf_to_megatron.py --hf-dir D --dry-run --tp 8 --pp 2  # per-rank sizes only
 
 Writes <out>/ (dist checkpoint), <out>/hf/ (config.json, tokenizer files) and <out>/convert.json.
@@ -62,11 +63,18 @@ def main(argv=None) -> int:
     except ConversionError as e:
         print(f"hf_to_megatron: error: {e}", file=sys.stderr)
         return 2
+    import resource
+
     import torch.distributed as dist
 
-    if not dist.is_initialized() or dist.get_rank() == 0:
+    # Peak resident memory of every rank (what a node must hold per process), gathered to rank 0.
+    peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    peaks = [None] * dist.get_world_size()
+    dist.all_gather_object(peaks, peak_mb)
+    if dist.get_rank() == 0:
         print(f"wrote {args.out}: {meta['architecture']}, {meta['dtype']}, vocabulary {meta['vocab_size']} "
-              f"(padded to {meta['padded_vocab_size']})")
+              f"(padded to {meta['padded_vocab_size']}) at TP={args.tp} PP={args.pp}; peak RSS per rank: "
+              + ", ".join(f"{p:.0f} MB" for p in peaks))
     return 0
 
 
