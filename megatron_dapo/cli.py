@@ -39,8 +39,33 @@ def cmd_score(args: argparse.Namespace) -> int:
     return run_selfcheck(args.data or list(cfg.data.val_files), on_bad_row=cfg.data.on_bad_row, **kw)
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    """The checked layout and the per-GPU memory plan (plan.py); exit 2 when it does not fit."""
+    import os
+
+    from megatron_dapo.layout import describe_layout, model_shape
+    from megatron_dapo.plan import check_fits, plan
+
+    cfg = load_config(args.config, args.overrides)
+    world = args.world_size or int(os.environ.get("WORLD_SIZE", 1))
+    print(describe_layout(cfg, world, shape=args.shape))
+    result = plan(cfg, model_shape(cfg, args.shape)[0], world, capacity_gb=args.gpu_memory_gb, mfu=args.mfu)
+    print(result.format(), flush=True)
+    check_fits(result, cfg)
+    return 0
+
+
+def _add_plan_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--world-size", type=int, help="processes (GPUs) in all; default: $WORLD_SIZE or 1")
+    p.add_argument("--shape", help="the Qwen2.5 shape (0.5B, 1.5B, 7B, 32B) when model.hf_path is not on this machine")
+    p.add_argument("--gpu-memory-gb", type=float, default=80.0, help="memory per GPU (H100 80, H200 141)")
+    p.add_argument("--mfu", type=float, default=0.3, help="model FLOPs utilisation for the step-time estimate")
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     """DAPO training (resumes automatically from the run's latest checkpoint)."""
+    if args.dry_run:
+        return cmd_plan(args)
     from megatron_dapo.preemption import StopRequest
 
     stop = StopRequest().install()  # first: a signal during the imports and set-up is handled too
@@ -100,7 +125,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("train", help="DAPO training; also under torchrun")
     _add_config_args(p)
+    p.add_argument("--dry-run", action="store_true", help="print the layout and memory plan, and exit")
+    _add_plan_args(p)
     p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("plan", help="the layout and per-GPU memory, itemised; refuses a layout that does not fit")
+    _add_config_args(p)
+    _add_plan_args(p)
+    p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("eval", help="avg@n / pass@k / cons@n of a run's latest checkpoint; also under torchrun")
     _add_config_args(p)

@@ -68,10 +68,11 @@ def export_run(cfg: DAPOConfig, out_dir: str | os.PathLike, *, step: int | None 
 
     from megatron_dapo.policy.checkpoint import load_checkpoint
     from megatron_dapo.policy.model import build_model, conversion_table_for
-    from megatron_dapo.policy.parallel import initialize_parallel
+    from megatron_dapo.policy.parallel import destroy_parallel, initialize_parallel
 
     hf_config = read_hf_config(src)
-    if not ps.model_parallel_is_initialized():
+    own = not ps.model_parallel_is_initialized()  # then this call also tears it down
+    if own:
         initialize_parallel(hf_config, parallel=cfg.parallel, model=cfg.model, seed=cfg.seed)
     chunks = build_model(hf_config, model=cfg.model, parallel=cfg.parallel, perform_initialization=False)
     state = load_checkpoint(ckpt, model=chunks, load_rng=False)
@@ -89,5 +90,7 @@ def export_run(cfg: DAPOConfig, out_dir: str | os.PathLike, *, step: int | None 
                 "pipeline_model_parallel_size": p.pipeline_model_parallel_size}
         (out_dir / EXPORT_META).write_text(json.dumps(meta, indent=2) + "\n")
     dist.barrier()
+    if own:
+        destroy_parallel()  # gloo left alive can abort the interpreter at exit
     return ckpt
 

@@ -27,10 +27,13 @@ launch_env() {
   export PYTHONUNBUFFERED=1
 }
 
-# The checked layout at world size $1 (megatron-dapo config --world-size; exits non-zero on error).
+# show_layout COMMAND WORLD [key=value ...]: for training, the checked layout and memory plan
+# (megatron-dapo plan: non-zero when it cannot run or does not fit); otherwise the checked layout.
 show_layout() {
-  local world=$1; shift
-  (cd "$REPO" && "$PYTHON" "${MEGATRON_DAPO[@]}" config --config "$RECIPE" --world-size "$world" --shape "$SHAPE" "$@")
+  local command=$1 world=$2; shift 2
+  local check=(config --world-size)
+  [ "$command" = train ] && check=(plan --world-size)
+  (cd "$REPO" && "$PYTHON" "${MEGATRON_DAPO[@]}" "${check[@]}" "$world" --config "$RECIPE" --shape "$SHAPE" "$@")
 }
 
 print_cmd() {
@@ -46,7 +49,7 @@ single_node() {
   local cmd=("$TORCHRUN" --standalone --nproc-per-node "$GPUS_PER_NODE" "${MEGATRON_DAPO[@]}" "$command"
              --config "$RECIPE" "$@")
   if [ "${DRY_RUN:-0}" = 1 ]; then
-    show_layout "$GPUS_PER_NODE" "$@"
+    show_layout "$command" "$GPUS_PER_NODE" "$@"
     echo "node 0 of 1 ($(hostname)):"
     print_cmd "${cmd[@]}"
     return 0
@@ -73,7 +76,7 @@ slurm_nodes() {
   local cmd=("$TORCHRUN" --nnodes "$nodes" --nproc-per-node "$GPUS_PER_NODE" --rdzv-backend c10d
              --rdzv-endpoint "$head:$port" --rdzv-id "$job" "${MEGATRON_DAPO[@]}" "$command" --config "$RECIPE" "$@")
   if [ "${DRY_RUN:-0}" = 1 ]; then
-    show_layout $((nodes * GPUS_PER_NODE)) "$@"
+    show_layout "$command" $((nodes * GPUS_PER_NODE)) "$@"
     local i
     for i in "${!hosts[@]}"; do
       echo "node $i of $nodes (${hosts[$i]}):"

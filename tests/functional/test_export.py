@@ -53,6 +53,8 @@ initialize_parallel(hf, parallel=cfg.parallel, model=cfg.model, seed=0)
 chunks = build_model(hf, model=cfg.model, parallel=cfg.parallel)
 load_checkpoint(latest_checkpoint("{run / 'checkpoints'}"), model=chunks, load_rng=False)
 torch.save(megatron_logits(chunks, torch.load("{out}.ids"), None), "{out}")
+from megatron_dapo.policy.parallel import destroy_parallel
+destroy_parallel()  # gloo left alive can abort the interpreter at exit
 """
     torch.save(ids, f"{out}.ids")
     _ok([sys.executable, "-c", code])

@@ -18,7 +18,8 @@ from pathlib import Path
 PKG = Path(__file__).resolve().parents[2] / "megatron_dapo"
 FREE = ["algo", "reward", "data", "collect", "rollout", "rollout.engine", "rollout.placement", "rollout.hf_engine",
         "rollout.vllm_engine", "rollout.weight_sync", "convert", "eval", "eval_metrics", "config",
-        "config_loading", "metrics_log", "errors", "run_lock", "preemption", "quiet", "plotting", "toy",
+        "config_loading", "metrics_log", "errors", "run_lock", "preemption", "quiet", "plotting", "toy", "plan", "layout",
+        "data.prepare", "policy.run_export",
         "toy.task", "toy.tokenizer", "toy.base", "toy.bootstrap"]
 MAIN_PATH = ["cli", "setup", "train", "eval", "collect", "policy.actor", "policy.checkpoint", "rollout.placement"]
 DEMO_GATES = {"setup.py"}  # the one module that reaches the demo (under toy.enable)

@@ -43,7 +43,7 @@ def test_sbatch_dry_run_checks_the_layout_and_prints_every_node(recipe):
     out = _dry(recipe / "train.sbatch")
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
-    assert f"layout at world size {nodes * 8}: TP" in out.stdout
+    assert f"layout at world size {nodes * 8}: TP" in out.stdout and "of 80 GB per GPU" in out.stdout
     conf = re.search(r"^RECIPE=(\S+)$", (recipe / "recipe.env").read_text(), re.M).group(1)
     commands = [line for line in lines if line.startswith("torchrun ")]
     assert len(commands) == nodes and len(set(commands)) == 1  # c10d assigns the node ranks
@@ -54,13 +54,17 @@ def test_sbatch_dry_run_checks_the_layout_and_prints_every_node(recipe):
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.name)
 def test_single_node_train_eval_and_convert_dry_runs(recipe):
+    if recipe.name == "qwen2.5-32b":  # TP 8 x PP 1 x DP 1: the plan refuses training on one node
+        refused = _dry(recipe / "run.sh", "train")
+        assert refused.returncode == 2 and "GB per GPU while generating" in refused.stderr, refused.stderr
+        evaluation = _dry(recipe / "run.sh", "eval")
+        assert evaluation.returncode == 0 and "TP 8 x PP 1 x CP 1 x DP 1" in evaluation.stdout, evaluation.stderr
+        return
     train = _dry(recipe / "run.sh", "train", "rollout.n=8")
     assert train.returncode == 0, train.stderr
     assert "layout at world size 8:" in train.stdout and "8 responses per prompt" in train.stdout
     assert "torchrun --standalone --nproc-per-node 8 -m megatron_dapo.cli train" in train.stdout
-    assert train.stdout.rstrip().endswith("rollout.n=8")
-    if recipe.name == "qwen2.5-32b":  # TP 8 x PP 2 needs 16 GPUs: one node runs PP 1
-        assert "TP 8 x PP 1 x CP 1 x DP 1" in train.stdout and "parallel.pipeline_model_parallel_size=1" in train.stdout
+    assert train.stdout.rstrip().endswith("rollout.n=8") and "per-GPU memory" in train.stdout
     evaluation = _dry(recipe / "run.sh", "eval")
     assert "megatron_dapo.cli eval" in evaluation.stdout and "aime-2024.parquet" in evaluation.stdout
     convert = _dry(recipe / "run.sh", "convert")
