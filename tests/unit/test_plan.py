@@ -52,7 +52,7 @@ def _megatron_formula():
     finally:
         for k, v in saved.items():
             sys.modules.pop(k) if v is None else sys.modules.__setitem__(k, v)
-    return module.compute_weight_and_optimizer_memory
+    return module
 
 
 @pytest.mark.parametrize("distributed", [True, False])
@@ -65,10 +65,25 @@ def test_trainer_state_equals_megatrons_formula_for_the_paper_layout(distributed
         untie_embeddings_and_output_weights=True, moe_latent_size=None, add_bias_linear=False, moe_router_topk=None,
         expert_tensor_parallel_size=1, expert_model_parallel_size=1, pipeline_model_parallel_size=2, world_size=128,
         tensor_model_parallel_size=8, data_parallel_size=8, use_distributed_optimizer=distributed)
-    theirs = _megatron_formula()(args)
+    theirs = _megatron_formula().compute_weight_and_optimizer_memory(args)
     cfg = load_config(PAPER, [f"parallel.use_distributed_optimizer={str(distributed).lower()}"])
     ours = sum(list(plan(cfg, hf, 128).items.values())[:3])
     assert ours == pytest.approx(theirs, rel=1e-3)  # megatron's formula leaves out the QKV biases
+
+
+def test_activations_equal_megatrons_formula_with_selective_recompute():
+    """megatron's compute_activation_memory (sequence parallel, selective recompute) at the paper's
+    layout with our token budget as its sequence: the same per-layer term, every layer's worth in
+    flight on the first stage; megatron adds small embedding-side terms."""
+    hf = QWEN25_CONFIGS["32B"]
+    cfg = load_config(PAPER, ["model.recompute=selective"])
+    tokens = cfg.train.max_tokens_per_micro_batch
+    args = SimpleNamespace(seq_length=tokens, micro_batch_size=1, hidden_size=5120, ffn_hidden_size=27648, num_layers=64,
+                           pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=None,
+                           tensor_model_parallel_size=8, padded_vocab_size=152064)
+    theirs = _megatron_formula().compute_activation_memory(args, num_microbatches=16)
+    ours = next(v for k, v in plan(cfg, hf, 128).items.items() if k.startswith("activations"))
+    assert ours == pytest.approx(theirs, rel=0.01)
 
 
 def test_the_paper_layout_fits_and_an_oversized_one_is_refused_naming_the_knob(capsys):
