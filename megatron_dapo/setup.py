@@ -71,6 +71,7 @@ def setup_run(cfg: DAPOConfig, *, lock: bool = True, done: Callable[[dict], bool
     the run is finished; then nothing is built (``Run.actor`` is None) and only ``state`` is set."""
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     check_rollout(cfg, world)
+    check_model(cfg)
     if cfg.num_threads:
         import torch
 
@@ -197,6 +198,20 @@ def _build(cfg: DAPOConfig, rank: int, world: int, run_dir: Path, ckpt_dir: Path
 
 def _fields(inputs: Inputs) -> dict:
     return {f.name: getattr(inputs, f.name) for f in dataclasses.fields(Inputs)}
+
+
+def check_model(cfg: DAPOConfig) -> None:
+    """The model settings this machine cannot run (FP8 or the TE spec without CUDA / TE), before
+    anything is written; a ConfigError, which the CLI prints as one line."""
+    import torch
+
+    from megatron_dapo.config_loading import ConfigError
+    from megatron_dapo.policy.model import resolve_runtime
+
+    try:
+        resolve_runtime(cfg.model, torch.cuda.is_available())
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def check_rollout(cfg: DAPOConfig, world_size: int) -> None:

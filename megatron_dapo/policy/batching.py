@@ -96,15 +96,28 @@ class MicroBatch:
         return self.input_ids.numel()
 
 
+FP8_ALIGN = 16
+"""Transformer Engine's FP8 GEMMs need the token rows of each GEMM (the product of all dimensions
+but the last) divisible by 8 and megatron-core aligns them to 16 (fp8_utils.get_fp8_align_size; 32
+only for MXFP8, which is not offered here). Hidden and FFN sizes are the other GEMM dimension and
+are multiples of 16 in every Qwen2.5 shape."""
+
+
 def pad_multiple(*, tensor_parallel: int = 1, sequence_parallel: bool = False, context_parallel: int = 1,
-                 base: int = 1) -> int:
+                 base: int = 1, fp8: bool = False) -> int:
     """The multiple every padded length must be: sequence parallelism splits the sequence over TP
-    ranks, context parallelism into 2 x CP load-balanced chunks; ``base`` e.g. for kernels."""
+    ranks, context parallelism into 2 x CP load-balanced chunks; ``base`` e.g. for kernels. With
+    ``fp8`` each rank's share of the sequence (s / TP under sequence parallelism, / CP) is itself a
+    multiple of FP8_ALIGN, so a GEMM's rows (share x rows of the micro-batch) are, whatever the
+    number of rows."""
     multiple = base
     if sequence_parallel:
         multiple = math.lcm(multiple, tensor_parallel)
     if context_parallel > 1:
         multiple = math.lcm(multiple, 2 * context_parallel)
+    if fp8:
+        shards = (tensor_parallel if sequence_parallel else 1) * context_parallel
+        multiple = math.lcm(multiple, FP8_ALIGN * shards)
     return multiple
 
 

@@ -41,7 +41,11 @@ import torch.distributed as dist
 from megatron_dapo.algo import get_policy_loss_fn
 from megatron_dapo.config import DAPOConfig
 from megatron_dapo.policy.batching import (
-    MicroBatch, Sample, make_micro_batches, pad_multiple, unpack_responses,
+    MicroBatch,
+    Sample,
+    make_micro_batches,
+    pad_multiple,
+    unpack_responses,
 )
 from megatron_dapo.policy.logprobs import logprobs_output_processor
 from megatron_dapo.policy.optimizer import current_lr
@@ -77,7 +81,8 @@ class StepSettings:
                    micro_batch_size=cfg.train.micro_batch_size,
                    pad_multiple=pad_multiple(tensor_parallel=p.tensor_model_parallel_size,
                                              sequence_parallel=p.sequence_parallel,
-                                             context_parallel=p.context_parallel_size))
+                                             context_parallel=p.context_parallel_size,
+                                             fp8=cfg.model.fp8 is not None))
 
     def policy_loss_fn(self):
         # tis_cap only when set: a loss without TIS support then still works with TIS off.

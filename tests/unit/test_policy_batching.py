@@ -13,7 +13,12 @@ import pytest
 import torch
 
 from megatron_dapo.policy.batching import (
-    Sample, build_micro_batch, make_micro_batches, pad_multiple, plan_micro_batches, split_for_data_parallel,
+    Sample,
+    build_micro_batch,
+    make_micro_batches,
+    pad_multiple,
+    plan_micro_batches,
+    split_for_data_parallel,
     unpack_responses,
 )
 
@@ -165,3 +170,32 @@ def test_rollout_log_probs_follow_the_old_ones():
         assert all(torch.equal(m.rollout_log_probs, m.old_log_probs) for m in mbs)
         back = unpack_responses([m.rollout_log_probs for m in mbs], mbs, len(xs))
         assert all(torch.equal(v, x.rollout_log_probs) for v, x in zip(back, xs))
+
+
+@pytest.mark.parametrize("tp,sp,cp", [(1, False, 1), (2, True, 1), (4, True, 1), (8, True, 1), (4, False, 1), (2, True, 2)])
+def test_fp8_padding_gives_every_gemm_rows_divisible_by_16_on_variable_length_batches(tp, sp, cp):
+    """Real RL micro-batches: variable lengths, token-budget packing, any number of rows. Each rank's
+    GEMM input is [s / (TP if SP) / CP, b, h]; TE needs its rows (all dims but the last) % 16 == 0."""
+    g = torch.Generator().manual_seed(tp * 10 + cp)
+    samples = [Sample(prompt_ids=torch.ones(int(torch.randint(3, 40, (1,), generator=g))),
+                      response_ids=torch.ones(int(torch.randint(1, 300, (1,), generator=g)))) for _ in range(64)]
+    multiple = pad_multiple(tensor_parallel=tp, sequence_parallel=sp, context_parallel=cp, fp8=True)
+    mbs = make_micro_batches(samples, max_tokens=4096, micro_batch_size=1, multiple=multiple)
+    assert len(mbs) > 3 and len({mb.input_ids.shape[1] for mb in mbs}) > 1  # really variable
+    for mb in mbs:
+        b, s = mb.input_ids.shape
+        share = s // ((tp if sp else 1) * cp)
+        assert s % ((tp if sp else 1) * cp) == 0 and (share * b) % 16 == 0 and share % 16 == 0, (b, s)
+    # without the FP8 term the same batches would break the rule
+    plain = make_micro_batches(samples, max_tokens=4096, micro_batch_size=1,
+                               multiple=pad_multiple(tensor_parallel=tp, sequence_parallel=sp, context_parallel=cp))
+    assert any((mb.input_ids.shape[1] // ((tp if sp else 1) * cp) * mb.input_ids.shape[0]) % 16 for mb in plain)
+
+
+def test_fp8_on_cpu_is_refused_in_one_line(tmp_path, capsys):
+    from megatron_dapo import cli
+
+    rc = cli.main(["train", "--config", "conf/cpu_tiny.yaml", f"logging.dir={tmp_path / 'run'}", "model.fp8=e4m3"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "model.fp8" in err and "Traceback" not in err, err
+    assert not (tmp_path / "run").exists()
