@@ -99,6 +99,14 @@ def all_gather_rows(local: torch.Tensor, group) -> torch.Tensor:
     return torch.stack(gathered)
 
 
+def shutdown_distributed() -> None:
+    """The end of a process that ran megatron (the conversion CLIs): tear its groups down. Left
+    alive, gloo can abort the interpreter at exit ("terminate called without an active exception",
+    exit -6), after all the work succeeded."""
+    if dist.is_initialized():
+        destroy_parallel()
+
+
 def destroy_parallel(process_group: bool = True) -> None:
     """Tear down megatron's groups and, unless told not to, the process group (gloo can abort at
     interpreter exit when it is left alive)."""

@@ -43,4 +43,8 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    from megatron_dapo.policy.parallel import shutdown_distributed
+
+    shutdown_distributed()  # gloo left alive can abort the interpreter at exit
+    sys.exit(code)
