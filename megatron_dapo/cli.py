@@ -20,9 +20,9 @@ def cmd_config(args: argparse.Namespace) -> int:
         return 0
     cfg = load_config(args.config, args.overrides)
     if args.world_size:
-        from megatron_dapo.layout import describe_layout
+        from megatron_dapo.layout import describe_layout, model_shape
 
-        print(describe_layout(cfg, args.world_size, shape=args.shape))
+        print(describe_layout(cfg, args.world_size, *model_shape(cfg, args.shape)))
         return 0
     sys.stdout.write(dump_yaml(cfg))
     return 0
@@ -48,8 +48,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config, args.overrides)
     world = args.world_size or int(os.environ.get("WORLD_SIZE", 1))
-    print(describe_layout(cfg, world, shape=args.shape))
-    result = plan(cfg, model_shape(cfg, args.shape)[0], world, capacity_gb=args.gpu_memory_gb, mfu=args.mfu)
+    hf_config, source = model_shape(cfg, args.shape)  # read once: the layout and the plan share it
+    print(describe_layout(cfg, world, hf_config, source))
+    result = plan(cfg, hf_config, world, capacity_gb=args.gpu_memory_gb, mfu=args.mfu)
     print(result.format(), flush=True)
     check_fits(result, cfg)
     return 0

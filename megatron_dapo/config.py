@@ -11,6 +11,7 @@ Deviations are noted on the field.
 """
 
 from dataclasses import dataclass, field, fields, is_dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 
@@ -328,6 +329,11 @@ class DAPOConfig:
     @property
     def updates_per_step(self) -> int:
         return self.data.prompts_per_step // self.train.mini_batch_prompts * self.train.ppo_epochs
+
+    @property
+    def checkpoint_root(self) -> Path:
+        """Where the run's checkpoints live: checkpoint.dir, else <logging.dir>/checkpoints."""
+        return Path(self.checkpoint.dir) if self.checkpoint.dir else Path(self.logging.dir) / "checkpoints"
 
 
 def _validate_cross_section(cfg: DAPOConfig) -> None:

@@ -32,13 +32,13 @@ def model_shape(cfg: DAPOConfig, shape: str | None = None) -> tuple[dict, str]:
     return json.loads(path.read_text()), str(path)
 
 
-def describe_layout(cfg: DAPOConfig, world_size: int, *, shape: str | None = None, on_gpu: bool = True) -> str:
-    """The layout's lines (see module docstring); InputError when it cannot run at ``world_size``."""
+def describe_layout(cfg: DAPOConfig, world_size: int, hf_config: dict, source: str, *, on_gpu: bool = True) -> str:
+    """The layout's lines (see module docstring) for the model ``model_shape`` returned
+    (``hf_config`` from ``source``); InputError when it cannot run at ``world_size``."""
     from megatron_dapo.config_loading import ConfigError
     from megatron_dapo.policy.parallel import validate_parallel
     from megatron_dapo.rollout.placement import replica_layout
 
-    hf_config, source = model_shape(cfg, shape)
     p, d, t = cfg.parallel, cfg.data, cfg.train
     try:
         sizes = validate_parallel(hf_config, parallel=p, model=cfg.model, world_size=world_size, on_gpu=on_gpu,

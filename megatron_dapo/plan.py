@@ -69,16 +69,28 @@ def count_parameters(hf: dict, *, tp: int, pp: int, padded_vocab: int) -> Shard:
 
 @dataclass(frozen=True)
 class Plan:
-    items: dict[str, float]  # name -> bytes on the most loaded rank
-    generating_gb: float
-    training_gb: float
+    parts: dict[str, float]  # part -> bytes on the most loaded rank (keys: see ``plan``)
+    labels: dict[str, str]  # part -> what the printed table calls it
     capacity_gb: float
     tokens_per_step: float
     step_s: float
     notes: list[str] = dataclasses.field(default_factory=list)
 
+    @property
+    def state(self) -> float:
+        """The trainer's resident state: weights, gradients, optimizer."""
+        return self.parts["weights"] + self.parts["gradients"] + self.parts["optimizer"]
+
+    @property
+    def generating_gb(self) -> float:
+        return (self.state + self.parts["vllm_generating"]) / GB
+
+    @property
+    def training_gb(self) -> float:
+        return (self.state + self.parts["activations"] + self.parts["logprob_chunks"] + self.parts["vllm_asleep"]) / GB
+
     def format(self) -> str:
-        lines = [f"  {name:<72} {size / GB:8.2f} GB" for name, size in self.items.items()]
+        lines = [f"  {self.labels[k]:<72} {size / GB:8.2f} GB" for k, size in self.parts.items()]
         lines.append(f"  {'peak while generating (state + vLLM share)':<72} {self.generating_gb:8.2f} GB")
         lines.append(f"  {'peak while training (state + activations + ...)':<72} {self.training_gb:8.2f} GB")
         lines.append(f"  of {self.capacity_gb:.0f} GB per GPU; {self.tokens_per_step / 1e6:.1f}M tokens per step; "
@@ -89,6 +101,7 @@ class Plan:
 def plan(cfg: DAPOConfig, hf: dict, world_size: int, *, capacity_gb: float = 80.0, mfu: float = 0.3,
          peak_tflops: float = 989.0, mean_response_fraction: float = 0.5, on_gpu: bool = True) -> Plan:
     """The plan of ``cfg`` at ``world_size``; ``peak_tflops``: dense bf16 of one GPU (H100/H200: 989)."""
+    from megatron_dapo.policy.logprobs import DEFAULT_CHUNK_BYTES
     from megatron_dapo.policy.model import padded_vocab_size, resolve_runtime
 
     p, t, r = cfg.parallel, cfg.train, cfg.rollout
@@ -108,25 +121,24 @@ def plan(cfg: DAPOConfig, hf: dict, world_size: int, *, capacity_gb: float = 80.
     else:
         activations = layers * per_layer
     activations *= pp  # micro-batches in flight on the first stage (1F1B)
-    items = {
-        f"weights ({'bf16' if bf16 else 'fp32'}, {shard.on_rank / 1e9:.2f}B params on this rank)":
-            shard.on_rank * (2 if bf16 else 4),
-        "gradients (fp32)": shard.on_rank * 4,
-        f"optimizer ({'fp32 master + ' if bf16 else ''}Adam m, v; "
-        f"{'distributed over DP ' + str(dp) if p.use_distributed_optimizer else 'not distributed'})":
-            shard.on_rank * optimizer_bytes / (dp if p.use_distributed_optimizer else 1),
-        f"(optimizer {'without' if p.use_distributed_optimizer else 'with'} the distributed optimizer)":
-            shard.on_rank * optimizer_bytes / (1 if p.use_distributed_optimizer else dp),
-        f"activations ({tokens} tokens/micro-batch, recompute {cfg.model.recompute}, x{pp} in flight)": activations,
-        "log-prob chunks (fp32 logits, logprobs.py)": LOGPROB_CHUNKS_ALIVE * 64 * 2**20,
-        f"vLLM while generating (gpu_memory_utilization {r.gpu_memory_utilization})":
-            r.gpu_memory_utilization * capacity_gb * GB if r.engine == "vllm" else 0.0,
-        "vLLM asleep (what sleep leaves)": SLEEP_RESIDUE_GB * GB if r.engine == "vllm" else 0.0,
+    vllm = r.engine == "vllm"
+    other_optimizer = "without" if p.use_distributed_optimizer else "with"
+    rows = {  # part: (label, bytes)
+        "weights": (f"weights ({'bf16' if bf16 else 'fp32'}, {shard.on_rank / 1e9:.2f}B params on this rank)",
+                    shard.on_rank * (2 if bf16 else 4)),
+        "gradients": ("gradients (fp32)", shard.on_rank * 4),
+        "optimizer": (f"optimizer ({'fp32 master + ' if bf16 else ''}Adam m, v; "
+                      f"{'distributed over DP ' + str(dp) if p.use_distributed_optimizer else 'not distributed'})",
+                      shard.on_rank * optimizer_bytes / (dp if p.use_distributed_optimizer else 1)),
+        "optimizer_other": (f"(optimizer {other_optimizer} the distributed optimizer)",
+                            shard.on_rank * optimizer_bytes / (1 if p.use_distributed_optimizer else dp)),
+        "activations": (f"activations ({tokens} tokens/micro-batch, recompute {cfg.model.recompute}, x{pp} in flight)",
+                        activations),
+        "logprob_chunks": ("log-prob chunks (fp32 logits, logprobs.py)", LOGPROB_CHUNKS_ALIVE * DEFAULT_CHUNK_BYTES),
+        "vllm_generating": (f"vLLM while generating (gpu_memory_utilization {r.gpu_memory_utilization})",
+                            r.gpu_memory_utilization * capacity_gb * GB if vllm else 0.0),
+        "vllm_asleep": ("vLLM asleep (what sleep leaves)", SLEEP_RESIDUE_GB * GB if vllm else 0.0),
     }
-    values = list(items.values())
-    state = sum(values[:3])
-    generating = (state + values[6]) / GB
-    training = (state + values[4] + values[5] + values[7]) / GB
     prompts = cfg.data.gen_prompts_per_batch if cfg.algorithm.filter_groups.enable else cfg.data.prompts_per_step
     generated = prompts * r.n * r.max_response_length * mean_response_fraction
     trained = cfg.data.prompts_per_step * r.n * (cfg.data.max_prompt_length / 2 + r.max_response_length * mean_response_fraction)
@@ -136,7 +148,8 @@ def plan(cfg: DAPOConfig, hf: dict, world_size: int, *, capacity_gb: float = 80.
     notes = [f"  assumptions: responses average {mean_response_fraction:.0%} of rollout.max_response_length and "
              f"prompts half of data.max_prompt_length; MFU {mfu:.0%} of {peak_tflops:.0f} TFLOP/s; the generation "
              f"batch is {prompts} prompts (a step with dynamic sampling may draw more)"]
-    return Plan(items, generating, training, capacity_gb, trained, step_s, notes)
+    return Plan({k: v for k, (_, v) in rows.items()}, {k: label for k, (label, _) in rows.items()}, capacity_gb,
+                trained, step_s, notes)
 
 
 def check_fits(result: Plan, cfg: DAPOConfig) -> None:
@@ -144,11 +157,11 @@ def check_fits(result: Plan, cfg: DAPOConfig) -> None:
     worst = max(result.generating_gb, result.training_gb)
     if worst <= result.capacity_gb:
         return
-    items = list(result.items.values())
+    parts = result.parts
     if result.generating_gb >= result.training_gb:
         fix = (f"lower rollout.gpu_memory_utilization={cfg.rollout.gpu_memory_utilization} (the trainer's state "
                f"stays resident while vLLM generates)")
-    elif items[4] >= max(items[0], items[2]):
+    elif parts["activations"] >= max(parts["weights"], parts["optimizer"]):
         fix = "set model.recompute=full or lower train.max_tokens_per_micro_batch"
     elif not cfg.parallel.use_distributed_optimizer:
         fix = "set parallel.use_distributed_optimizer=true"

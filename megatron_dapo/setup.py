@@ -79,7 +79,7 @@ def setup_run(cfg: DAPOConfig, *, lock: bool = True, done: Callable[[dict], bool
         # barriers made the toy warm-up 10-20x slower (262 s vs 13-18 s measured at 1 thread).
         torch.set_num_threads(cfg.num_threads)
     run_dir = Path(cfg.logging.dir)
-    ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
+    ckpt_dir = cfg.checkpoint_root
     if cfg.toy.enable:  # fail fast: its inputs are made below, after the lock
         from megatron_dapo.toy import bootstrap as toy
 

@@ -50,7 +50,7 @@ def train(cfg: DAPOConfig, stop: StopRequest | None = None) -> TrainResult:
     stop = StopRequest().install() if own else stop
     run = None
     try:
-        run = setup_run(cfg, done=lambda state: _finished(cfg, state))
+        run = setup_run(cfg, done=lambda state: _finished(cfg, state["step"], state.get("responses_generated", 0)))
         if run.actor is None:  # nothing was built: the checkpoint it would resume from ends the run
             return TrainResult(final_eval=_last_eval(run.dir), step=run.state["step"], already_complete=True)
         return _train(run, cfg, stop)
@@ -112,8 +112,9 @@ def _loop(run: Run, cfg: DAPOConfig, stop: StopRequest, dyn: DynamicSampler, log
             groups, ds_metrics = dyn.pop()
         placement.sleep()  # the engine's memory goes to the trainer until the next sync
         generated += int(ds_metrics["dynamic_sampling/num_groups_generated"]) * cfg.rollout.n
-        finished = step + 1 == cfg.train.total_steps or _spent(cfg, generated)
-        metrics.update(ds_metrics | rollout_metrics(groups), **{"rollout/responses_generated_total": generated})
+        finished = _finished(cfg, step + 1, generated)
+        metrics.update(ds_metrics | rollout_metrics(groups))
+        metrics["rollout/responses_generated_total"] = generated
         samples = to_samples(groups, cfg)
 
         with log.timer("old_log_probs"):
@@ -160,13 +161,10 @@ def _save(run: Run, dyn: DynamicSampler, step: int, generated: int) -> None:
                                                   "held_groups": held, "responses_generated": generated})
 
 
-def _finished(cfg: DAPOConfig, state: dict) -> bool:
-    """A run whose checkpoint holds this trainer state has nothing left to do."""
-    return state["step"] >= cfg.train.total_steps or _spent(cfg, state.get("responses_generated", 0))
-
-
-def _spent(cfg: DAPOConfig, generated: int) -> bool:
-    return 0 < cfg.train.generation_budget <= generated
+def _finished(cfg: DAPOConfig, steps: int, generated: int) -> bool:
+    """Nothing left to do after ``steps`` steps and ``generated`` responses: train.total_steps
+    reached, or the generation budget spent."""
+    return steps >= cfg.train.total_steps or 0 < cfg.train.generation_budget <= generated
 
 
 def _latest(run: Run) -> Path | None:

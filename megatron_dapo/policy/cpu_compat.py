@@ -11,10 +11,8 @@ stream simply become the CPU ones.
 
 ``PATCHES`` is the registry. Each entry names the megatron call that needs it (``why``), the error
 that call raises without it (``expect``), an ``apply`` and a ``probe`` that runs that call.
-Checks, each in a fresh interpreter that runs this file (so that nothing is applied beforehand): ``python megatron_dapo/policy/cpu_compat.py --all`` applies all patches and runs
-every probe (ENOUGH), then undoes each run-time patch in turn and expects its probe to fail with
-``expect`` (NEEDED); ``... cpu_compat.py NAME`` applies all but NAME first (NEEDED, for the two
-import-time patches, which cannot be undone).
+The checks that every patch is NEEDED and that they are ENOUGH live in cpu_compat_check.py, each
+run in a fresh interpreter.
 
 Side effects in CPU mode, by design: torch.cuda.manual_seed seeds the CPU generator, CUDA device
 specs given to torch factories / Tensor.to / Tensor.cuda silently mean the CPU, and Tensor.type()
@@ -447,57 +445,3 @@ def require_cpu_compat() -> None:
                            "megatron_dapo.policy.cpu_compat.apply_cpu_compat() once, before megatron.core "
                            "is imported (the CLI, setup_run and the converter do)")
 
-
-def _expect_failure(patch: Patch) -> str:
-    try:
-        patch.probe()
-    except Exception as e:  # noqa: BLE001 (any failure is the answer)
-        message = f"{type(e).__name__}: {e}"
-        assert patch.expect in message, f"{patch.name}: probe failed differently: {message}"
-        return message
-    raise AssertionError(f"{patch.name}: probe passed without the patch; the patch may be obsolete")
-
-
-def check_needed(name: str) -> str:
-    """Fresh process only: apply all patches but ``name`` and run its probe. Returns the error
-    message when it fails as ``expect`` says; raises AssertionError otherwise."""
-    patch = PATCHES[name]
-    try:
-        apply_cpu_compat(skip=[name])
-    except Exception as e:  # noqa: BLE001 (an import-time patch: the import itself fails)
-        message = f"{type(e).__name__}: {e}"
-        assert patch.expect in message, f"{name}: failed differently: {message}"
-        return message
-    return _expect_failure(patch)
-
-
-def check_all() -> dict[str, str]:
-    """Fresh process only: apply everything and run every probe (ENOUGH); then undo each
-    run-time patch in turn, expect its probe to fail (NEEDED) and re-apply it. The import-time
-    patches cannot be undone; check them with check_needed in their own processes.
-    Returns {patch name: the failure without it}."""
-    apply_cpu_compat()
-    for patch in PATCHES.values():
-        patch.probe()
-    needed = {}
-    for name, patch in PATCHES.items():
-        if name in _IMPORT_TIME:
-            continue
-        _undo(name)
-        try:
-            needed[name] = _expect_failure(patch)
-        finally:
-            _apply(patch)
-    for patch in PATCHES.values():  # and everything still works after the re-applies
-        patch.probe()
-    return needed
-
-
-if __name__ == "__main__":
-    # Run as a file, not as part of the package, so that nothing is patched beforehand.
-    import json
-    target = sys.argv[1]
-    if target == "--all":
-        print("ENOUGH+NEEDED " + json.dumps(check_all()))
-    else:
-        print(f"NEEDED: {check_needed(target)}")

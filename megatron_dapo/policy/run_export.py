@@ -26,7 +26,7 @@ def run_checkpoint(cfg: DAPOConfig, step: int | None = None) -> Path:
     """The run's newest intact checkpoint, or the one of ``step``; InputError naming what exists."""
     from megatron_dapo.policy.checkpoint import checkpoint_name, damage, latest_checkpoint, list_checkpoints
 
-    root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else Path(cfg.logging.dir) / "checkpoints"
+    root = cfg.checkpoint_root
     if step is None:
         path = latest_checkpoint(root)
         if path is None:

@@ -85,7 +85,7 @@ def _fast_prompt_ids(tokenizer, questions: list[str]) -> list[list[int]]:
 def warmup_batch(tokenizer, rng: random.Random, cfg: ToyConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """input_ids [B, S] and labels [B, S] (-100 outside the response) with random answers."""
     im_end = tokenizer.convert_tokens_to_ids(toy_tokenizer.IM_END)
-    problems = [toy_task.sample_problem(rng, cfg.num_digits, cfg.min_digits or None)[0] for _ in range(cfg.warmup_batch_size)]
+    problems = [toy_task.sample_problem(rng, cfg.num_digits, cfg.min_digits)[0] for _ in range(cfg.warmup_batch_size)]
     prompts = _fast_prompt_ids(tokenizer, [toy_task.format_question(d) for d in problems])
     # Uniform answers, independent of the question: the base must learn the format, not the task.
     responses = [toy_task.format_response(d, rng.randrange(10), reasoning=rng.random() < cfg.reasoning_prob)
@@ -204,11 +204,11 @@ def main(argv: list[str] | None = None) -> None:
     cfg = ToyConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ToyConfig)
                        if f.name not in _CLI_SKIP})
     _, val = toy_task.make_splits(seed=args.seed, num_train=cfg.num_train, num_val=cfg.num_val,
-                                  num_digits=cfg.num_digits, min_digits=cfg.min_digits or None)
+                                  num_digits=cfg.num_digits, min_digits=cfg.min_digits)
     if args.data:
         paths = toy_task.write_toy_dataset(args.data, seed=args.seed, num_train=cfg.num_train,
                                            num_val=cfg.num_val, num_digits=cfg.num_digits,
-                                           min_digits=cfg.min_digits or None)
+                                           min_digits=cfg.min_digits)
         print("\n".join(map(str, paths)))
     out = make_toy_base(args.out, seed=args.seed, cfg=cfg, eval_rows=val, log_every=25)
     print((out / "warmup.json").read_text())

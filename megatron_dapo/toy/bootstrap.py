@@ -72,7 +72,7 @@ def _make(cfg: DAPOConfig, data_dir: Path, hf_path: Path) -> None:
     t = cfg.toy
     logger.info("toy task: writing data to %s and warming up the base model in %s", data_dir, hf_path)
     train, val = task.make_splits(seed=cfg.seed, num_train=t.num_train, num_val=t.num_val, num_digits=t.num_digits,
-                                  min_digits=t.min_digits or None)
+                                  min_digits=t.min_digits)
     task.write_parquet(train, data_dir / "train.parquet")
     task.write_parquet(val, data_dir / "val.parquet")
     make_toy_base(hf_path, seed=cfg.seed, cfg=t, eval_rows=val)

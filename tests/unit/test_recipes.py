@@ -87,10 +87,10 @@ def test_the_paper_layout_by_hand():
     """Qwen2.5-32B at 16 x 8: DP = 128 / (8 x 2) = 8; 64 layers / PP 2 = 32 per stage; vLLM TP 4 ->
     32 replicas; a 32-prompt x 16-response update over DP 8 = 64 responses per rank."""
     from megatron_dapo.config_loading import load_config
-    from megatron_dapo.layout import describe_layout
+    from megatron_dapo.layout import describe_layout, model_shape
 
     cfg = load_config(ROOT / "conf/recipes/dapo-qwen2.5-32b-math-16n8g-tp8pp2.v1.yaml")
-    text = describe_layout(cfg, 128, shape="32B")
+    text = describe_layout(cfg, 128, *model_shape(cfg, "32B"))
     assert "TP 8 x PP 2 x CP 1 x DP 8; 32 layers per pipeline chunk" in text
     assert "32 engine replica(s) of rollout TP 4" in text and "(64 responses per DP rank)" in text
     assert "vocabulary 152064 (padded to 152064)" in text  # 152064 = 128 x 1188: no padding at TP 8
