@@ -259,6 +259,13 @@ def build_model(hf_config, *, model: ModelConfig, parallel: ParallelConfig,
             rotary_base=arch.rope_theta,
             vp_stage=stage,
         ))
+    if not config.use_cpu_initialization:
+        # megatron's parallel layers are born on the GPU, but not every module is (the local spec's
+        # torch RMSNorm, rotary buffers): move the rest, as megatron-training's get_model does.
+        # Found on the first GPU run (tools/gpu_smoke.sh): without it the norms stayed on the CPU.
+        import torch
+
+        chunks = [chunk.cuda(torch.cuda.current_device()) for chunk in chunks]
     return chunks
 
 

@@ -13,7 +13,7 @@ per-tensor e4m3 rounding of every transformer-layer GEMM's input and weight, sca
 scaling's first step and amax-based as tensorwise): see the constants below.
 """
 
-import os
+import importlib.util
 import socket
 
 import pytest
@@ -32,6 +32,8 @@ from tests.distributed.harness import VOCAB, tiny_hf_config
 from tests.unit.test_policy_model import hf_to_megatron
 
 pytestmark = pytest.mark.gpu
+requires_te = pytest.mark.skipif(importlib.util.find_spec("transformer_engine") is None,
+                                 reason="Transformer Engine is not installed (it comes with the NGC container)")
 ONE = ParallelConfig()
 LOCAL_TO_TE = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
                "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
@@ -120,6 +122,7 @@ def grad_errors(model, reference: dict) -> dict:
             for n, p in model.named_parameters()}
 
 
+@requires_te
 def test_te_spec_bf16_builds_and_runs(world_of_one):
     hf, model_cfg = tiny_hf_config(), ModelConfig(make_vocab_size_divisible_by=8)  # auto: TE + bf16
     world_of_one(hf, model_cfg)
@@ -147,6 +150,7 @@ def test_te_spec_bf16_builds_and_runs(world_of_one):
     assert max(errors.values()) < BF16_GRAD_RTOL, errors
 
 
+@requires_te
 def test_te_spec_matches_local_spec(world_of_one):
     """Same weights, fp32, TE layers vs megatron's local layers: the same log-probs."""
     hf = tiny_hf_config()
@@ -165,6 +169,7 @@ def test_te_spec_matches_local_spec(world_of_one):
     torch.testing.assert_close(lp_te, lp_local, rtol=0, atol=2e-3)  # TF32 / fused attention round-off
 
 
+@requires_te
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
                     reason="FP8 needs Ada / Hopper or newer")
 @pytest.mark.parametrize("fp8,recipe", [("hybrid", "delayed"), ("e4m3", "tensorwise")])
@@ -191,6 +196,7 @@ def test_fp8_switch_builds_and_runs(world_of_one, fp8, recipe):
     assert per_token < FP8_LOGPROBS_MEAN_ATOL, per_token
 
 
+@requires_te
 @pytest.mark.parametrize("recompute", ["selective", "full"])
 def test_te_recompute_builds_and_runs(world_of_one, recompute):
     hf, model_cfg = tiny_hf_config(), ModelConfig(make_vocab_size_divisible_by=8, recompute=recompute)
@@ -210,6 +216,36 @@ def test_te_recompute_builds_and_runs(world_of_one, recompute):
     torch.testing.assert_close(lps[0], lps[1], rtol=0, atol=RECOMPUTE_LOGPROBS_ATOL)
     errors = grad_errors(model, {n: p.grad for n, p in plain.named_parameters()})
     assert max(errors.values()) < RECOMPUTE_GRAD_RTOL, errors
+
+
+def test_local_spec_bf16_on_cuda_matches_the_hf_twin(world_of_one):
+    """megatron's local spec (no TE: what runs on a GPU machine outside the container) in bf16 on
+    CUDA, against the fp32 HF twin: the same bounds as the TE spec."""
+    hf, model_cfg = tiny_hf_config(), ModelConfig(make_vocab_size_divisible_by=8, transformer_impl="local")
+    world_of_one(hf, model_cfg)
+    (model,) = build_model(hf, model=model_cfg, parallel=ONE)
+    # Unwrapped (no Float16Module), the local spec's torch RMSNorm keeps fp32 weights; matrices are bf16.
+    assert model.config.bf16 and all(p.is_cuda and (p.dtype == torch.bfloat16 or p.dim() == 1)
+                                     for p in model.parameters())
+    twin = hf_twin(hf)
+    state = hf_to_megatron({n: p.detach() for n, p in twin.named_parameters()}, hf_arch(hf))
+    params = dict(model.named_parameters())
+    assert set(params) == set(state), set(params) ^ set(state)
+    with torch.no_grad():
+        for name, p in params.items():
+            p.copy_(state[name])
+    ids, pos, targets = _batch()
+    ref_logits, ref_lp = twin_logprobs(twin, ids, targets)
+    logits = model(ids, pos, None)
+    lp, _ = vocab_parallel_logprobs(logits, targets, temperature=1.0, valid_vocab_size=VOCAB)
+    assert logits.dtype == torch.bfloat16 and lp.dtype == torch.float32
+    torch.testing.assert_close(logits.float(), ref_logits.detach(), rtol=0, atol=BF16_LOGITS_ATOL)
+    torch.testing.assert_close(lp.detach(), ref_lp.detach(), rtol=0, atol=BF16_LOGPROBS_ATOL)
+    lp.mean().backward()
+    ref_lp.mean().backward()
+    reference = hf_to_megatron({n: p.grad for n, p in twin.named_parameters()}, hf_arch(hf))
+    errors = grad_errors(model, reference)
+    assert max(errors.values()) < BF16_GRAD_RTOL, errors
 
 
 def test_logprobs_on_cuda_match_log_softmax():

@@ -1,0 +1,144 @@
+#!/usr/bin/env bash
+# One GPU smoke run for the day a single GPU is lent (no network there): every step time-boxed,
+# one PASS / FAIL / SKIP line each, a summary at the end; exit 1 if any step failed.
+#
+#   bash tools/gpu_smoke.sh [--python PY] [--out DIR] [--budget S] [--require te,vllm]
+#                           [--only a,b] [--box step=S ...] [--list]
+#
+# Steps (default time box in seconds; the boxes are also cut to what is left of --budget, 450 s):
+#   versions   60   python, torch, CUDA, NCCL, the GPU; each installed part must import (ABI)
+#   te-layer   60   a Transformer Engine LayerNormLinear, bf16, forward + backward vs fp32 torch
+#   loop      150   two DAPO steps of the toy in a world of one (torchrun, NCCL, bf16): TE spec
+#                   and colocated vLLM when installed, else local spec / HF engine (it says
+#                   which); engine-vs-trainer log-prob mismatch < 1.05 at every step
+#   sleep      90   vLLM sleep mode really releases device memory, wakes with the same weights
+#   fp8-step   90   an FP8 DAPO update (TE) on odd sequence lengths; loss math stays fp32
+#   gpu-tests 180   every GPU-marked test not run above, and those that run on any device
+#                   (pytest -m "gpu or anydevice")
+# Without CUDA every step but `versions` skips. A step whose part is absent (TE, vLLM) skips,
+# unless --require names it (inside container/: --require te,vllm).
+#
+# What the machine must have (nothing is downloaded): a Python >= 3.11 (--python) with a CUDA
+# torch, megatron-core 0.19.2, transformers, safetensors, tokenizers, pyarrow, pyyaml, psutil, tqdm,
+# math-verify, pytest, pytest-timeout and hypothesis; Transformer Engine and vLLM for their steps;
+# this repository as the working directory (it goes on PYTHONPATH; no install needed).
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 2
+
+PY=python3
+OUT=gpu_smoke_out
+BUDGET=450
+REQUIRE=""
+ONLY=""
+declare -A BOX=([versions]=60 [te-layer]=60 [loop]=150 [sleep]=90 [fp8-step]=90 [gpu-tests]=180)
+ORDER=(versions te-layer loop sleep fp8-step gpu-tests)
+# The pytest node ids behind the pytest steps; gpu-tests deselects them (each test runs once).
+SLEEP_TEST="tests/gpu/test_vllm_engine.py::test_sleep_releases_device_memory"
+FP8_TEST="tests/functional/test_loss_precision.py::test_fp8_update_on_odd_lengths"
+# The checks program; a test of this runner substitutes its own (tests/unit/test_gpu_smoke.py).
+CHECKS=${GPU_SMOKE_CHECKS:-tools/gpu_smoke.py}
+
+usage() { sed -n '2,/^set -uo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; }
+die() { echo "gpu_smoke.sh: $*" >&2; exit 2; }
+
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --python) PY=${2:?--python needs a value}; shift 2 ;;
+    --out) OUT=${2:?--out needs a value}; shift 2 ;;
+    --budget) BUDGET=${2:?--budget needs a value}; shift 2 ;;
+    --require) REQUIRE=${2:?--require needs a value}; shift 2 ;;
+    --only) ONLY=${2:?--only needs a value}; shift 2 ;;
+    --box)
+      spec=${2:?--box needs step=seconds}
+      name=${spec%%=*}
+      [ -n "${BOX[$name]+x}" ] || die "--box: no step '$name' (steps: ${ORDER[*]})"
+      BOX[$name]=${spec#*=}
+      shift 2 ;;
+    --list) printf '%s\n' "${ORDER[@]}"; exit 0 ;;
+    -h | --help) usage; exit 0 ;;
+    *) die "unknown argument '$1' (see --help)" ;;
+  esac
+done
+for n in "$BUDGET" "${BOX[@]}"; do
+  [[ "$n" =~ ^[1-9][0-9]*$ ]] || die "time boxes and --budget are whole seconds > 0, got '$n'"
+done
+IFS=, read -r -a only <<< "$ONLY"
+for s in "${only[@]}"; do
+  [ -n "${BOX[$s]+x}" ] || die "--only: no step '$s' (steps: ${ORDER[*]})"
+done
+command -v "$PY" > /dev/null || die "--python '$PY' is not a command"
+
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+# No network on the lent machine: never let a library try to reach a hub or send usage stats.
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
+
+has_cuda=$("$PY" -c 'import torch; print(int(torch.cuda.is_available()))' 2>/dev/null) \
+  || die "'$PY' cannot import torch"
+has_module() { "$PY" -c "import importlib.util as u, sys; sys.exit(u.find_spec('$1') is None)"; }
+required() { [[ ",$REQUIRE," == *",$1,"* ]]; }
+
+# absent PART MODULE: the line for a missing part, a failure when --require names it.
+absent() {
+  if required "$1"; then echo "FAIL: $2 is not installed, and --require names $1"; else echo "SKIP: $2 is not installed"; fi
+}
+
+# step_cmd STEP: the command of a step, or a line 'SKIP: reason' / 'FAIL: reason' when it cannot run.
+step_cmd() {
+  case "$1" in
+    versions | te-layer) echo "$PY $CHECKS $1 --require '$REQUIRE'" ;;
+    loop) echo "$PY $CHECKS loop --out '$OUT/loop' --require '$REQUIRE'" ;;
+    sleep)
+      if ! has_module vllm; then absent vllm vllm; return; fi
+      echo "$PY -m pytest -q -p no:cacheprovider $SLEEP_TEST" ;;
+    fp8-step)
+      if ! has_module transformer_engine; then absent te transformer_engine; return; fi
+      echo "$PY -m pytest -q -p no:cacheprovider $FP8_TEST" ;;
+    gpu-tests) echo "$PY -m pytest -q -p no:cacheprovider --continue-on-collection-errors -m 'gpu or anydevice' tests --deselect $SLEEP_TEST --deselect $FP8_TEST" ;;
+  esac
+}
+
+start=$(date +%s)
+declare -a summary=()
+failed=0
+for step in "${ORDER[@]}"; do
+  if [ -n "$ONLY" ] && [[ ",$ONLY," != *",$step,"* ]]; then continue; fi
+  log="$OUT/$step.log"
+  left=$(( BUDGET - ($(date +%s) - start) ))
+  box=${BOX[$step]}
+  (( box > left )) && box=$left
+  cmd=$(step_cmd "$step")
+  t0=$(date +%s)
+  if [ "$step" != versions ] && [ "$has_cuda" != 1 ]; then
+    status=SKIP detail="no CUDA device"
+  elif [[ "$cmd" == SKIP:* || "$cmd" == FAIL:* ]]; then
+    status=${cmd%%:*} detail=${cmd#*: }
+  elif (( left < 5 )); then
+    status=SKIP detail="the --budget of ${BUDGET} s is spent"
+  else
+    echo "== $step (box ${box} s): $cmd" > "$log"
+    # timeout makes its own process group and signals all of it: torchrun's workers and vLLM's
+    # engine processes go too. --kill-after: a step that ignores SIGTERM still ends.
+    timeout --kill-after=10 "$box" bash -c "$cmd" >> "$log" 2>&1
+    rc=$?
+    last=$(grep -v '^[[:space:]]*$' "$log" | tail -n 1)
+    case $rc in
+      0) status=PASS detail=$last
+         # pytest exits 0 when everything skipped: that is a skip, not a pass.
+         if [[ "$last" =~ ^[0-9]+\ skipped ]]; then status=SKIP; fi ;;
+      3) status=SKIP detail=${last#SKIP: } ;;
+      124 | 137) status=FAIL detail="timed out after ${box} s" ;;
+      *) status=FAIL detail="exit $rc: $last" ;;
+    esac
+  fi
+  secs=$(( $(date +%s) - t0 ))
+  [ "$status" = FAIL ] && failed=1
+  line=$(printf '%-4s %-9s %4d s  %s' "$status" "$step" "$secs" "$detail")
+  echo "$line"
+  summary+=("$line")
+done
+total=$(( $(date +%s) - start ))
+printf '%s\n' "${summary[@]}" > "$OUT/summary.txt"
+echo "gpu_smoke: $(grep -c '^PASS' "$OUT/summary.txt") passed, $(grep -c '^FAIL' "$OUT/summary.txt") failed," \
+  "$(grep -c '^SKIP' "$OUT/summary.txt") skipped in ${total} s; logs in $OUT/"
+exit "$failed"
