@@ -187,6 +187,28 @@ CASES = [
     (_COT + "Answer: The final answer is not $\\boxed{412}$. I hope it is correct.", "412", False,
      "boxed prose hedge: minerva phrase negated"),
     (_COT + "Answer: \\boxed{\\text{at least } 412}", "412", False, "hedge inside the box"),
+    # --- expressions evaluated exactly without sympy (reward/exact_forms.py): must be correct ---
+    (_COT + "Answer: $\\sqrt[3]{27}$", "3", True, "exact: cube root"),
+    (_COT + "Answer: $2^{-1} \\cdot 84$", "42", True, "exact: negative exponent"),
+    (_COT + "Answer: $(\\sqrt{2}+\\sqrt{3})^{2}-2\\sqrt{6}$", "5", True, "exact: square of a sum of roots"),
+    (_COT + "Answer: $\\frac{10!}{8!}$", "90", True, "exact: factorials"),
+    (_COT + "Answer: $2^{10}$", "1024", True, "exact: power of two"),
+    (_COT + "Answer: $\\frac{2}{\\sqrt{3}-1}-\\sqrt{3}$", "1", True, "exact: root in a denominator"),
+    (_COT + "Answer: $\\left(\\frac{84}{4}\\right) \\cdot 2$", "42", True, "exact: left right parentheses"),
+    (_COT + "Answer: $\\dfrac{2^{7}}{4} + 10$", "42", True, "exact: dfrac of a power"),
+    (_COT + "Answer: $\\sqrt{2}\\sqrt{8}$", "4", True, "exact: product of roots"),
+    # --- ... and incorrect; the rows from "exact: 2(3) vs 5" on were false positives of sympy alone ---
+    (_COT + "Answer: $\\sqrt{2}$", "1", False, "exact: irrational root"),
+    (_COT + "Answer: $\\sqrt{1765}$", "42", False, "exact: root of a non-square"),
+    (_COT + "Answer: $\\frac{3}{2}$", "1", False, "exact: fraction is not its floor"),
+    (_COT + "Answer: $(10^{999})^{11}$", "42", False, "exact: value over MAX_BITS bits"),
+    (_COT + "Answer: $2(3)$", "6", False, "exact: juxtaposed numbers are ambiguous"),
+    (_COT + "Answer: $2(3)$", "5", False, "exact: 2(3) vs 5 (math-verify: mixed number)"),
+    (_COT + "Answer: $(2)(3)$", "5", False, "exact: (2)(3) vs 5"),
+    (_COT + "Answer: $\\frac{6}{2}(4)$", "7", False, "exact: frac(4) vs 7"),
+    (_COT + "Answer: $2\\sqrt{2}\\sqrt{2}$", "4", False, "exact: 2 sqrt2 sqrt2 vs 4"),
+    (_COT + "Answer: $4/\\sqrt{2}\\sqrt{2}$", "2", False, "exact: a/b c vs a/(b c)"),
+    (_COT + "Answer: $\\frac{1}{\\frac{1}{0}}$", "0", False, "exact: division by zero"),
 ]
 
 # Prose that asserts nothing about the value next to it, for the property in test_reward.py: a

@@ -8,12 +8,16 @@ Deviations from verl's `math_dapo.compute_score` (docs/reference/dapo.md 2.4; ou
 paper_rule.py, the evaluation default), which compares normalised STRINGS:
 - Values, not strings: "42.0", "1,000", "042", "\\frac{84}{2}" and "2^{5}+10" all equal their
   integers. Plain numbers and integer fractions take a pure-Python fast path (Decimal or Fraction
-  compare, microseconds). Only other expressions go to math-verify's `parse` (about 3 ms), and then
-  we compare the exact sympy value: no float tolerance, and we do not call `verify`.
+  compare, microseconds). Other expressions are evaluated exactly by exact_forms.py (integers,
+  fractions, powers, square and n-th roots, binomials, factorials; tens of microseconds) in
+  math-verify's own reading, and only what that leaves goes to math-verify's `parse` (2-5 ms);
+  we compare the exact value: no float tolerance, and we do not call `verify`.
 - Tail of TAIL_CHARS=1000 characters instead of 300 (see TAIL_CHARS).
 - Zero false positives come first. Anything ambiguous is scored incorrect: lists ("3, 42"),
   hedges ("42 or 43"), relations other than "=", words that are not known units, decimals
-  inside expressions, several different boxed answers, unbalanced LaTeX, non-ASCII leftovers.
+  inside expressions, several different boxed answers, unbalanced LaTeX, non-ASCII leftovers,
+  juxtaposed rational factors ("2(3)": math-verify reads it as the mixed number 5), "a/b c"
+  (math-verify: a/(b c)), division by zero, values over exact_forms.MAX_BITS bits.
 - Words are judged by ALLOWLISTS, never lists of hedges: prose around \\boxed{} ("so the total is
   \\boxed{42}") and words before "=" ("the answer = 42") are dropped only if every word is known
   to be harmless. A blocklist fails open ("at least", "anything but", "is false": one more word to
@@ -29,13 +33,17 @@ paper_rule.py, the evaluation default), which compares normalised STRINGS:
 math-verify is called with its signal-based timeouts disabled (parsing_timeout=None). Such
 timeouts work only on the main thread. Time is bounded by RewardPool (pool.py). Expressions that
 are known to be slow for sympy (nested powers, big factorials, long literals) are rejected
-before parsing, so inline scoring is fast as well.
+before parsing, and sympy sees no power or factorial at all (exact_forms.integer_value rejects
+those it cannot evaluate), so inline scoring is fast as well: ((10^{999})^{999})^{999} passed the
+screen and hung sympy.
 """
 
 import functools
 import re
 from decimal import Decimal, InvalidOperation
 from fractions import Fraction
+
+from megatron_dapo.reward import exact_forms
 
 # The Answer line ends the response, but models often add a closing sentence or a display-math
 # block after it. 300 characters (verl) can cut the "Answer:" keyword off. 1000 characters
@@ -128,18 +136,19 @@ _POWER_CHAIN_RE = re.compile(r"\^\s*-?(?:\{[^{}]*\}|\(?[^(){}]*\)|\d+|\w)\s*\^")
 _MV_CONFIG = None  # math-verify extraction config; built on first use (import is ~0.3 s)
 
 
-def compute_score(response: str, ground_truth: str) -> dict:
+def compute_score(response: str, ground_truth: str, *, sympy_only: bool = False) -> dict:
     """Scores one response against an integer ground truth.
 
     Returns {"score": 1.0 or -1.0, "acc": bool, "pred": str}. "pred" is the normalised answer text
-    ("" when there is no Answer line). Never raises: any error scores incorrect.
+    ("" when there is no Answer line). Never raises: any error scores incorrect. `sympy_only` sends
+    every expression to sympy, uncached, as before exact_forms.py (benchmarks and tests compare).
     """
     try:
         answer = extract_answer(response)
         if answer is None:
             return _result(False, "")
         pred = normalize_answer(answer)
-        return _result(answer_matches(pred, ground_truth), pred[:MAX_PRED_CHARS])
+        return _result(answer_matches(pred, ground_truth, sympy_only=sympy_only), pred[:MAX_PRED_CHARS])
     except Exception:  # noqa: BLE001 - a reward must never crash the trainer
         return _result(False, "")
 
@@ -303,8 +312,8 @@ def _name_is_harmless(lhs: str) -> bool:
     return all(w.lower() in _HARMLESS_WORDS for w in words)
 
 
-def answer_matches(pred: str, ground_truth: str) -> bool:
-    """True iff the normalised answer `pred` has the value of `ground_truth`."""
+def answer_matches(pred: str, ground_truth: str, *, sympy_only: bool = False) -> bool:
+    """True iff the normalised answer `pred` has the value of `ground_truth` (see compute_score)."""
     target = _parse_integer(ground_truth)
     if target is None:
         return _matches_non_integer(pred, ground_truth)
@@ -320,8 +329,19 @@ def answer_matches(pred: str, ground_truth: str) -> bool:
         return den != 0 and Fraction(num, den) == target
     if not _expression_is_safe(pred):
         return False
-    value = _sympy_value(pred)
+    value = _sympy_value(pred) if sympy_only else _expression_value(pred)
     return value is not None and value == target
+
+
+@functools.lru_cache(maxsize=4096)  # answers repeat within the responses to one prompt
+def _expression_value(expr: str) -> int | None:
+    """Integer value of a screened expression (None: not an integer, or rejected)."""
+    try:
+        return exact_forms.integer_value(expr)
+    except exact_forms.Rejected:
+        return None
+    except exact_forms.Undecided:  # no power, factorial or juxtaposition: sympy's work is small
+        return _sympy_value(expr)
 
 
 @functools.lru_cache(maxsize=4096)  # ground truths repeat: 16 responses per prompt

@@ -69,6 +69,12 @@ REJECTION_CLASSES = {
     "unbalanced LaTeX": ["unbalanced box", "unbalanced frac", "deep unbalanced"],
     "non-ASCII leftovers": ["unicode superscript", "arabic-indic digit", "fullwidth digits"],
     "prose around a box off the allowlist": [c[3] for c in CASES if c[3].startswith("boxed prose hedge")],
+    "juxtaposed rational factors": ["exact: juxtaposed numbers are ambiguous", "exact: (2)(3) vs 5",
+                                    "exact: 2(3) vs 5 (math-verify: mixed number)", "exact: frac(4) vs 7",
+                                    "exact: 2 sqrt2 sqrt2 vs 4"],
+    "a/b c": ["exact: a/b c vs a/(b c)"],
+    "division by zero": ["exact: division by zero"],
+    "values over exact_forms.MAX_BITS bits": ["exact: value over MAX_BITS bits"],
 }
 
 
