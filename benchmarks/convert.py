@@ -1,6 +1,7 @@
 """Time and peak memory of HF <-> Megatron conversion vs a plain safetensors read + write of the same bytes.
 
-For each Qwen2.5 shape (real dimensions, random bf16 weights written by this script):
+For each shape (real Qwen2.5 dimensions, or "tiny" for a quick run; random bf16 weights written by
+this script):
   baseline        every shard read with safe_open, tensor by tensor, and written back with save_file
                   (one shard in memory at a time): the I/O floor of any converter
   hf_to_megatron  megatron_dapo.policy.hf_conversion.hf_to_megatron (TP=1, torch_dist checkpoint)
@@ -9,8 +10,13 @@ then checks that the round trip is bit-exact. Each step runs in its own process;
 process's ru_maxrss (the dist-checkpoint writer's helper process is not counted), and "after imports"
 is its RSS before any weight is touched. Ratios are against the baseline measured in the same run.
 
+Targets (issue 12): the round trip (hf_to_megatron + megatron_to_hf wall time) at most 1.5x the
+baseline's, and each step's peak RSS at most its own "after imports" plus one input shard (the
+largest HF shard file) plus the largest tensor.
+
     python benchmarks/convert.py                  # Qwen2.5-0.5B shape (~1 GB of bf16), about 1-2 min
     python benchmarks/convert.py --sizes 0.5B 1.5B  # + the 1.5B shape (~3 GB), a few minutes more
+    python benchmarks/convert.py --sizes tiny --shard-gb 0.016   # seconds
 """
 
 from __future__ import annotations
@@ -26,29 +32,58 @@ import tempfile
 import time
 from pathlib import Path
 
+SIZES = ("tiny", "0.5B", "1.5B")
+# "tiny": the 0.5B config at a size a quick run converts in seconds (25 MB of bf16)
+TINY = dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=32000)
+TIME_TARGET = 1.5  # round trip / baseline read + write
+QUICK = dict(sizes=("tiny",), shard_gb=0.016)
+FULL = dict(sizes=("0.5B", "1.5B"), shard_gb=0.5)
+
 
 def _rss_gb() -> float:
     import psutil
     return psutil.Process().memory_info().rss / 1e9
 
 
+def _make(size: str, dst: str, shard_bytes: int) -> dict:
+    import torch
+    from safetensors import safe_open
+
+    from megatron_dapo.convert.synthetic import QWEN25_CONFIGS, write_random_hf_checkpoint
+
+    config = {**QWEN25_CONFIGS["0.5B"], **TINY} if size == "tiny" else QWEN25_CONFIGS[size]
+    nbytes = write_random_hf_checkpoint(config, dst, dtype=torch.bfloat16, max_shard_bytes=shard_bytes)
+    files = sorted(Path(dst).glob("*.safetensors"))
+    largest = 0
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            for k in f.keys():
+                shape = f.get_slice(k).get_shape()
+                largest = max(largest, 2 * int(torch.tensor(shape).prod()))  # bf16: 2 bytes
+    return dict(bytes=nbytes, largest_shard_bytes=max(f.stat().st_size for f in files),
+                largest_tensor_bytes=largest)
+
+
 def _step(name: str, src: str, dst: str, size: str, shard_bytes: int) -> dict:
     import torch  # noqa: F401  (counted in "after imports" for every step)
 
-    if name in ("hf_to_megatron", "megatron_to_hf"):
-        from megatron_dapo.convert import checkpoint as ckpt
-    from megatron_dapo.convert import SafetensorsReader
-    from megatron_dapo.convert.synthetic import QWEN25_CONFIGS, write_random_hf_checkpoint
+    if name in ("hf_to_megatron", "megatron_to_hf"):  # megatron.core too: part of "the imports"
+        from megatron_dapo.policy.cpu_compat import apply_cpu_compat
+        apply_cpu_compat()
+        from megatron.core import dist_checkpointing  # noqa: F401
+
+        from megatron_dapo.policy import hf_conversion as ckpt
     from safetensors import safe_open
     from safetensors.torch import save_file
+
+    from megatron_dapo.convert import SafetensorsReader
 
     after_imports = _rss_gb()
     start, cpu = time.perf_counter(), time.process_time()
     result: dict = {}
     if name == "make":
-        import torch
-        result["bytes"] = write_random_hf_checkpoint(QWEN25_CONFIGS[size], dst, dtype=torch.bfloat16,
-                                                     max_shard_bytes=shard_bytes)
+        result = _make(size, dst, shard_bytes)
     elif name == "baseline":
         os.makedirs(dst, exist_ok=True)
         for file in sorted(Path(src).glob("*.safetensors")):
@@ -81,52 +116,101 @@ def run_step(name: str, src, dst, size: str, shard_bytes: int) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def measure(sizes, shard_gb: float, workdir: str | None = None) -> dict:
+    """Every step of every shape, each in its own process; checkpoints deleted after each shape."""
+    shard_bytes = int(shard_gb * 1e9)
+    work = Path(workdir or tempfile.mkdtemp(prefix="convert-bench-"))
+    shapes = {}
+    try:
+        for size in sizes:
+            d = work / size
+            shutil.rmtree(d, ignore_errors=True)
+            made = run_step("make", None, d / "hf", size, shard_bytes)
+            steps = dict(baseline=run_step("baseline", d / "hf", d / "copy", size, shard_bytes),
+                         hf_to_megatron=run_step("hf_to_megatron", d / "hf", d / "ckpt", size, shard_bytes),
+                         megatron_to_hf=run_step("megatron_to_hf", d / "ckpt", d / "out", size, shard_bytes))
+            check = run_step("compare", d / "hf", d / "out", size, shard_bytes)
+            for r in steps.values():  # the memory target: imports + one input shard + the largest tensor
+                r["bound_gb"] = r["after_imports_gb"] + (made["largest_shard_bytes"]
+                                                         + made["largest_tensor_bytes"]) / 1e9
+            shapes[size] = dict(made=made, steps=steps, bit_exact=check["bit_exact"],
+                                mismatched=check["mismatched"])
+            shutil.rmtree(d, ignore_errors=True)
+    finally:
+        if not workdir:
+            shutil.rmtree(work, ignore_errors=True)
+    return dict(shard_gb=shard_gb, shapes=shapes)
+
+
+def render_markdown(result: dict) -> str:
+    lines = ["| shape | step | wall s | CPU s | peak RSS GB | after imports GB | x baseline time "
+             "| memory bound GB | x bound |", "|---|---|---|---|---|---|---|---|---|"]
+    notes = []
+    for size, s in result["shapes"].items():
+        base = s["steps"]["baseline"]
+        for name, r in s["steps"].items():
+            label = "baseline read + write" if name == "baseline" else name
+            lines.append(f"| {size} | {label} | {r['seconds']:.3g} | {r['cpu_seconds']:.3g} | "
+                         f"{r['peak_rss_gb']:.2f} | {r['after_imports_gb']:.2f} | "
+                         f"{r['seconds'] / base['seconds']:.2f}x | {r['bound_gb']:.2f} | "
+                         f"{r['peak_rss_gb'] / r['bound_gb']:.2f}x |")
+        m = s["made"]
+        notes.append(f"{size}: {m['bytes'] / 1e9:.3f} GB of bf16 weights, largest shard "
+                     f"{m['largest_shard_bytes'] / 1e9:.3f} GB, largest tensor "
+                     f"{m['largest_tensor_bytes'] / 1e9:.3f} GB; "
+                     f"round trip bit-exact: {s['bit_exact'] or s['mismatched']}")
+    return "\n".join(lines) + (
+        f"\n\nShards of at most {result['shard_gb']} GB. Memory bound = the step's RSS after imports + "
+        f"the largest input HF shard + the largest tensor.\n" + "\n".join(f"- {n}" for n in notes) + "\n")
+
+
+def figures(result: dict) -> list[dict]:
+    out = []
+    for size, s in result["shapes"].items():
+        steps = s["steps"]
+        base = steps["baseline"]["seconds"]
+        trip = steps["hf_to_megatron"]["seconds"] + steps["megatron_to_hf"]["seconds"]
+        out.append(dict(figure=f"{size} round trip HF -> Megatron -> HF, wall", value=trip, unit="s",
+                        baseline_name="plain safetensors read + write", baseline=base, ratio=trip / base,
+                        target=f"<= {TIME_TARGET}x baseline", met=trip <= TIME_TARGET * base))
+        for name in ("hf_to_megatron", "megatron_to_hf"):
+            r = steps[name]
+            out.append(dict(figure=f"{size} {name} peak RSS", value=r["peak_rss_gb"], unit="GB",
+                            baseline_name="bound: imports + one input shard + largest tensor",
+                            baseline=r["bound_gb"], ratio=r["peak_rss_gb"] / r["bound_gb"],
+                            target="<= 1.0x bound", met=r["peak_rss_gb"] <= r["bound_gb"]))
+        out.append(dict(figure=f"{size} round trip bit-exact", value=float(s["bit_exact"]), unit="bool",
+                        baseline_name=None, baseline=None, ratio=None, target="bit-exact",
+                        met=s["bit_exact"]))
+    return out
+
+
+def run(quick: bool) -> dict:
+    """benchmarks/run_all.py entry: QUICK (the tiny shape, seconds) or FULL (0.5B and 1.5B, minutes)."""
+    size = QUICK if quick else FULL
+    result = measure(size["sizes"], size["shard_gb"])
+    return dict(name="convert", figures=figures(result), markdown=render_markdown(result), details=result)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sizes", nargs="+", default=["0.5B"], choices=["0.5B", "1.5B"],
-                   help="Qwen2.5 shapes to convert (larger ones: hf_to_megatron.py --dry-run)")
-    p.add_argument("--shard-gb", type=float, default=0.5,
+    p.add_argument("--sizes", nargs="+", default=["0.5B"], choices=SIZES,
+                   help="shapes to convert (larger ones: hf_to_megatron.py --dry-run)")
+    p.add_argument("--shard-gb", type=float, default=FULL["shard_gb"],
                    help="safetensors shard size of the made and exported dirs")
     p.add_argument("--workdir", help="where to write checkpoints (default: a temporary dir, deleted after)")
     p.add_argument("--step", help=argparse.SUPPRESS)
     p.add_argument("--src", help=argparse.SUPPRESS)
     p.add_argument("--dst", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    shard_bytes = int(args.shard_gb * 1e9)
     if args.step:
         if args.step in ("hf_to_megatron", "megatron_to_hf"):
             os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count()))
-        print(json.dumps(_step(args.step, args.src, args.dst, args.sizes[0], shard_bytes)))
+        print(json.dumps(_step(args.step, args.src, args.dst, args.sizes[0], int(args.shard_gb * 1e9))))
         return 0
-
-    work = Path(args.workdir or tempfile.mkdtemp(prefix="convert-bench-"))
-    rows = []
-    try:
-        for size in args.sizes:
-            d = work / size
-            shutil.rmtree(d, ignore_errors=True)
-            made = run_step("make", None, d / "hf", size, shard_bytes)
-            base = run_step("baseline", d / "hf", d / "copy", size, shard_bytes)
-            to_mc = run_step("hf_to_megatron", d / "hf", d / "ckpt", size, shard_bytes)
-            to_hf = run_step("megatron_to_hf", d / "ckpt", d / "out", size, shard_bytes)
-            check = run_step("compare", d / "hf", d / "out", size, shard_bytes)
-            rows.append((size, made["bytes"], base, to_mc, to_hf, check))
-            shutil.rmtree(d, ignore_errors=True)
-    finally:
-        if not args.workdir:
-            shutil.rmtree(work, ignore_errors=True)
-
-    print(f"{'shape':<6} {'step':<16} {'wall s':>7} {'cpu s':>7} {'peak RSS GB':>12} {'after imports':>14} "
-          f"{'x base time':>12} {'x base RSS':>11}")
-    for size, nbytes, base, to_mc, to_hf, check in rows:
-        for name, r in (("baseline r+w", base), ("hf_to_megatron", to_mc), ("megatron_to_hf", to_hf)):
-            print(f"{size:<6} {name:<16} {r['seconds']:>7.1f} {r['cpu_seconds']:>7.1f} "
-                  f"{r['peak_rss_gb']:>12.2f} {r['after_imports_gb']:>14.2f} "
-                  f"{r['seconds'] / base['seconds']:>12.2f} {r['peak_rss_gb'] / base['peak_rss_gb']:>11.2f}")
-        exact = check["bit_exact"] or check["mismatched"]
-        print(f"{size:<6} weights {nbytes / 1e9:.2f} GB (bf16), shards of {args.shard_gb} GB; "
-              f"round trip bit-exact: {exact}")
-    return 0 if all(r[-1]["bit_exact"] for r in rows) else 1
+    result = measure(args.sizes, args.shard_gb, args.workdir)
+    print(render_markdown(result))
+    return 0 if all(s["bit_exact"] for s in result["shapes"].values()) else 1
 
 
 if __name__ == "__main__":
