@@ -1,7 +1,9 @@
 """Shared test set-up: GPU tests skip without CUDA; known-harmless third-party start-up messages
 filtered as at the CLI (megatron_dapo/quiet.py); megatron-core's CPU compatibility layer applied
-once for the session (policy/cpu_compat.py); paths to the repo's data files."""
+once for the session (policy/cpu_compat.py); paths to the repo's data files; the environment of a
+one-process torch.distributed world."""
 
+import socket
 from pathlib import Path
 
 import pytest
@@ -31,3 +33,15 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def aime_path() -> Path:
     return AIME_PARQUET
+
+
+@pytest.fixture
+def world_of_one_env(monkeypatch):
+    """torch.distributed's variables for a world of one on a free local port; the test starts (and
+    its own fixture ends) the world."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for key, value in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0",
+                           WORLD_SIZE="1").items():
+        monkeypatch.setenv(key, value)

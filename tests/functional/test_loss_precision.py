@@ -12,7 +12,6 @@ them; ``test_fp8_update_on_odd_lengths`` is its fp8-step).
 
 import dataclasses
 import importlib.util
-import socket
 
 import pytest
 import torch
@@ -32,13 +31,7 @@ FP8_LOGPROBS_MEAN_ATOL = 0.2
 
 
 @pytest.fixture
-def world_of_one(monkeypatch):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    for key, value in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0",
-                           WORLD_SIZE="1").items():
-        monkeypatch.setenv(key, value)
+def world_of_one(world_of_one_env):
     yield
     from megatron_dapo.policy import destroy_parallel
 

@@ -14,7 +14,6 @@ scaling's first step and amax-based as tensorwise): see the constants below.
 """
 
 import importlib.util
-import socket
 
 import pytest
 import torch
@@ -54,13 +53,7 @@ RECOMPUTE_LOGPROBS_ATOL, RECOMPUTE_GRAD_RTOL = 2e-2, 5e-2
 
 
 @pytest.fixture
-def world_of_one(monkeypatch):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    for key, value in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0",
-                           WORLD_SIZE="1").items():
-        monkeypatch.setenv(key, value)
+def world_of_one(world_of_one_env):
     yield lambda hf, model: initialize_parallel(hf, parallel=ONE, model=model, seed=5)
     destroy_parallel()
 
