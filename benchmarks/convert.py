@@ -17,6 +17,11 @@ largest HF shard file) plus the largest tensor.
     python benchmarks/convert.py                  # Qwen2.5-0.5B shape (~1 GB of bf16), about 1-2 min
     python benchmarks/convert.py --sizes 0.5B 1.5B  # + the 1.5B shape (~3 GB), a few minutes more
     python benchmarks/convert.py --sizes tiny --shard-gb 0.016   # seconds
+    python benchmarks/convert.py --profile        # + where each conversion's time and memory go
+
+``--profile`` runs each conversion under cProfile with its RSS sampled every 20 ms, and prints
+the functions with the most cumulative time and the RSS timeline (which phase holds the peak).
+Profiling slows the steps down: compare times from runs without it.
 """
 
 from __future__ import annotations
@@ -65,7 +70,49 @@ def _make(size: str, dst: str, shard_bytes: int) -> dict:
                 largest_tensor_bytes=largest)
 
 
-def _step(name: str, src: str, dst: str, size: str, shard_bytes: int) -> dict:
+PROFILE_TOP = 25  # functions listed per profiled step
+RSS_PERIOD_S = 0.02
+
+
+def _profiled(fn) -> dict:
+    """Run ``fn()`` under cProfile with a thread sampling RSS; the top functions by cumulative
+    time and the RSS timeline (one point per ~0.25 s, plus the peak sample)."""
+    import cProfile
+    import pstats
+    import threading
+
+    import psutil
+
+    proc, samples, done = psutil.Process(), [], threading.Event()
+    start = time.perf_counter()
+
+    def sample():
+        while not done.is_set():
+            samples.append((time.perf_counter() - start, proc.memory_info().rss / 1e9))
+            done.wait(RSS_PERIOD_S)
+
+    thread = threading.Thread(target=sample, daemon=True)
+    thread.start()
+    profile = cProfile.Profile()
+    try:
+        profile.runcall(fn)
+    finally:
+        done.set()
+        thread.join()
+    stats = pstats.Stats(profile).stats
+    rows = sorted(((ct, tt, nc, f"{Path(file).name}:{line}({func})")
+                   for (file, line, func), (_, nc, tt, ct, _) in stats.items()), reverse=True)[:PROFILE_TOP]
+    timeline, last = [], -1.0
+    peak = max(samples, key=lambda s: s[1], default=(0.0, 0.0))
+    for t, rss in samples:
+        if t - last >= 0.25 or (t, rss) == peak:
+            timeline.append((round(t, 2), round(rss, 3)))
+            last = t
+    return dict(top=[dict(cum_s=ct, own_s=tt, calls=nc, function=f) for ct, tt, nc, f in rows],
+                rss_timeline=timeline, rss_peak_at_s=round(peak[0], 2))
+
+
+def _step(name: str, src: str, dst: str, size: str, shard_bytes: int, profile: bool = False) -> dict:
     import torch  # noqa: F401  (counted in "after imports" for every step)
 
     if name in ("hf_to_megatron", "megatron_to_hf"):  # megatron.core too: part of "the imports"
@@ -91,10 +138,17 @@ def _step(name: str, src: str, dst: str, size: str, shard_bytes: int) -> dict:
                 tensors = {k: f.get_tensor(k) for k in f.keys()}
             save_file(tensors, Path(dst) / file.name, metadata={"format": "pt"})
             del tensors
-    elif name == "hf_to_megatron":
-        ckpt.hf_to_megatron(src, dst, progress=False)
-    elif name == "megatron_to_hf":
-        ckpt.megatron_to_hf(src, dst, max_shard_bytes=shard_bytes, progress=False)
+    elif name in ("hf_to_megatron", "megatron_to_hf"):
+        def convert():
+            if name == "hf_to_megatron":
+                ckpt.hf_to_megatron(src, dst, progress=False)
+            else:
+                ckpt.megatron_to_hf(src, dst, max_shard_bytes=shard_bytes, progress=False)
+
+        if profile:
+            result = _profiled(convert)
+        else:
+            convert()
     elif name == "compare":
         with SafetensorsReader(src) as a, SafetensorsReader(dst) as b:
             assert sorted(a.names()) == sorted(b.names()), "tensor names differ"
@@ -107,16 +161,16 @@ def _step(name: str, src: str, dst: str, size: str, shard_bytes: int) -> dict:
     return result
 
 
-def run_step(name: str, src, dst, size: str, shard_bytes: int) -> dict:
+def run_step(name: str, src, dst, size: str, shard_bytes: int, profile: bool = False) -> dict:
     cmd = [sys.executable, __file__, "--step", name, "--src", str(src), "--dst", str(dst), "--sizes", size,
-           "--shard-gb", str(shard_bytes / 1e9)]
+           "--shard-gb", str(shard_bytes / 1e9)] + (["--profile"] if profile else [])
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"step {name} failed:\n{done.stderr[-4000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def measure(sizes, shard_gb: float, workdir: str | None = None) -> dict:
+def measure(sizes, shard_gb: float, workdir: str | None = None, profile: bool = False) -> dict:
     """Every step of every shape, each in its own process; checkpoints deleted after each shape."""
     shard_bytes = int(shard_gb * 1e9)
     work = Path(workdir or tempfile.mkdtemp(prefix="convert-bench-"))
@@ -127,8 +181,10 @@ def measure(sizes, shard_gb: float, workdir: str | None = None) -> dict:
             shutil.rmtree(d, ignore_errors=True)
             made = run_step("make", None, d / "hf", size, shard_bytes)
             steps = dict(baseline=run_step("baseline", d / "hf", d / "copy", size, shard_bytes),
-                         hf_to_megatron=run_step("hf_to_megatron", d / "hf", d / "ckpt", size, shard_bytes),
-                         megatron_to_hf=run_step("megatron_to_hf", d / "ckpt", d / "out", size, shard_bytes))
+                         hf_to_megatron=run_step("hf_to_megatron", d / "hf", d / "ckpt", size, shard_bytes,
+                                                 profile),
+                         megatron_to_hf=run_step("megatron_to_hf", d / "ckpt", d / "out", size, shard_bytes,
+                                                 profile))
             check = run_step("compare", d / "hf", d / "out", size, shard_bytes)
             for r in steps.values():  # the memory target: imports + one input shard + the largest tensor
                 r["bound_gb"] = r["after_imports_gb"] + (made["largest_shard_bytes"]
@@ -161,7 +217,25 @@ def render_markdown(result: dict) -> str:
                      f"round trip bit-exact: {s['bit_exact'] or s['mismatched']}")
     return "\n".join(lines) + (
         f"\n\nShards of at most {result['shard_gb']} GB. Memory bound = the step's RSS after imports + "
-        f"the largest input HF shard + the largest tensor.\n" + "\n".join(f"- {n}" for n in notes) + "\n")
+        f"the largest input HF shard + the largest tensor.\n" + "\n".join(f"- {n}" for n in notes) + "\n"
+        + render_profiles(result))
+
+
+def render_profiles(result: dict) -> str:
+    """The ``--profile`` sections: top functions and RSS timeline of each profiled step."""
+    out = []
+    for size, s in result["shapes"].items():
+        for name, r in s["steps"].items():
+            if "top" not in r:
+                continue
+            title = (f"\n### {size} {name}: cProfile, top {len(r['top'])} by cumulative time "
+                     f"(profiled wall {r['seconds']:.2f} s)\n")
+            out += [title, "| cum s | own s | calls | function |", "|---|---|---|---|"]
+            out += [f"| {t['cum_s']:.3f} | {t['own_s']:.3f} | {t['calls']} | `{t['function']}` |"
+                    for t in r["top"]]
+            points = ", ".join(f"{t:.2f}s {rss:.2f}" for t, rss in r["rss_timeline"])
+            out.append(f"\nRSS GB over time (peak sample at {r['rss_peak_at_s']} s): {points}\n")
+    return "\n".join(out)
 
 
 def figures(result: dict) -> list[dict]:
@@ -199,6 +273,8 @@ def main(argv=None) -> int:
     p.add_argument("--shard-gb", type=float, default=FULL["shard_gb"],
                    help="safetensors shard size of the made and exported dirs")
     p.add_argument("--workdir", help="where to write checkpoints (default: a temporary dir, deleted after)")
+    p.add_argument("--profile", action="store_true",
+                   help="profile each conversion (cProfile + RSS timeline): where time and memory go")
     p.add_argument("--step", help=argparse.SUPPRESS)
     p.add_argument("--src", help=argparse.SUPPRESS)
     p.add_argument("--dst", help=argparse.SUPPRESS)
@@ -206,9 +282,10 @@ def main(argv=None) -> int:
     if args.step:
         if args.step in ("hf_to_megatron", "megatron_to_hf"):
             os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count()))
-        print(json.dumps(_step(args.step, args.src, args.dst, args.sizes[0], int(args.shard_gb * 1e9))))
+        print(json.dumps(_step(args.step, args.src, args.dst, args.sizes[0], int(args.shard_gb * 1e9),
+                               args.profile)))
         return 0
-    result = measure(args.sizes, args.shard_gb, args.workdir)
+    result = measure(args.sizes, args.shard_gb, args.workdir, args.profile)
     print(render_markdown(result))
     return 0 if all(s["bit_exact"] for s in result["shapes"].values()) else 1
 

@@ -93,8 +93,7 @@ def _plan(table: ConversionTable, local: dict[int, tuple[str, Tensor]], tp_group
     items = []
     for i in sorted(owners):
         _, owner, name, shape, dtype = owners[i]
-        metas = [torch.empty(shape, device="meta")] * tp
-        full = tuple(table.tasks[i].mapping.tp_merge(metas).shape)
+        full = table.tasks[i].mapping.tp_merged_shape(shape, tp)
         items.append(_Item(i, owner, name, full, dtype, torch.Size(full).numel() * dtype.itemsize))
     return items
 
@@ -161,6 +160,41 @@ def export_hf_weights(model_chunks: Sequence[nn.Module], table: ConversionTable,
         del fulls
 
 
+def check_hf_checkpoint(table: ConversionTable, reader: SafetensorsReader) -> None:
+    """Exactly the table's HF names, each of the shape the config implies (headers only)."""
+    names = reader.names()
+    table.check_names(names)
+    for name in names:
+        table.check_hf_shape(name, reader.shape(name))
+
+
+def hf_targets(model_chunks: Sequence[nn.Module], table: ConversionTable) -> dict[str, tuple[Task, Tensor]]:
+    """This rank's parameters as {global Megatron name: (task, parameter)}, in the table's order;
+    with tied embeddings, a last stage's output-layer copy maps to the embedding's task."""
+    local = sorted(local_parameters(model_chunks, table).items())
+    targets = {name: (table.tasks[i], p) for i, (name, p) in local}
+    if table.dims.tie_word_embeddings:
+        for chunk in map(unwrap, model_chunks):
+            out = getattr(getattr(chunk, "output_layer", None), "weight", None)
+            if out is not None:
+                embedding = table.task_for_megatron("embedding.word_embeddings.weight")
+                targets["output_layer.weight"] = (embedding, out)
+    return targets
+
+
+def hf_shard(table: ConversionTable, megatron_name: str, task: Task, param: Tensor, reader: SafetensorsReader,
+             *, tp_size: int, tp_rank: int) -> Tensor:
+    """The value ``param`` (this rank's TP shard of ``megatron_name``) takes from the HF checkpoint, in
+    the parameter's dtype; possibly a view of a tensor just read."""
+    full = task.mapping.to_megatron([reader.get(n, param.dtype) for n in task.hf_names], table.dims)
+    shard = task.mapping.tp_split(full, tp_size)[tp_rank]
+    if shard.shape != param.shape:
+        raise ConversionError(f"{megatron_name}: converted TP shard has shape {tuple(shard.shape)}, the "
+                              f"model's parameter {tuple(param.shape)} (model built from another config "
+                              f"or with another vocabulary padding?)")
+    return shard
+
+
 @torch.no_grad()
 def load_hf_weights(model_chunks: Sequence[nn.Module], table: ConversionTable, reader: SafetensorsReader, *,
                     tp_group=None, progress=None) -> int:
@@ -169,27 +203,11 @@ def load_hf_weights(model_chunks: Sequence[nn.Module], table: ConversionTable, r
     Checks the whole checkpoint's names and shapes first (headers only). ``progress``: an optional
     callable run once per loaded parameter (e.g. a tqdm ``update``). Returns the parameters loaded.
     """
-    names = reader.names()
-    table.check_names(names)
-    for name in names:
-        table.check_hf_shape(name, reader.shape(name))
-    tp, tp_rank = _size(tp_group), _rank(tp_group)
-    targets = {name: (table.task_for_megatron(name), p)
-               for name, p in local_parameters(model_chunks, table).values()}
-    if table.dims.tie_word_embeddings:  # a last stage's output-layer copy of the tied embedding
-        for chunk in map(unwrap, model_chunks):
-            out = getattr(getattr(chunk, "output_layer", None), "weight", None)
-            if out is not None:
-                embedding = table.task_for_megatron("embedding.word_embeddings.weight")
-                targets["output_layer.weight"] = (embedding, out)
+    check_hf_checkpoint(table, reader)
+    targets = hf_targets(model_chunks, table)
     for megatron_name, (task, param) in targets.items():
-        full = task.mapping.to_megatron([reader.get(n, param.dtype) for n in task.hf_names], table.dims)
-        shard = task.mapping.tp_split(full, tp)[tp_rank]
-        if shard.shape != param.shape:
-            raise ConversionError(f"{megatron_name}: converted TP shard has shape {tuple(shard.shape)}, the "
-                                  f"model's parameter {tuple(param.shape)} (model built from another config "
-                                  f"or with another vocabulary padding?)")
-        param.copy_(shard)
+        param.copy_(hf_shard(table, megatron_name, task, param, reader, tp_size=_size(tp_group),
+                             tp_rank=_rank(tp_group)))
         if progress is not None:
             progress()
     return len(targets)

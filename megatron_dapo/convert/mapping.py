@@ -146,6 +146,14 @@ class ParamMapping:
             return shards[0]
         return shards[0] if len(shards) == 1 else torch.cat(list(shards), dim=self.tp_axis)
 
+    def tp_merged_shape(self, shard_shape: Sequence[int], tp_size: int) -> tuple[int, ...]:
+        """The shape ``tp_merge`` gives for ``tp_size`` shards of ``shard_shape``, by arithmetic:
+        the same on meta tensors would import torch._dynamo (torch.cat's meta kernel), about 1 s."""
+        shape = list(shard_shape)
+        if self.tp_axis is not None:
+            shape[self.tp_axis] *= tp_size
+        return tuple(shape)
+
 
 @dataclass(frozen=True)
 class Direct(ParamMapping):

@@ -1,8 +1,10 @@
 """Streaming HF safetensors I/O: read one tensor at a time, write size-bounded shards with an index.
 
 Memory: the reader keeps at most ``max_open_files`` files memory-mapped (safe_open) and copies out
-one tensor per ``get``; the writer buffers at most one shard (``max_shard_bytes``) of tensors before
-writing it. Neither ever holds the whole model. File names and the index follow transformers'
+one tensor per ``get``; ``ShardedSafetensorsWriter`` buffers at most one shard (``max_shard_bytes``)
+of tensors before writing it; ``StreamingSafetensorsWriter``, told every tensor's name, shape and
+dtype up front, writes each header first and then each tensor's bytes as it arrives (nothing
+buffered, no serialising copy). None ever holds the whole model. File names and the index follow transformers'
 ``save_pretrained`` (``model-00001-of-00003.safetensors`` + ``model.safetensors.index.json``; a
 single shard is ``model.safetensors`` with no index), so ``from_pretrained`` loads the output.
 """
@@ -10,8 +12,10 @@ single shard is ``model.safetensors`` with no index), so ``from_pretrained`` loa
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
+import struct
 from collections import OrderedDict
 from pathlib import Path
 
@@ -124,16 +128,110 @@ class ShardedSafetensorsWriter:
         """Write what is pending, give the shards their final names, write the index."""
         if self._pending or not self._shards:
             self._flush()
-        n = len(self._shards)
-        names = [SINGLE_NAME] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
-        for i, final in enumerate(names):
-            os.replace(self.out_dir / f"shard-{i:05d}.tmp", self.out_dir / final)
-        if n > 1:
-            weight_map = {t: names[i] for i, shard in enumerate(self._shards) for t in shard}
-            index = {"metadata": {"total_size": self.total_bytes},
-                     "weight_map": dict(sorted(weight_map.items()))}
-            (self.out_dir / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
-        return [self.out_dir / f for f in names]
+        return _name_shards(self.out_dir, self._shards, self.total_bytes)
+
+
+def _name_shards(out_dir: Path, shards: list[list[str]], total_bytes: int) -> list[Path]:
+    """Rename ``shard-<i>.tmp`` to transformers' names; with several shards, write the index."""
+    n = len(shards)
+    names = [SINGLE_NAME] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    for i, final in enumerate(names):
+        os.replace(out_dir / f"shard-{i:05d}.tmp", out_dir / final)
+    if n > 1:
+        weight_map = {t: names[i] for i, shard in enumerate(shards) for t in shard}
+        index = {"metadata": {"total_size": total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
+        (out_dir / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+    return [out_dir / f for f in names]
+
+
+_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+
+
+def _shard_groups(sizes: list[tuple[str, int]], max_shard_bytes: int) -> list[list[str]]:
+    """ShardedSafetensorsWriter's packing: in order, a new shard when the next tensor would pass
+    ``max_shard_bytes`` (a tensor larger than that gets a shard of its own)."""
+    groups: list[list[str]] = [[]]
+    filled = 0
+    for name, nbytes in sizes:
+        if groups[-1] and filled + nbytes > max_shard_bytes:
+            groups.append([])
+            filled = 0
+        groups[-1].append(name)
+        filled += nbytes
+    return groups
+
+
+class StreamingSafetensorsWriter:
+    """``ShardedSafetensorsWriter``'s output (the same shards, names and index) for tensors known
+    in advance: ``layout`` lists (name, shape, dtype) in the order ``add`` will receive them.
+    Each shard's header is written when the shard is opened, each tensor's bytes as it is added.
+
+    The file format (https://github.com/huggingface/safetensors#format): an 8-byte little-endian
+    header length, a JSON header with every tensor's dtype, shape and byte range, space-padded
+    to a multiple of 8 bytes, then the tensors' bytes back to back, here in ``layout`` order.
+    """
+
+    def __init__(self, out_dir: str | os.PathLike, layout: list[tuple[str, tuple[int, ...], torch.dtype]], *,
+                 max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES):
+        self.out_dir = Path(out_dir)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        unsupported = {str(dtype) for _, _, dtype in layout if dtype not in _SAFETENSORS_DTYPES}
+        if unsupported:
+            raise ConversionError(f"cannot write {sorted(unsupported)} tensors")
+        self._layout = {name: (tuple(shape), dtype) for name, shape, dtype in layout}
+        sizes = [(name, math.prod(shape) * dtype.itemsize) for name, shape, dtype in layout]
+        self._shards = _shard_groups(sizes, max_shard_bytes)
+        self._order = [name for name, _ in sizes]
+        self._shard_of = {name: i for i, shard in enumerate(self._shards) for name in shard}
+        self._next = 0
+        self._file = None
+        self._shard_index = -1
+        self.total_bytes = sum(nbytes for _, nbytes in sizes)
+
+    def _open_next_shard(self) -> None:
+        if self._file is not None:
+            self._file.close()
+        self._shard_index += 1
+        header: dict = {"__metadata__": {"format": "pt"}}
+        offset = 0
+        for name in self._shards[self._shard_index]:
+            shape, dtype = self._layout[name]
+            end = offset + math.prod(shape) * dtype.itemsize
+            header[name] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(shape),
+                            "data_offsets": [offset, end]}
+            offset = end
+        encoded = json.dumps(header, separators=(",", ":")).encode()
+        encoded += b" " * (-len(encoded) % 8)
+        # open across add() calls, closed by the next shard or close()
+        self._file = open(self.out_dir / f"shard-{self._shard_index:05d}.tmp", "wb")  # noqa: SIM115
+        self._file.write(struct.pack("<Q", len(encoded)) + encoded)
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        expected = self._order[self._next] if self._next < len(self._order) else None
+        if name != expected:
+            raise ConversionError(f"tensor {name!r} added where the layout expects {expected!r}")
+        shape, dtype = self._layout[name]
+        if tuple(tensor.shape) != shape or tensor.dtype != dtype:
+            raise ConversionError(f"tensor {name!r} is {tuple(tensor.shape)} {tensor.dtype}, the layout says "
+                                  f"{shape} {dtype}")
+        if self._shard_of[name] != self._shard_index:
+            self._open_next_shard()
+        flat = tensor.detach().to("cpu").contiguous().reshape(-1)
+        self._file.write(flat.view(torch.uint8).numpy().data)
+        self._next += 1
+
+    def close(self) -> list[Path]:
+        """Check that every tensor of the layout came, give the shards their final names, write
+        the index (as ``ShardedSafetensorsWriter.close``)."""
+        if self._next != len(self._order):
+            raise ConversionError(f"{len(self._order) - self._next} tensors of the layout were never added, "
+                                  f"the first {self._order[self._next]!r}")
+        if self._shard_index < 0:  # an empty layout: one empty shard, as ShardedSafetensorsWriter
+            self._open_next_shard()
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        return _name_shards(self.out_dir, self._shards, self.total_bytes)
 
 
 def copy_side_files(src: str | os.PathLike, dst: str | os.PathLike) -> list[str]:

@@ -78,7 +78,7 @@ def main(argv=None) -> int:
     return 0
 
 
-if __name__ == "__main__":  # required: the dist-checkpoint save starts a multiprocessing Manager
+if __name__ == "__main__":  # the converter may start torch.distributed and child processes: never on import
     code = main()
     from megatron_dapo.policy.parallel import shutdown_distributed
 
