@@ -147,6 +147,7 @@ def _child(name: str, bench_dir: Path, quick: bool, result_file: Path) -> None:
     sys.path[:0] = [str(bench_dir), str(ROOT)]  # sibling modules, and the package from a checkout
     spec = importlib.util.spec_from_file_location(f"benchmark_{name}", bench_dir / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses (and pickling) look their module up by name
     spec.loader.exec_module(module)
     result = validate(module.run(quick), name)
     result_file.write_text(json.dumps(result, indent=1, default=str))
