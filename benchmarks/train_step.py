@@ -22,9 +22,10 @@ checked equal update by update (the same work, the same optimizer).
 
 Time: tokens (seqs x seq_len) per second of one update, the best update of all runs (one
 warm-up update per run, then 3 measured; ``--rounds`` alternating runs per side). Memory: the
-process's peak RSS (Linux VmHWM, reset through /proc/self/clear_refs once the weights are loaded)
-minus its RSS right after the imports, the highest of the runs: weights, gradients, optimizer
-states, activations and logits, all that the updates hold. Targets (issue 12): tokens/s
+process's peak RSS (Linux VmHWM, reset through /proc/self/clear_refs once the weights are loaded,
+after glibc's malloc_trim hands back what setup freed) minus its RSS right after the imports, the
+highest of the runs: weights, gradients, optimizer states, activations and logits, all that the
+updates hold. Targets (issue 12): tokens/s
 megatron / hf >= 1.3 and peak memory megatron / hf <= 0.5, at both vocabularies (full sizes).
 ``--recompute full`` runs megatron with model.recompute=full beside HF with gradient
 checkpointing; ``selective`` recomputes megatron's core attention only (HF's sdpa kernel already
@@ -38,6 +39,7 @@ megatron update: time by component, and the tensors alive at its memory peak.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import dataclasses
 import gc
 import json
@@ -87,7 +89,13 @@ def _rss_mb(field: str = "VmRSS") -> float:
 
 
 def _reset_peak() -> None:
+    """Return freed heap pages to the OS (glibc keeps what setup freed, e.g. megatron's parameters
+    before DDP moved them into one buffer), then restart the peak from the current RSS."""
     gc.collect()
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # VmHWM := VmRSS (Linux >= 4.0)
 
@@ -201,6 +209,7 @@ def _static_megatron(actor) -> dict:
 def _hf_side(case: Case, weights: str) -> dict:
     import torch
     import transformers
+    from torch.profiler import record_function
 
     from megatron_dapo.algo import compute_policy_loss
 
@@ -225,26 +234,33 @@ def _hf_side(case: Case, weights: str) -> dict:
     num_tokens = float(mask.sum())
     params = list(model.parameters())
 
-    def update():
+    def update():  # labelled for the profile (record_function costs nothing without one)
         opt.zero_grad(set_to_none=True)
-        logits = model(input_ids=ids, use_cache=False).logits  # [B, S, V] fp32
-        logits.div_(TEMPERATURE)  # in place, as verl's actor does
-        logp = torch.log_softmax(logits, dim=-1)
-        lp = logp.gather(-1, labels[..., None]).squeeze(-1)
-        with torch.no_grad():  # the entropy metric megatron reports too, 256 positions at a time
-            flat = logp.detach().view(-1, logp.shape[-1])
-            ent = torch.cat([-(c.exp() * c).sum(-1) for c in flat.split(256)]).view_as(mask)
-            entropy = (ent * mask).sum() / num_tokens
+        with record_function("forward"):
+            logits = model(input_ids=ids, use_cache=False).logits  # [B, S, V] fp32
+        with record_function("logprobs_fwd"):
+            logits.div_(TEMPERATURE)  # in place, as verl's actor does
+            logp = torch.log_softmax(logits, dim=-1)
+            lp = logp.gather(-1, labels[..., None]).squeeze(-1)
+            with torch.no_grad():  # the entropy metric megatron reports too, 256 positions at a time
+                flat = logp.detach().view(-1, logp.shape[-1])
+                ent = torch.cat([-(c.exp() * c).sum(-1) for c in flat.split(256)]).view_as(mask)
+                entropy = (ent * mask).sum() / num_tokens
         loss, metrics = compute_policy_loss(lp, old_full, adv_full, mask, clip_ratio_low=0.2,
                                             clip_ratio_high=0.28, clip_ratio_c=10.0,
                                             global_num_tokens=num_tokens)
-        loss.backward()
-        norm = torch.nn.utils.clip_grad_norm_(params, CLIP)
-        opt.step()
+        with record_function("backward"):
+            loss.backward()
+        with record_function("optimizer"):
+            norm = torch.nn.utils.clip_grad_norm_(params, CLIP)
+            with record_function("adamw"):
+                opt.step()
         entropy.item()  # the host sync megatron's metrics make
         return metrics["actor/pg_loss"].item(), float(norm)
 
     out = _timed_updates(case, update)
+    if case.profile:
+        out["profile"] = _profile(update)
     out["peak_mb"] = _rss_mb("VmHWM") - base
     static = sum(p.numel() * p.element_size() for p in params) / 2**20
     out["static_mb"] = {"params": static, "grads": static, "optimizer_states": 2 * static}
@@ -260,7 +276,7 @@ def _child(side: str, case: Case, weights: str) -> dict:
     return out
 
 
-# -- the megatron profile ----------------------------------------------------------------------------
+# -- the profiles ------------------------------------------------------------------------------------------
 
 _MATMUL_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::addmm_", "aten::linear",
                "aten::matmul"}
@@ -275,7 +291,7 @@ def _profile_megatron(actor, update) -> dict:
     innermost label (matmuls apart). Memory: the tensors alive at the update's peak, by the label
     that allocated them."""
     from megatron.core.pipeline_parallel import schedules
-    from torch.profiler import ProfilerActivity, profile, record_function
+    from torch.profiler import record_function
 
     from megatron_dapo.policy import logprobs
 
@@ -300,23 +316,33 @@ def _profile_megatron(actor, update) -> dict:
     for obj, name, value in patches:
         setattr(obj, name, value)
     try:
-        gc.collect()
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            start = time.perf_counter()
-            with record_function("update"):
-                update()
-            wall = time.perf_counter() - start
+        return _profile(update)
     finally:
         for obj, name, value in saved:
             if value is _MISSING:
                 delattr(obj, name)  # an instance attribute hid the class's method
             else:
                 setattr(obj, name, value)
+
+
+def _profile(update) -> dict:
+    """One update under torch.profiler (with memory): self time by label (_attribute_time) and by
+    kind of op (_kind_time), the tensors alive at the peak by label (_attribute_memory)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    gc.collect()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        start = time.perf_counter()
+        with record_function("update"):
+            update()
+        wall = time.perf_counter() - start
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
         with open(f.name) as g:
             trace = json.load(g)
-    return dict(wall_s=wall, time_ms=_attribute_time(prof.events()), peak_mb=_attribute_memory(trace))
+    events = prof.events()
+    return dict(wall_s=wall, time_ms=_attribute_time(events), kind_ms=_kind_time(events),
+                peak_mb=_attribute_memory(trace))
 
 
 _MISSING = object()
@@ -335,6 +361,19 @@ def _attribute_time(events) -> dict[str, float]:
         if e.name in _MATMUL_OPS:
             label += ":matmul"
         out[label] = out.get(label, 0.0) + e.self_cpu_time_total / 1e3
+    return out
+
+
+def _kind_time(events) -> dict[str, float]:
+    """Self CPU ms by kind of op: matrix products, the fused attention kernel (SDPA, forward and
+    backward), everything else; the same split on both sides, whatever their labels."""
+    out = {"matmul": 0.0, "attention": 0.0, "other": 0.0}
+    for e in events:
+        if e.name in _LABELS:
+            continue
+        kind = ("matmul" if e.name in _MATMUL_OPS
+                else "attention" if "flash_attention" in e.name or "scaled_dot_product" in e.name else "other")
+        out[kind] += e.self_cpu_time_total / 1e3
     return out
 
 
@@ -386,7 +425,7 @@ def _measure(case: Case, rounds: int) -> dict:
         runs: dict[str, list[dict]] = {"hf": [], "megatron": []}
         for i in range(rounds):
             for side in ("hf", "megatron"):
-                last = side == "megatron" and i == rounds - 1
+                last = i == rounds - 1
                 this = dataclasses.replace(case, profile=case.profile and last)
                 runs[side].append(_spawn(["--child", side, json.dumps(dataclasses.asdict(this)), tmp]))
     out = {}
@@ -464,6 +503,8 @@ def _markdown(cases: dict[str, Case], results: dict[str, dict], quick: bool, rou
     for name, r in results.items():
         if "profile" in r["megatron"]:
             lines += ["", _profile_markdown(name, r["megatron"]["profile"], r["megatron"]["static_mb"])]
+        if "profile" in r["megatron"] and "profile" in r["hf"]:
+            lines += ["", _kinds_markdown(name, r["hf"]["profile"], r["megatron"]["profile"])]
     return "\n".join(lines)
 
 
@@ -505,6 +546,24 @@ def _profile_markdown(name: str, prof: dict, static: dict) -> str:
     return "\n".join(lines)
 
 
+def _kinds_markdown(name: str, hf: dict, mg: dict) -> str:
+    """Both sides' profiled update by kind of op, and what the speed target leaves: megatron's
+    whole update must take at most HF's / SPEED_TARGET."""
+    total = lambda p: sum(p["kind_ms"].values())
+    fixed = lambda p: p["kind_ms"]["matmul"] + p["kind_ms"]["attention"]
+    lines = [f"Both profiled updates by kind of op, {name} (self CPU ms; the profiler's own overhead "
+             "included, so totals exceed the timed updates):", "",
+             "| kind | HF | megatron |", "|---|---|---|"]
+    labels = {"matmul": "matrix products (layers, output layer)", "attention": "fused attention kernel (SDPA)",
+              "other": "everything else (element-wise, softmax, norms, optimizer, copies)"}
+    lines += [f"| {labels[k]} | {hf['kind_ms'][k]:.0f} | {mg['kind_ms'][k]:.0f} |" for k in labels]
+    lines.append(f"| total | {total(hf):.0f} | {total(mg):.0f} |")
+    budget = total(hf) / SPEED_TARGET
+    lines += ["", f"The {SPEED_TARGET}x speed target leaves megatron {budget:.0f} ms for the whole update; its "
+              f"matrix products and attention kernel alone take {fixed(mg):.0f} ms (HF's: {fixed(hf):.0f} ms)."]
+    return "\n".join(lines)
+
+
 def run(quick: bool, *, recompute: str = "none", profile: bool = False, rounds: int = 1,
         threads: int = 2) -> dict:
     cases = _cases(quick, recompute, profile, threads)
@@ -520,7 +579,8 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="small sizes, < 1 min")
     p.add_argument("--recompute", choices=("none", "selective", "full"), default="none",
                    help="megatron's model.recompute; full also turns on HF's gradient checkpointing")
-    p.add_argument("--profile", action="store_true", help="add a profile of one megatron update")
+    p.add_argument("--profile", action="store_true",
+                   help="add a profile of one update of each side (megatron's in detail)")
     p.add_argument("--rounds", type=int, default=1, help="alternating runs of each side; best time is kept")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json", help="also write the full result here")

@@ -18,6 +18,18 @@ megatron's vocab_parallel_cross_entropy, the input logits are never modified in 
 ``vocab_parallel_logprobs_from_hidden`` goes one step further and fuses the output projection
 into the loop, so no [tokens, V_local] tensor exists at all (benchmarks/logprobs.py measures both).
 
+Gradients in the forward (``GradHint``). Recomputing a chunk's logits in backward costs one more
+[chunk, H] x [H, V_local] matmul, a quarter of the output layer's work (forward, recompute, input
+and weight gradients). When the caller can tell, from a chunk's log-probs alone, the gradient the
+loss will send them (a token-mean loss is a sum of per-token terms: train_step.py), the forward
+computes the input and weight gradients while the chunk's logits exist, as Liger-Kernel's
+fused linear cross-entropy does for a scalar loss (github.com/linkedin/Liger-Kernel,
+ops/fused_linear_cross_entropy.py). Backward then only checks that the gradient that arrived is
+that hint times one scalar (the schedule's loss scaling) and scales; anything else (another loss,
+an entropy gradient) falls back to the recompute, so the hint can cost time but never correctness.
+Positions the hint marks inactive (masked out of the loss: prompts, padding) have no gradient:
+the loop runs them first, in chunks of their own, and skips those chunks' gradient matmuls.
+
 Padded vocabulary rows (a multiple of lcm(divisible_by, TP), see model.padded_vocab_size) are not
 tokens: ``valid_vocab_size`` excludes them from the softmax, so log-probs match an unpadded model
 (and the rollout engine) exactly.
@@ -29,13 +41,24 @@ References: NeMo-Aligner / NeMo-RL DistributedLogprob and ChunkedDistributedLogp
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 
-# The loop keeps two or three fp32 work buffers of [chunk, V_local], allocated once per call.
-# 64 MiB each (~110 tokens at V_local = 152064) bounds them near 200 MB; much smaller chunks cost
-# time on CPU (measured: 27-token chunks ran the forward ~1.6x slower than 108-token ones).
-DEFAULT_CHUNK_BYTES = 64 * 2**20
+# The loop keeps three [chunk, V_local] buffers (the chunk's logits, in the weight's dtype, and two
+# fp32 work buffers), allocated once per call. Chunks are DEFAULT_CHUNK_TOKENS tokens, fewer where
+# an fp32 buffer would pass DEFAULT_CHUNK_BYTES (V_local > ~160k): ~470 MB of buffers at
+# V_local = 152064, ~25 MB at 8192. The token count is what the CPU GEMMs need: at hidden 512,
+# V = 152064 and 2 threads the log-prob path of a 4096-token update took ~10.2 s with 110-token
+# chunks (the earlier 64 MiB rule), ~9.0 s with 263 and no less with 526 or 1024; the
+# [chunk, V] x [V, H] input-gradient matmul ran at half speed at 110 rows (benchmarks/train_step.py).
+DEFAULT_CHUNK_TOKENS = 256
+DEFAULT_CHUNK_BYTES = 160 * 2**20
+# The upstream gradient counts as the hint times a scalar when it is within this fraction of its
+# largest entry (fp32 rounding of the schedule's loss scaling is ~1e-7 of each entry).
+_HINT_RTOL = 1e-5
 
 
 def vocab_parallel_logprobs(
@@ -57,7 +80,7 @@ def vocab_parallel_logprobs(
         temperature: the rollout sampling temperature; logits are divided by it first.
         tp_group: the tensor-parallel group the vocabulary is split over; None = not split.
         valid_vocab_size: the real vocabulary size (columns beyond it are padding); None = all.
-        chunk_tokens: tokens per chunk; None sizes chunks to DEFAULT_CHUNK_BYTES.
+        chunk_tokens: tokens per chunk; None: DEFAULT_CHUNK_TOKENS within DEFAULT_CHUNK_BYTES.
 
     Returns:
         (log_probs, entropy): both [...] fp32. Both are differentiable (entropy for an entropy
@@ -79,6 +102,7 @@ def vocab_parallel_logprobs_from_hidden(
     tp_group: dist.ProcessGroup | None = None,
     valid_vocab_size: int | None = None,
     chunk_tokens: int | None = None,
+    grad_hint: GradHint | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The same from the last hidden states, with the output projection fused into the chunk loop:
     no [tokens, V_local] tensor exists at all, in forward or backward (memory O(chunk x V_local)).
@@ -91,6 +115,9 @@ def vocab_parallel_logprobs_from_hidden(
             ``logprobs_output_processor``.
         weight: [V_local, H] this rank's output-layer (or tied embedding) rows.
         target, temperature, tp_group, valid_vocab_size, chunk_tokens: as in vocab_parallel_logprobs.
+        grad_hint: the gradient backward is expected to bring the log-probs (``GradHint``, over
+            the flattened leading dims); only used when hidden or weight requires grad. None:
+            recompute in backward (the module docstring).
 
     Returns:
         (log_probs, entropy): both [...] fp32, differentiable w.r.t. hidden and weight (the
@@ -100,14 +127,39 @@ def vocab_parallel_logprobs_from_hidden(
         raise ValueError(f"need hidden [..., H], weight [V_local, H], target [...]; got "
                          f"{tuple(hidden.shape)}, {tuple(weight.shape)}, {tuple(target.shape)}")
     shard = _Shard(weight.shape[0], tp_group, valid_vocab_size, temperature, chunk_tokens)
-    return _HiddenLogProbs.apply(hidden, weight, target, shard)
+    if not torch.is_grad_enabled() or not (hidden.requires_grad or weight.requires_grad):
+        grad_hint = None
+    return _HiddenLogProbs.apply(hidden, weight, target, shard, grad_hint)
+
+
+@dataclass(frozen=True)
+class GradHint:
+    """What the loss will do with the log-probs, for the fused output layer's gradients in the
+    forward (the module docstring). Positions index the flattened log-probs (``log_probs.reshape(-1)``).
+
+    grad(index, log_probs) -> [C]: d loss / d log p at positions ``index`` ([C] int64, on the
+        log-probs' device) given their log-probs ([C] fp32, detached), up to one scalar factor
+        common to all positions (a loss scale).
+    active: [N] bool on the CPU (no device sync to read it), False where the gradient is known to
+        be exactly 0 (positions masked out of the loss); None: all positions may have one.
+    """
+
+    grad: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    active: torch.Tensor | None = None
 
 
 def logprobs_output_processor(target_bs: torch.Tensor, *, temperature: float, valid_vocab_size: int | None,
-                              chunk_tokens: int | None = None):
+                              chunk_tokens: int | None = None, grad_hint: GradHint | None = None):
     """A ``GPTModel.forward(output_processor=...)`` hook (megatron-core 0.19.2) that returns
     (log_probs, entropy), each [b, s] fp32, instead of logits: the fused path above, with the
-    output layer's own TP / sequence-parallel input handling. target_bs: [b, s] token ids."""
+    output layer's own TP / sequence-parallel input handling. target_bs: [b, s] token ids;
+    grad_hint: over the [b, s] positions (``target_bs.reshape(-1)``)."""
+    if grad_hint is not None:  # the loop runs over [s, b]: position i there is sb_to_bs[i] here
+        b, s = target_bs.shape
+        sb_to_bs = torch.arange(b * s, device=target_bs.device).view(b, s).t().reshape(-1)
+        outer = grad_hint
+        grad_hint = GradHint(grad=lambda index, lp: outer.grad(sb_to_bs[index], lp),
+                             active=None if outer.active is None else outer.active.view(b, s).t().reshape(-1))
     from megatron.core.tensor_parallel import (
         copy_to_tensor_model_parallel_region,
         gather_from_sequence_parallel_region,
@@ -123,7 +175,7 @@ def logprobs_output_processor(target_bs: torch.Tensor, *, temperature: float, va
         group = group if dist.is_initialized() and dist.get_world_size(group) > 1 else None
         lp, ent = vocab_parallel_logprobs_from_hidden(
             hidden, weight, target_bs.t(), temperature=temperature, tp_group=group,
-            valid_vocab_size=valid_vocab_size, chunk_tokens=chunk_tokens)
+            valid_vocab_size=valid_vocab_size, chunk_tokens=chunk_tokens, grad_hint=grad_hint)
         return lp.t(), ent.t()  # [s, b] -> [b, s]
 
     return processor
@@ -143,13 +195,15 @@ class _Shard:
         self.group, self.temperature = tp_group, float(temperature)
         self.start = rank * v_local
         self.valid = max(0, min(v_local, valid - self.start))  # a rank may hold only padding
-        self.chunk = chunk_tokens or max(1, DEFAULT_CHUNK_BYTES // (4 * max(self.valid, 1)))
+        within_bytes = DEFAULT_CHUNK_BYTES // (4 * max(self.valid, 1))
+        self.chunk = chunk_tokens or max(1, min(DEFAULT_CHUNK_TOKENS, within_bytes))
 
 
 def _chunk_forward(logits, target, shard, buffers):
     """logits: [C, V_local] this chunk's raw logits, any dtype (read only); buffers: two fp32
-    [>= C, valid] work buffers, reused across chunks. Returns the per-token (M, log S,
-    E_p[x - M], log p, entropy), each [C] fp32, reduced over the TP group."""
+    [>= C, valid] work buffers, reused across chunks (on return buffers[1][:C] holds exp(x - M)).
+    Returns the per-token (M, log S, E_p[x - M], log p, entropy), each [C] fp32, reduced over
+    the TP group."""
     raw = logits[:, :shard.valid]
     # max commutes with dividing by T > 0, so take it on the raw logits (no scaled copy yet).
     m = (raw.amax(-1).float() / shard.temperature if shard.valid
@@ -164,8 +218,10 @@ def _chunk_forward(logits, target, shard, buffers):
     target_x = (torch.where(in_shard, x.gather(1, local_t[:, None]).squeeze(1), 0.0) if shard.valid
                 else torch.zeros_like(m))
     # One all-reduce for the three partial sums: sum exp, the target's shifted logit (only its
-    # owner has it), and sum exp * shifted logit (a batched dot product: no [C, V] temporary).
-    stats = torch.stack([exp.sum(-1), target_x, torch.bmm(exp[:, None, :], x[:, :, None]).view(-1)])
+    # owner has it), and sum exp * shifted logit, multiplied into x's buffer (x is not needed after
+    # this; no [C, V] temporary). A batched dot product (bmm [C, 1, V] x [C, V, 1]) did the same
+    # 2-2.5x slower on CPU: ~8% of a whole update at V = 152064 (benchmarks/train_step.py).
+    stats = torch.stack([exp.sum(-1), target_x, x.mul_(exp).sum(-1)])
     if shard.group is not None:
         dist.all_reduce(stats, group=shard.group)
     log_sum, mean_shifted = torch.log(stats[0]), stats[2] / stats[0]
@@ -195,8 +251,10 @@ def _chunk_backward(logits, target, shard, m, log_sum, mean_shifted, g_lp, g_h, 
     return x
 
 
-def _run_forward(ctx, n, target, shard, logits_of):
-    """Loop over token chunks; logits_of(rows) gives [C, V_local] logits of those tokens."""
+def _run_forward(ctx, n, target, shard, logits_of, on_chunk=None):
+    """Loop over token chunks; logits_of(rows) gives [C, V_local] logits of those tokens.
+    on_chunk(rows, target, log_probs, log_sum, exp): called after each chunk with its [C, valid]
+    buffer exp(x - M), which it may overwrite."""
     tgt = target.reshape(-1)
     stats = torch.empty(3, n, dtype=torch.float32, device=target.device)  # M, log S, E_p[x - M]
     log_probs, entropy = torch.empty_like(stats[0]), torch.empty_like(stats[0])
@@ -206,6 +264,8 @@ def _run_forward(ctx, n, target, shard, logits_of):
         m, log_sum, mean, log_probs[rows], entropy[rows] = _chunk_forward(
             logits_of(rows), tgt[rows], shard, buffers)
         stats[:, rows] = torch.stack([m, log_sum, mean])
+        if on_chunk is not None:
+            on_chunk(rows, tgt[rows], log_probs[rows], log_sum, buffers[1][: rows.stop - rows.start])
     ctx.shard = shard
     return log_probs.view(target.shape), entropy.view(target.shape), stats
 
@@ -224,6 +284,8 @@ def _chunk_projection(hidden, weight, shard):
 
 
 def _grads_out(grad_log_probs, grad_entropy):
+    # Both Functions set_materialize_grads(False): an output nobody differentiates (the entropy,
+    # usually) arrives as None, so backward skips its terms instead of multiplying zeros.
     g_lp = None if grad_log_probs is None else grad_log_probs.reshape(-1).float()
     g_h = None if grad_entropy is None else grad_entropy.reshape(-1).float()
     return g_lp, g_h
@@ -232,6 +294,7 @@ def _grads_out(grad_log_probs, grad_entropy):
 class _VocabParallelLogProbs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, shard):
+        ctx.set_materialize_grads(False)
         flat = logits.reshape(-1, logits.shape[-1])  # a view for contiguous logits
         lp, ent, stats = _run_forward(ctx, flat.shape[0], target, shard, lambda rows: flat[rows])
         ctx.save_for_backward(logits, target, stats)
@@ -261,16 +324,24 @@ class _HiddenLogProbs(torch.autograd.Function):
     """The output layer fused in: logits exist one chunk at a time, in forward and backward."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, target, shard):
+    def forward(ctx, hidden, weight, target, shard, grad_hint):
+        ctx.set_materialize_grads(False)
         flat = hidden.reshape(-1, hidden.shape[-1])
-        logits_of = _chunk_projection(flat, weight, shard)
-        lp, ent, stats = _run_forward(ctx, flat.shape[0], target, shard, logits_of)
+        if grad_hint is None:
+            logits_of = _chunk_projection(flat, weight, shard)
+            lp, ent, stats = _run_forward(ctx, flat.shape[0], target, shard, logits_of)
+            ctx.early = None
+        else:
+            lp, ent, stats, ctx.early = _forward_with_grads(ctx, flat, weight, target, shard, grad_hint)
         ctx.save_for_backward(hidden, weight, target, stats)
         return lp, ent
 
     @staticmethod
     def backward(ctx, grad_log_probs, grad_entropy):
         hidden, weight, target, stats = ctx.saved_tensors
+        early, ctx.early = ctx.early, None
+        if early is not None and (grads := early.scaled(grad_log_probs, grad_entropy)) is not None:
+            return grads[0].view_as(hidden), grads[1].to(weight.dtype), None, None, None
         shard, (g_lp, g_h) = ctx.shard, _grads_out(grad_log_probs, grad_entropy)
         flat, tgt, w = hidden.reshape(-1, hidden.shape[-1]), target.reshape(-1), weight[:shard.valid]
         grad_hidden = torch.empty_like(flat)
@@ -285,7 +356,81 @@ class _HiddenLogProbs(torch.autograd.Function):
                                  buffers[1][:c], buffers[0][:c])
             grad_hidden[rows] = (gx.to(w.dtype) @ w).to(grad_hidden.dtype)
             grad_weight[:shard.valid].addmm_(gx.t(), flat[rows].float())  # in place: no [V, H] temporary
-        return grad_hidden.view_as(hidden), grad_weight.to(weight.dtype), None, None
+        return grad_hidden.view_as(hidden), grad_weight.to(weight.dtype), None, None, None
+
+
+def _forward_with_grads(ctx, flat, weight, target, shard, hint: GradHint):
+    """_run_forward plus the gradients for ``hint`` (an _EarlyGrads), with the rows reordered so
+    that the inactive ones come first, in chunks of their own; results in the original order."""
+    n, shape = flat.shape[0], target.shape
+    order = None
+    if hint.active is not None:
+        active = hint.active.reshape(-1).bool().cpu()
+        order = torch.cat([torch.nonzero(~active).view(-1), torch.nonzero(active).view(-1)])
+        active_run = active[order]
+        order = order.to(flat.device)
+        flat, target = flat.index_select(0, order), target.reshape(-1).index_select(0, order)
+    early = _EarlyGrads(flat, weight, shard, hint, order, None if order is None else active_run)
+    logits_of = _chunk_projection(flat, weight, shard)
+    lp, ent, stats = _run_forward(ctx, n, target, shard, logits_of, on_chunk=early.chunk)
+    early.finish()
+    if order is None:
+        return lp, ent, stats, early
+    unordered = torch.empty_like(stats)
+    unordered[:, order] = stats
+    lp_ent = torch.empty(2, n, dtype=lp.dtype, device=lp.device)
+    lp_ent[:, order] = torch.stack([lp.reshape(-1), ent.reshape(-1)])
+    return lp_ent[0].view(shape), lp_ent[1].view(shape), unordered, early
+
+
+class _EarlyGrads:
+    """The input and weight gradients of _HiddenLogProbs for the upstream gradient a GradHint
+    predicts, accumulated chunk by chunk in the forward (the module docstring). Rows arrive in
+    the loop's order: ``order[i]`` is the original position of row i (None: the same)."""
+
+    def __init__(self, flat, weight, shard, hint: GradHint, order, active_run):
+        self.flat, self.weight, self.shard, self.hint = flat, weight[:shard.valid], shard, hint
+        self.order, self.active_run = order, active_run
+        self.expected = torch.zeros(flat.shape[0], dtype=torch.float32, device=flat.device)
+        self.grad_hidden = torch.zeros_like(flat)
+        self.grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+
+    def chunk(self, rows, target, log_probs, log_sum, exp):
+        """exp: [C, valid] exp(x - M), overwritten with d log p . g / d logits = (onehot - p) g / T."""
+        if self.active_run is not None and not self.active_run[rows].any():
+            return  # masked out of the loss: no gradient (expected and grad_hidden stay 0)
+        index = (torch.arange(rows.start, rows.stop, device=self.flat.device) if self.order is None
+                 else self.order[rows])
+        g = self.hint.grad(index, log_probs.detach()).float().reshape(-1)
+        self.expected[rows] = g
+        t = self.shard.temperature
+        gx = exp.mul_((g / -t * torch.exp(-log_sum))[:, None])  # p = exp(x - M) / S
+        if self.shard.valid:
+            local_t, in_shard = _local_target(target, self.shard)
+            gx.scatter_add_(1, local_t[:, None], torch.where(in_shard, g / t, 0.0)[:, None])
+        w = self.weight
+        self.grad_hidden[rows] = (gx.to(w.dtype) @ w).to(self.grad_hidden.dtype)
+        self.grad_weight[:self.shard.valid].addmm_(gx.t(), self.flat[rows].float())
+
+    def finish(self):
+        """Back to the original row order; drop all but the gradients."""
+        if self.order is not None:
+            expected, grad_hidden = torch.empty_like(self.expected), torch.empty_like(self.grad_hidden)
+            expected[self.order], grad_hidden[self.order] = self.expected, self.grad_hidden
+            self.expected, self.grad_hidden = expected, grad_hidden
+        self.flat = self.weight = self.hint = self.order = self.active_run = None
+
+    def scaled(self, grad_log_probs, grad_entropy):
+        """(grad_hidden, grad_weight) when grad_log_probs = c x the hint (and no entropy
+        gradient), else None (the caller recomputes). One host sync."""
+        if grad_entropy is not None or grad_log_probs is None:
+            return None
+        g, h = grad_log_probs.reshape(-1).float(), self.expected
+        norm = torch.dot(h, h)
+        c = torch.dot(g, h) / norm if norm > 0 else torch.zeros((), device=h.device)
+        if not (g - c * h).abs().max() <= _HINT_RTOL * g.abs().max():
+            return None
+        return self.grad_hidden.mul_(c.to(self.grad_hidden.dtype)), self.grad_weight.mul_(c)
 
 
 def _local_target(target: torch.Tensor, shard: _Shard):

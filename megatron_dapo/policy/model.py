@@ -213,14 +213,21 @@ def transformer_config_from_hf(hf_config, *, model: ModelConfig, parallel: Paral
 
 
 def layer_spec(config):
-    """Megatron's TE spec or local spec (RMSNorm through torch), per config.transformer_impl."""
+    """Megatron's TE spec or local spec (RMSNorm through torch), per config.transformer_impl; the
+    local spec's core attention is torch's fused SDPA (sdpa_attention.py: megatron's unfused
+    DotProductAttention keeps [b, heads, s, s] probabilities per layer)."""
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec,
         get_gpt_layer_with_transformer_engine_spec,
     )
+
+    from megatron_dapo.policy.sdpa_attention import SDPAttention
+
     if config.transformer_impl == "transformer_engine":
         return get_gpt_layer_with_transformer_engine_spec()
-    return get_gpt_layer_local_spec(normalization="RMSNorm")
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    spec.submodules.self_attention.submodules.core_attention = SDPAttention
+    return spec
 
 
 def build_model(hf_config, *, model: ModelConfig, parallel: ParallelConfig,

@@ -24,10 +24,18 @@ gradient becomes exactly d(global token-mean) / d theta. (Megatron's own per-tok
 3-tuple with calculate_per_token_loss=True, divides by a token count that finalize_model_grads
 sums over DP; the pre-divided loss here also covers the seq-mean modes.)
 
+The output layer. For token-mean (a sum of per-token terms over the global count) the forward
+hands logprobs.py a hint, ``_loss_grad_hint``: the loss's gradient at a chunk's log-probs, from
+those log-probs alone. The fused output layer then computes its input and weight gradients while
+each chunk's logits exist instead of recomputing them in backward, a quarter less output-layer
+work, and skips positions outside the loss mask; backward checks that the gradient that arrived
+is the hint times one scalar (the scaling above) and recomputes otherwise.
+
 Metrics: the loss's metrics are pre-divided by the global count, so they are summed over
 micro-batches (``*_max`` keys: max) on the last pipeline stage, then all ranks exchange one
 stacked tensor (one all-gather over DP, reduced locally: sum or max per key) and the last
-stage broadcasts the result over PP. One host sync per step.
+stage broadcasts the result over PP. One host sync per step for the metrics, and one per
+micro-batch in the output layer's backward (the hint check).
 """
 
 from __future__ import annotations
@@ -47,7 +55,7 @@ from megatron_dapo.policy.batching import (
     pad_multiple,
     unpack_responses,
 )
-from megatron_dapo.policy.logprobs import logprobs_output_processor
+from megatron_dapo.policy.logprobs import GradHint, logprobs_output_processor
 from megatron_dapo.policy.optimizer import current_lr
 from megatron_dapo.policy.parallel import all_gather_rows
 
@@ -147,10 +155,36 @@ def _forward_step(settings: StepSettings, counts, scale: float, data_iterator, m
     device = compute_device()
     processor = logprobs_output_processor(mb.labels.to(device), temperature=settings.temperature,
                                           valid_vocab_size=settings.valid_vocab_size,
-                                          chunk_tokens=settings.chunk_tokens)
+                                          chunk_tokens=settings.chunk_tokens,
+                                          grad_hint=_loss_grad_hint(settings, counts, mb, device))
     # Last stage: (log_probs, entropy), each [b, s] fp32; other stages: hidden states.
     output = model(mb.input_ids.to(device), mb.position_ids.to(device), None, output_processor=processor)
     return output, functools.partial(_loss_func, settings, counts, scale, mb)
+
+
+def _loss_grad_hint(settings: StepSettings, counts, mb: MicroBatch, device) -> GradHint | None:
+    """d loss / d log p of some positions of the micro-batch from their log-probs alone, for the
+    output layer to compute its gradients in the forward (logprobs.py, ``GradHint``); positions
+    outside the loss mask have none. Exact up to the schedule's scaling for token-mean, a sum of
+    per-token terms over the global token count; the seq-mean modes divide by per-sequence counts
+    a chunk does not see: None (recompute)."""
+    if settings.loss_agg_mode != "token-mean" or counts is None or not torch.is_grad_enabled():
+        return None
+    loss_fn = settings.policy_loss_fn()
+    per_token = {"old": mb.old_log_probs, "adv": mb.advantages, "mask": mb.loss_mask,
+                 "rollout": mb.rollout_log_probs}
+    flat = {k: v.to(device).reshape(-1) for k, v in per_token.items()}
+
+    def grad(index, log_probs):
+        tis = {} if settings.tis_cap is None else {"rollout_log_probs": flat["rollout"][index][None]}
+        with torch.enable_grad():  # called inside an autograd Function's forward
+            lp = log_probs.detach()[None].requires_grad_()
+            loss, _ = loss_fn(lp, flat["old"][index][None], flat["adv"][index][None],
+                              flat["mask"][index][None], global_num_tokens=counts[0],
+                              global_num_seqs=counts[1], **tis)
+            return torch.autograd.grad(loss, lp, allow_unused=True, materialize_grads=True)[0][0]
+
+    return GradHint(grad=grad, active=mb.loss_mask.cpu() != 0)
 
 
 def _loss_func(settings: StepSettings, counts, scale: float, mb: MicroBatch, output, non_loss_data=False):

@@ -129,3 +129,56 @@ def test_from_hidden_matches_matmul_then_log_softmax(chunk_tokens):
     for got, want in zip(grads, ref_grads):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-6)
     assert torch.all(grads[1][36:] == 0)
+
+
+def _hint_case():
+    g = torch.Generator().manual_seed(4)
+    hidden = torch.randn(3, 6, 16, generator=g).requires_grad_()
+    weight = (torch.randn(40, 16, generator=g) / 2).requires_grad_()
+    target = torch.randint(0, 36, (3, 6), generator=g)
+    active = torch.rand(3, 6, generator=g) > 0.4  # positions in the loss
+    w = torch.randn(3, 6, generator=g) * active
+    return hidden, weight, target, active, w
+
+
+@pytest.mark.parametrize("chunk_tokens", [1, 4, None])
+def test_grad_hint_gives_the_recomputed_grads(monkeypatch, chunk_tokens):
+    """With a GradHint (the loss's gradient at the log-probs, known in the forward) the output
+    layer's gradients come from the forward, and backward recomputes nothing when the gradient
+    that arrives is the hint times a scalar (a loss scale). Both against the plain
+    matmul + log_softmax reference; then a gradient the hint did not predict (an entropy term,
+    other weights) falls back to the recompute and is still exact."""
+    from megatron_dapo.policy import logprobs
+
+    hidden, weight, target, active, w = _hint_case()
+    flat_w = w.reshape(-1)
+    hint = logprobs.GradHint(grad=lambda index, lp: flat_w[index] * 3.0, active=active)
+    recomputed = []
+    real_backward = logprobs._chunk_backward
+    monkeypatch.setattr(logprobs, "_chunk_backward",
+                        lambda *a: recomputed.append(1) or real_backward(*a))
+    ref_lp, ref_h = reference(hidden @ weight.t(), target, 0.8, valid=36)
+
+    def grads(loss_of, with_hint=True):
+        lp, h = vocab_parallel_logprobs_from_hidden(hidden, weight, target, temperature=0.8, valid_vocab_size=36,
+                                                    chunk_tokens=chunk_tokens, grad_hint=hint if with_hint else None)
+        torch.testing.assert_close(lp, ref_lp, rtol=0, atol=2e-6)
+        torch.testing.assert_close(h, ref_h, rtol=0, atol=2e-6)
+        return torch.autograd.grad(loss_of(lp, h), (hidden, weight))
+
+    def check(got, loss_of):
+        want = torch.autograd.grad(loss_of(ref_lp, ref_h), (hidden, weight), retain_graph=True)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=2e-6)
+        assert torch.all(got[1][36:] == 0)
+
+    predicted = lambda lp, h: 0.37 * (lp * w).sum()  # the hint up to a scale: no recompute
+    check(grads(predicted), predicted)
+    assert not recomputed
+    for surprise in (lambda lp, h: (lp * w).sum() + 0.1 * (h * w).sum(),  # an entropy gradient
+                     lambda lp, h: (lp * w.flip(0)).sum(),  # other per-token weights
+                     lambda lp, h: (lp * (w + 0.5 * ~active)).sum()):  # a position the hint called inactive
+        recomputed.clear()
+        check(grads(surprise), surprise)
+        assert recomputed
+    assert check(grads(predicted, with_hint=False), predicted) is None and recomputed

@@ -1,0 +1,66 @@
+"""Core attention through ``torch.nn.functional.scaled_dot_product_attention`` for the local spec.
+
+Megatron's local ``DotProductAttention`` (megatron-core 0.19.2) materialises the attention
+scores and probabilities, [b, heads, s, s] each, repeats the KV heads to the query heads, and
+saves the probabilities for backward: at 8 x 512 tokens and 8 heads that is 64 MB per tensor
+per layer in fp32. torch's SDPA runs a fused (flash) kernel on CPU and GPU that keeps neither
+and handles GQA itself (``enable_gqa``), so the local spec (the CPU path, and the GPU path
+without Transformer Engine) trains faster and in less memory; benchmarks/train_step.py measures
+it against HF transformers, whose Qwen2 uses the same kernel. The TE spec keeps TE's attention.
+
+Covers what the local spec meets here: causal self-attention without dropout, bias, packing,
+context parallelism or sliding windows; anything else is refused at build time, naming the field.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+class SDPAttention(torch.nn.Module):
+    """A drop-in ``core_attention`` (megatron's CoreAttentionBuilder / CoreAttentionInterface).
+    A plain module without parameters (nothing to checkpoint), so that importing it does not
+    import megatron.core (the policy package's import has no side effects: cpu_compat.py)."""
+
+    def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str,
+                 attention_dropout: float | None = None, softmax_scale: float | None = None,
+                 cp_comm_type: str | None = None, pg_collection=None):
+        from megatron.core.transformer.enums import AttnMaskType
+
+        super().__init__()
+        self._causal = AttnMaskType.causal
+        unsupported = {
+            "attention_dropout": (config.attention_dropout if attention_dropout is None else attention_dropout) != 0,
+            "context_parallel_size": config.context_parallel_size != 1,
+            "window_size": config.window_size is not None,
+            "softmax_type": config.softmax_type != "vanilla",
+            "apply_query_key_layer_scaling": config.apply_query_key_layer_scaling,
+            "attn_mask_type": attn_mask_type not in (AttnMaskType.causal, AttnMaskType.no_mask),
+        }
+        bad = [name for name, is_bad in unsupported.items() if is_bad]
+        if bad:
+            raise ValueError(f"SDPAttention does not support {', '.join(bad)} (attention_dropout=0, "
+                             f"context_parallel_size=1, no window, vanilla softmax, causal mask); "
+                             f"use the Transformer Engine spec (model.transformer_impl) for these")
+        self.attn_mask_type = attn_mask_type
+        self.softmax_scale = softmax_scale or 1.0 / math.sqrt(config.kv_channels)
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        """query: [sq, b, heads, d]; key, value: [sk, b, kv_heads, d]; attention_mask: None or
+        megatron's bool mask (True = masked out), broadcastable to [b, heads, sq, sk].
+        Returns [sq, b, heads * d]."""
+        if attention_bias is not None or packed_seq_params is not None:
+            raise ValueError("SDPAttention takes neither attention_bias nor packed_seq_params "
+                             "(packed sequences need the Transformer Engine spec)")
+        mask_type = attn_mask_type or self.attn_mask_type
+        causal = mask_type == self._causal and attention_mask is None
+        mask = None if attention_mask is None else ~attention_mask  # SDPA: True = attend
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, d]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                             scale=self.softmax_scale, enable_gqa=k.shape[1] != q.shape[1])
+        sq, b = query.shape[:2]
+        return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
