@@ -5,7 +5,8 @@ embeddings; fp32) and update on the same mini-batch: ``seqs`` random sequences o
 tokens, the last ``seq_len - prompt`` of each a response, per-sequence advantages, old log-probs
 near the untrained model's. One update is, on both sides:
 
-  megatron  MegatronActor.get_loss_and_metrics in a world of one (gloo), one micro-batch: the
+  megatron  MegatronActor.get_loss_and_metrics in a world of one (gloo), one micro-batch, local
+            spec (attention: torch SDPA, policy/sdpa_attention.py): the
             chunked log-prob path with the output projection fused in (policy/logprobs.py; its
             gradients computed in the forward from the loss's per-token gradient), the DAPO loss
             (algo.compute_policy_loss, token-mean), backward through megatron's schedule and DDP
@@ -30,9 +31,13 @@ megatron / hf >= 1.3 and peak memory megatron / hf <= 0.5, at both vocabularies 
 ``--recompute full`` runs megatron with model.recompute=full beside HF with gradient
 checkpointing; ``selective`` recomputes megatron's core attention only (HF's sdpa kernel already
 recomputes its probabilities in backward). ``--profile`` adds a torch.profiler breakdown of one
-megatron update: time by component, and the tensors alive at its memory peak.
+megatron update (time by component, the tensors alive at its memory peak) and both sides' time
+by kind of op (matrix products, attention kernel, the rest), which bounds what any implementation
+of the same work can gain. The default full run: both vocabularies without recompute, the small one
+also with full recompute on both sides, profiles on.
 
-    python benchmarks/train_step.py --rounds 3 --profile   # 4 layers, hidden 512, 8 x 512 tokens: ~12 min
+    python benchmarks/train_step.py                        # 4 layers, hidden 512, 8 x 512 tokens: ~8 min
+    python benchmarks/train_step.py --rounds 3 --vocabs qwen --no-profile
     python benchmarks/train_step.py --quick                # small sizes, < 1 min
 """
 
@@ -461,8 +466,10 @@ def _figures(name: str, result: dict, quick: bool) -> list[dict]:
     ]
 
 
-def _cases(quick: bool, recompute: str, profile: bool, threads: int) -> dict[str, Case]:
+def _cases(quick: bool, recompute: str, profile: bool, threads: int,
+           only: tuple[str, ...] = tuple(VOCABS)) -> dict[str, Case]:
     layers, vocabs = (QUICK_LAYERS, QUICK_VOCABS) if quick else (LAYERS, VOCABS)
+    vocabs = {k: v for k, v in vocabs.items() if k in only}
     seqs, seq_len, prompt, updates = (2, 256, 64, 1) if quick else (8, 512, 128, 3)
     return {f"V={v}" + ("" if recompute == "none" else f", recompute {recompute}"): Case(
         vocab=v, layers=layers, seqs=seqs, seq_len=seq_len, prompt=prompt, updates=updates,
@@ -564,9 +571,15 @@ def _kinds_markdown(name: str, hf: dict, mg: dict) -> str:
     return "\n".join(lines)
 
 
-def run(quick: bool, *, recompute: str = "none", profile: bool = False, rounds: int = 1,
-        threads: int = 2) -> dict:
-    cases = _cases(quick, recompute, profile, threads)
+def run(quick: bool, *, recompute: str | None = None, profile: bool | None = None, rounds: int = 1,
+        threads: int = 2, vocabs: tuple[str, ...] = tuple(VOCABS)) -> dict:
+    """recompute None: no recompute at every vocabulary, and at full sizes also the small one with
+    full recompute on both sides (where memory rather than the logits is the question);
+    profile None: at full sizes."""
+    profile = not quick if profile is None else profile
+    cases = _cases(quick, recompute or "none", profile, threads, vocabs)
+    if recompute is None and not quick and "small" in vocabs:
+        cases.update(_cases(quick, "full", profile, threads, ("small",)))
     load_start = os.getloadavg()[0]
     results = {name: _measure(case, rounds) for name, case in cases.items()}
     figures = [f for name, r in results.items() for f in _figures(name, r, quick)]
@@ -577,12 +590,15 @@ def run(quick: bool, *, recompute: str = "none", profile: bool = False, rounds: 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="small sizes, < 1 min")
-    p.add_argument("--recompute", choices=("none", "selective", "full"), default="none",
-                   help="megatron's model.recompute; full also turns on HF's gradient checkpointing")
-    p.add_argument("--profile", action="store_true",
-                   help="add a profile of one update of each side (megatron's in detail)")
+    p.add_argument("--recompute", choices=("none", "selective", "full"),
+                   help="megatron's model.recompute; full also turns on HF's gradient checkpointing "
+                        "(default: none, plus full at the small vocabulary at full sizes)")
+    p.add_argument("--profile", action=argparse.BooleanOptionalAction,
+                   help="a profile of one update of each side, megatron's in detail (default: at full sizes)")
     p.add_argument("--rounds", type=int, default=1, help="alternating runs of each side; best time is kept")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--vocabs", default=",".join(VOCABS),
+                   help=f"comma-separated cases: {', '.join(f'{k} (V={v})' for k, v in VOCABS.items())}")
     p.add_argument("--json", help="also write the full result here")
     p.add_argument("--make", nargs=2, metavar=("CASE", "DIR"), help=argparse.SUPPRESS)
     p.add_argument("--child", nargs=3, metavar=("SIDE", "CASE", "DIR"), help=argparse.SUPPRESS)
@@ -594,8 +610,11 @@ def main() -> None:
     if args.child:
         print(json.dumps(_child(args.child[0], Case(**json.loads(args.child[1])), args.child[2])))
         return
+    vocabs = tuple(v.strip() for v in args.vocabs.split(",") if v.strip())
+    if not vocabs or set(vocabs) - set(VOCABS):
+        p.error(f"--vocabs {args.vocabs!r}: choose from {', '.join(VOCABS)}")
     result = run(args.quick, recompute=args.recompute, profile=args.profile, rounds=args.rounds,
-                 threads=args.threads)
+                 threads=args.threads, vocabs=vocabs)
     print(result["markdown"])
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
