@@ -6,6 +6,8 @@ and ``--signals`` times by SIGTERM / SIGUSR1 / SIGINT (in turn, at a random mome
 after each, until it completes. Counts what the issue asks about: processes the trainer started
 that outlive it, kills that landed inside a save, signal exits that were not "exit 0 with a
 checkpoint", and metrics records that are missing, duplicated or differ from the reference.
+``run(quick)`` (benchmarks/run_all.py) gives these counts as figures, at a few faults (quick) or
+at the defaults below.
 
     python benchmarks/fault_campaign.py --kills 30 --signals 9 [--steps 24]
 """
@@ -65,52 +67,127 @@ def _hit(run_dir: Path, steps: int, sig: int, rng: random.Random, mid_save: bool
             "in_save": _saving(run_dir) if sig == signal.SIGKILL else False}
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--kills", type=int, default=30)
-    p.add_argument("--signals", type=int, default=9)
-    p.add_argument("--steps", type=int, default=24)
-    p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args()
-    rng = random.Random(args.seed)
+# Steps as in FULL: a shorter run often ends before its random moment (2-20 s), and the fault never lands.
+QUICK = dict(kills=2, signals=3, steps=24, seed=0)  # one of each stop signal
+FULL = dict(kills=30, signals=9, steps=24, seed=0)
+
+
+def campaign(kills: int, signals: int, steps: int, seed: int) -> dict:
+    """The reference run, the faults with relaunches, and the final resume: what summarise() counts."""
+    rng = random.Random(seed)
     start = time.time()
     with tempfile.TemporaryDirectory() as d, open(Path(d) / "log.txt", "w") as log:
-        ref, run = Path(d) / "reference", Path(d) / "run"
-        subprocess.run(_cmd(ref, args.steps), cwd=ROOT, stdout=log, stderr=log, env=ENV, check=True)
+        ref, run_dir = Path(d) / "reference", Path(d) / "run"
+        subprocess.run(_cmd(ref, steps), cwd=ROOT, stdout=log, stderr=log, env=ENV, check=True)
         for name in ("toy", "toy_data", "toy_base"):
-            shutil.copytree(ref / name, run / name)
-        plan = [signal.SIGKILL] * args.kills + [(signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)[i % 3]
-                                                for i in range(args.signals)]
+            shutil.copytree(ref / name, run_dir / name)
+        plan = [signal.SIGKILL] * kills + [(signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)[i % 3]
+                                           for i in range(signals)]
         rng.shuffle(plan)
         outcomes = []
         for i, sig in enumerate(plan):
             mid_save = sig == signal.SIGKILL and sum(s == signal.SIGKILL for s in plan[:i]) % 3 == 0
-            out = _hit(run, args.steps, sig, rng, mid_save, log)
+            out = _hit(run_dir, steps, sig, rng, mid_save, log)
             outcomes.append((signal.Signals(sig).name, out))
             if out["finished"]:
-                shutil.rmtree(run / "checkpoints")  # start over (same toy): more faults to inject
-                (run / "metrics.jsonl").unlink()
-        final = subprocess.run(_cmd(run, args.steps), cwd=ROOT, stdout=log, stderr=log, env=ENV)
-        got, want = _records(run), _records(ref)
+                shutil.rmtree(run_dir / "checkpoints")  # start over (same toy): more faults to inject
+                (run_dir / "metrics.jsonl").unlink()
+        final = subprocess.run(_cmd(run_dir, steps), cwd=ROOT, stdout=log, stderr=log, env=ENV)
+        got, want = _records(run_dir), _records(ref)
+    return summarise(dict(kills=kills, signals=signals, steps=steps, seed=seed), outcomes,
+                     final.returncode, got, want, time.time() - start)
+
+
+def summarise(size: dict, outcomes: list, final_rc: int, got: list[dict], want: list[dict], wall_s: float) -> dict:
+    """Counts from the faults' outcomes [(signal name, _hit's dict)] and the final and reference records."""
     steps = [r["step"] for r in got]
     hits = [(s, o) for s, o in outcomes if not o["finished"]]
     kills = [o for s, o in hits if s == "SIGKILL"]
     sigs = [(s, o) for s, o in hits if s != "SIGKILL"]
-    equal = sum(v == want_v for st, v in _values(got).items() for want_v in [_values(want).get(st)])
-    num_values = sum(len(v) for v in _values(want).values())
-    print(f"{len(plan)} faults planned, {len(hits)} landed ({len(plan) - len(hits)} runs finished first and "
-          "were started over)")
-    print(f"{len(kills)} SIGKILLs to the trainer alone ({sum(o['in_save'] for o in kills)} inside a checkpoint "
-          f"save), {sum(o['children'] for o in kills)} child processes then alive, "
-          f"{sum(o['left'] for o in kills)} left 20 s after the kill")
-    bad = [(s, o["rc"]) for s, o in sigs if o["rc"] != 0]
-    print(f"{len(sigs)} stop signals ({', '.join(sorted({s for s, _ in sigs}))}): {len(sigs) - len(bad)} exited 0 "
-          f"with a checkpoint, others: {bad}")
-    print(f"final resume rc {final.returncode}; records {len(got)} for steps 0..{args.steps} "
-          f"(each once: {steps == list(range(args.steps + 1))}); records equal to the reference: {equal}/"
-          f"{len(want)} ({num_values} values); wall {time.time() - start:.0f} s")
-    ok = final.returncode == 0 and steps == list(range(args.steps + 1)) and equal == len(want) and not bad
-    return 0 if ok and not any(o["left"] for o in kills) else 1
+    got_v, want_v = _values(got), _values(want)
+    equal = sum(v == want_v.get(st) for st, v in got_v.items())
+    return dict(size, planned=len(outcomes), landed=len(hits), kills_landed=len(kills),
+                kills_in_save=sum(o["in_save"] for o in kills), children=sum(o["children"] for o in kills),
+                leaked=sum(o["left"] for o in kills), signals_landed=len(sigs),
+                signal_names=sorted({s for s, _ in sigs}), bad_signals=[(s, o["rc"]) for s, o in sigs if o["rc"] != 0],
+                final_rc=final_rc, records=len(got), each_once=steps == list(range(size["steps"] + 1)),
+                missing=len(set(want_v) - set(steps)), duplicated=len(steps) - len(set(steps)),
+                differing=len(got_v) - equal, equal=equal, reference_records=len(want),
+                num_values=sum(len(v) for v in want_v.values()), wall_s=wall_s)
+
+
+def passed(c: dict) -> bool:
+    """The exit status's criterion: the final resume completes with every record once and equal to the
+    reference, every stop signal exits 0, and no child process outlives a killed trainer."""
+    ok = c["final_rc"] == 0 and c["each_once"] and c["equal"] == c["reference_records"] and not c["bad_signals"]
+    return ok and not c["leaked"]
+
+
+def _figure(figure: str, value: float, unit: str, target: str | None = "0") -> dict:
+    return dict(figure=figure, value=float(value), unit=unit, baseline_name=None, baseline=None, ratio=None,
+                target=target, met=None if target is None else value == 0)
+
+
+def figures(c: dict) -> list[dict]:
+    """Counts of what went wrong (target 0), and how many kills landed inside a save: no pass
+    criterion, it says how hard the campaign hit the checkpoint writer. Records are compared with
+    the uninterrupted reference, step by step, all values but wall times; a record whose step the
+    reference lacks counts as differing."""
+    return [
+        _figure("child processes left 20 s after a SIGKILL to the trainer", c["leaked"], "processes"),
+        _figure(f"SIGKILLs that landed inside a checkpoint save (of {c['kills_landed']})", c["kills_in_save"],
+                "kills", target=None),
+        _figure(f"stop signals not exiting 0 (of {c['signals_landed']})", len(c["bad_signals"]), "signals"),
+        _figure("final resume exit status", c["final_rc"], "exit code"),
+        _figure("metric records missing after the final resume", c["missing"], "records"),
+        _figure("metric records duplicated", c["duplicated"], "records"),
+        _figure(f"metric records differing from the reference (of {c['reference_records']})", c["differing"],
+                "records"),
+    ]
+
+
+def render_markdown(c: dict) -> str:
+    bad = ", ".join(f"{s} rc {rc}" for s, rc in c["bad_signals"]) or "none"
+    return "\n".join([
+        f"CPU demo (conf/cpu_tiny.yaml), {c['steps']} steps, seed {c['seed']}: {c['kills']} SIGKILLs and "
+        f"{c['signals']} stop signals planned, {c['landed']} landed ({c['planned'] - c['landed']} runs finished "
+        f"first and were started over); wall {c['wall_s']:.0f} s.", "",
+        "| fault | landed | outcome |", "|---|---|---|",
+        f"| SIGKILL to the trainer alone | {c['kills_landed']} ({c['kills_in_save']} inside a save) | "
+        f"{c['children']} child processes alive at the kills, {c['leaked']} left 20 s later |",
+        f"| SIGTERM / SIGUSR1 / SIGINT | {c['signals_landed']} | {c['signals_landed'] - len(c['bad_signals'])} "
+        f"exited 0; others: {bad} |",
+        f"| final resume | - | exit {c['final_rc']}; {c['records']} records for steps 0..{c['steps']}, "
+        f"{c['missing']} missing, {c['duplicated']} duplicated, {c['equal']}/{c['reference_records']} equal to "
+        f"the reference ({c['num_values']} values) |",
+    ]) + "\n"
+
+
+def run(quick: bool) -> dict:
+    """benchmarks/run_all.py entry: QUICK (2 kills, 3 stop signals, 24 steps: ~2 min) or FULL (the
+    CLI's defaults: 30 kills, 9 signals, 24 steps)."""
+    c = campaign(**(QUICK if quick else FULL))
+    return dict(name="fault_campaign", figures=figures(c), markdown=render_markdown(c), details=c)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--kills", type=int, default=FULL["kills"])
+    p.add_argument("--signals", type=int, default=FULL["signals"])
+    p.add_argument("--steps", type=int, default=FULL["steps"])
+    p.add_argument("--seed", type=int, default=FULL["seed"])
+    args = p.parse_args()
+    c = campaign(args.kills, args.signals, args.steps, args.seed)
+    print(f"{c['planned']} faults planned, {c['landed']} landed ({c['planned'] - c['landed']} runs finished first "
+          "and were started over)")
+    print(f"{c['kills_landed']} SIGKILLs to the trainer alone ({c['kills_in_save']} inside a checkpoint "
+          f"save), {c['children']} child processes then alive, {c['leaked']} left 20 s after the kill")
+    print(f"{c['signals_landed']} stop signals ({', '.join(c['signal_names'])}): "
+          f"{c['signals_landed'] - len(c['bad_signals'])} exited 0 with a checkpoint, others: {c['bad_signals']}")
+    print(f"final resume rc {c['final_rc']}; records {c['records']} for steps 0..{args.steps} "
+          f"(each once: {c['each_once']}); records equal to the reference: {c['equal']}/"
+          f"{c['reference_records']} ({c['num_values']} values); wall {c['wall_s']:.0f} s")
+    return 0 if passed(c) else 1
 
 
 if __name__ == "__main__":

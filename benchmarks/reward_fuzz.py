@@ -22,6 +22,9 @@ and "$42$ is wrong" read as 42).
 
     python benchmarks/reward_fuzz.py [--n 14000] [--seed 0] [--pool-every 10]
 
+``run(quick)`` (benchmarks/run_all.py) gives the same counts as figures, for 1,000 inputs (quick)
+or the defaults.
+
 Imports nothing from tests/ (house rule): its data lives here.
 """
 
@@ -394,19 +397,99 @@ def print_report(report: Report, gen_s: float) -> None:
             print(f"  {title}: {row!r}"[:400])
 
 
+QUICK = dict(n=1000, seed=0, pool_every=10, max_call_s=5.0, workers=2)
+FULL = dict(n=14_000, seed=0, pool_every=10, max_call_s=5.0, workers=2)
+
+
+def measure(n: int, seed: int, pool_every: int, max_call_s: float, workers: int) -> tuple[Report, float]:
+    """(the report, seconds spent generating the inputs)."""
+    start = time.perf_counter()
+    cases = generate(n, seed)
+    gen_s = time.perf_counter() - start
+    return check(cases, pool_every, max_call_s, workers), gen_s
+
+
+def _rate(report: Report, name: str) -> float:
+    return report.inputs / max(report.seconds[name], 1e-9)
+
+
+def _figure(figure: str, value: float, unit: str, baseline_name: str | None = None,
+            baseline: float | None = None, target: str | None = None, met: bool | None = None) -> dict:
+    ratio = value / baseline if baseline else None  # none against a zero count
+    return dict(figure=figure, value=float(value), unit=unit, baseline_name=baseline_name, baseline=baseline,
+                ratio=ratio, target=target, met=met)
+
+
+def figures(report: Report, max_call_s: float) -> list[dict]:
+    """The exit status's criteria as figures (target 0, or the time limit), and the inline throughput
+    of our scorer against the paper's rule on the same inputs. The paper rule's false positives are
+    the baseline of ours: its documented behaviour, not a failure."""
+    fps, paper = report.false_positives, "paper rule (reward.paper_rule)"
+    out = [
+        _figure("false positives of ours (wrong by construction, scored +1)", len(fps["ours"]), "inputs", paper,
+                float(len(fps["paper"])), target="0", met=not fps["ours"]),
+        _figure("exceptions (inline and pool, both scorers)", len(report.exceptions), "inputs", target="0",
+                met=not report.exceptions),
+        _figure("rejected controls (plainly correct, scored -1 by ours)", len(report.rejected_controls), "inputs",
+                target="0", met=not report.rejected_controls),
+        _figure(f"worst inline call ({report.worst_kind or '-'})", report.worst_s, "s",
+                target=f"<= {max_call_s:g} s", met=report.worst_s <= max_call_s and not report.slow_calls),
+        _figure("inline throughput, ours", _rate(report, "ours"), "inputs/s", paper, _rate(report, "paper")),
+    ]
+    if report.pool_items:
+        out.append(_figure("RewardPool results differing from inline", len(report.pool_mismatches), "items",
+                           target="0", met=not report.pool_mismatches))
+    return out
+
+
+def render_markdown(report: Report, size: dict, gen_s: float) -> str:
+    fps = report.false_positives
+    lines = [f"{report.inputs} inputs from seed {size['seed']} ({report.checked} checked: wrong by construction "
+             f"or controls; generated in {gen_s:.1f} s); every {size['pool_every']}-th also through "
+             f"RewardPool({size['workers']}); inline call limit {size['max_call_s']:g} s.", "",
+             "| scorer | false positives | inputs/s inline | s inline (sum of calls) |", "|---|---|---|---|"]
+    for name in SCORERS:
+        lines.append(f"| {name} | {len(fps[name])} | {_rate(report, name):,.0f} | {report.seconds[name]:.1f} |")
+    lines += ["", f"Exceptions {len(report.exceptions)}, rejected controls {len(report.rejected_controls)}, calls "
+                  f"over the limit {len(report.slow_calls)}, worst inline call {report.worst_s:.3f} s "
+                  f"({report.worst_kind or '-'})."]
+    if report.pool_items:
+        lines.append(f"RewardPool: {report.pool_items} items at {report.pool_items / report.pool_s:,.0f}/s incl. "
+                     f"start, {report.pool_timeouts} timeouts, {len(report.pool_mismatches)} mismatches.")
+    return "\n".join(lines) + "\n"
+
+
+def _details(report: Report, size: dict, gen_s: float) -> dict:
+    """Counts only: the offending inputs hold lone surrogates, which no UTF-8 file can take."""
+    return dict(size, generate_s=gen_s, inputs=report.inputs, checked=report.checked,
+                exceptions=len(report.exceptions), rejected_controls=len(report.rejected_controls),
+                false_positives={k: len(v) for k, v in report.false_positives.items()},
+                slow_calls=len(report.slow_calls), worst_s=report.worst_s, worst_kind=report.worst_kind,
+                seconds=report.seconds, pool_items=report.pool_items, pool_s=report.pool_s,
+                pool_timeouts=report.pool_timeouts, pool_mismatches=len(report.pool_mismatches),
+                failures=report.failures)
+
+
+def run(quick: bool) -> dict:
+    """benchmarks/run_all.py entry: QUICK (1,000 inputs, well under a minute) or FULL (the CLI's
+    defaults: 14,000 inputs)."""
+    size = QUICK if quick else FULL
+    report, gen_s = measure(**size)
+    return dict(name="reward_fuzz", figures=figures(report, size["max_call_s"]),
+                markdown=render_markdown(report, size, gen_s), details=_details(report, size, gen_s))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--n", type=int, default=14_000, help="number of inputs")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--pool-every", type=int, default=10,
+    parser.add_argument("--n", type=int, default=FULL["n"], help="number of inputs")
+    parser.add_argument("--seed", type=int, default=FULL["seed"])
+    parser.add_argument("--pool-every", type=int, default=FULL["pool_every"],
                         help="score every k-th input through RewardPool too (0: none)")
-    parser.add_argument("--workers", type=int, default=2, help="RewardPool workers")
-    parser.add_argument("--max-call-s", type=float, default=5.0, help="an inline call longer than this fails")
+    parser.add_argument("--workers", type=int, default=FULL["workers"], help="RewardPool workers")
+    parser.add_argument("--max-call-s", type=float, default=FULL["max_call_s"],
+                        help="an inline call longer than this fails")
     args = parser.parse_args()
-    start = time.perf_counter()
-    cases = generate(args.n, args.seed)
-    gen_s = time.perf_counter() - start
-    report = check(cases, args.pool_every, args.max_call_s, args.workers)
+    report, gen_s = measure(args.n, args.seed, args.pool_every, args.max_call_s, args.workers)
     print_report(report, gen_s)
     return 1 if report.failures else 0
 

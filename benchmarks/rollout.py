@@ -15,6 +15,9 @@ Three measurements, each engine in its own fresh process (vLLM binds OpenMP thre
 
     python benchmarks/rollout.py                    # everything, ~4-6 min on 2 cores
     python benchmarks/rollout.py --skip-train       # engines only, ~1-2 min
+
+``run(quick)`` (benchmarks/run_all.py) gives the ratios as figures: engines only with one repeat
+(quick), or everything at the defaults.
 """
 
 from __future__ import annotations
@@ -132,50 +135,109 @@ def _train(engine: str, run_dir: Path, toy_src: Path | None, steps: int) -> dict
             "mismatch_max": max(abs(r["rollout/logprob_mismatch"] - 1) for r in records if r["step"] > 0)}
 
 
+QUICK = dict(repeats=1, steps=12, skip_train=True)
+FULL = dict(repeats=3, steps=12, skip_train=False)
+
+
+def measure(repeats: int, steps: int, skip_train: bool, on_engines=None) -> dict:
+    """Both engines (each in a fresh process), then the two DAPO runs unless skip_train; on_engines(result)
+    is called in between (the CLI prints the engine table before the minutes of training)."""
+    result = dict(repeats=repeats, steps=steps, engines={}, runs=None)
+    with tempfile.TemporaryDirectory(prefix="bench_rollout_") as tmp:
+        work = Path(tmp)
+        _save_qwen2(work / "tiny", TINY)
+        _save_qwen2(work / "large", LARGE)
+        for kind in ("hf", "vllm"):
+            proc = subprocess.run([sys.executable, __file__, "--child", kind, str(work), "--repeats",
+                                   str(repeats)], cwd=ROOT, capture_output=True, text=True,
+                                  env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+            if proc.returncode:
+                raise SystemExit(f"{kind} engine failed:\n{proc.stderr[-4000:]}")
+            result["engines"][kind] = json.loads(proc.stdout.strip().splitlines()[-1])
+        if on_engines:
+            on_engines(result)
+        if not skip_train:
+            result["runs"] = {}
+            for kind in ("hf", "vllm"):
+                run_dir = work / f"run_{kind}"
+                result["runs"][kind] = _train(kind, run_dir, None if kind == "hf" else work / "run_hf", steps)
+    return result
+
+
+def engine_table(result: dict) -> list[str]:
+    hf, vl = result["engines"]["hf"], result["engines"]["vllm"]
+    lines = [f"generate: {hf['generated_tokens']} tokens (24 prompts x 8 x 16), best of {result['repeats']}",
+             "| engine | tokens/s | vs HF | start-up s | first generate s | sync s/100 MB | vs plain copy |",
+             "|---|---|---|---|---|---|---|"]
+    for e in (hf, vl):
+        lines.append(f"| {e['engine']} | {e['tokens_per_s']:.0f} | {e['tokens_per_s'] / hf['tokens_per_s']:.2f}x | "
+                     f"{e['start_s']:.1f} | {e['first_generate_s']:.2f} | {e['sync_s_per_100mb']:.3f} | "
+                     f"{e['sync_s_per_100mb'] / e['copy_s_per_100mb']:.1f}x |")
+    return lines
+
+
+def train_table(result: dict) -> list[str]:
+    runs = result["runs"]
+    lines = [f"DAPO step, conf/cpu_tiny_vllm.yaml, torchrun 2 processes, {result['steps']} steps "
+             "(means over steps 2..N)",
+             "| engine | s/step | vs HF | rollout s | sync s | wall s (start-up included) | max |mismatch-1| |",
+             "|---|---|---|---|---|---|---|"]
+    for r in (runs["hf"], runs["vllm"]):
+        lines.append(f"| {r['engine']} | {r['step_s']:.3f} | {r['step_s'] / runs['hf']['step_s']:.2f}x | "
+                     f"{r['rollout_s']:.3f} | {r['sync_s']:.3f} | {r['wall_s']:.0f} | {r['mismatch_max']:.1e} |")
+    return lines
+
+
+def _figure(figure: str, value: float, unit: str, baseline_name: str, baseline: float) -> dict:
+    return dict(figure=figure, value=value, unit=unit, baseline_name=baseline_name, baseline=baseline,
+                ratio=value / baseline, target=None, met=None)
+
+
+def figures(result: dict) -> list[dict]:
+    """vLLM's generation rate against HF's (ratio > 1: vLLM faster), each engine's weight sync against
+    a plain in-memory copy of the same bytes (ratio: how many copies a sync costs), and with training,
+    vLLM's DAPO step time against HF's (ratio > 1: vLLM slower). No targets: the HF engine is the
+    CPU default, vLLM is here to be measured."""
+    hf, vl = result["engines"]["hf"], result["engines"]["vllm"]
+    out = [_figure("vLLM generated tokens/s (demo batch, EOS off)", vl["tokens_per_s"], "tokens/s",
+                   "HF transformers engine", hf["tokens_per_s"])]
+    for e, name in ((vl, "vLLM"), (hf, "HF")):
+        out.append(_figure(f"{name} weight sync (230 MB fp32 Qwen2)", e["sync_s_per_100mb"], "s/100 MB",
+                           "plain in-memory copy", e["copy_s_per_100mb"]))
+    if result["runs"]:
+        r = result["runs"]
+        out.append(_figure("vLLM DAPO step, cpu_tiny_vllm, torchrun 2 processes", r["vllm"]["step_s"], "s/step",
+                           "HF engine", r["hf"]["step_s"]))
+    return out
+
+
+def render_markdown(result: dict) -> str:
+    lines = engine_table(result)
+    lines += [""] + (train_table(result) if result["runs"] else ["DAPO step: not run (engines only)."])
+    return "\n".join(lines) + "\n"
+
+
+def run(quick: bool) -> dict:
+    """benchmarks/run_all.py entry: QUICK (engines only, best of 1: ~1-2 min) or FULL (the CLI's
+    defaults: best of 3 and 12 DAPO steps per engine, ~4-6 min)."""
+    result = measure(**(QUICK if quick else FULL))
+    return dict(name="rollout", figures=figures(result), markdown=render_markdown(result), details=result)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--steps", type=int, default=12, help="DAPO steps per training run")
+    p.add_argument("--repeats", type=int, default=FULL["repeats"])
+    p.add_argument("--steps", type=int, default=FULL["steps"], help="DAPO steps per training run")
     p.add_argument("--skip-train", action="store_true")
     p.add_argument("--child", nargs=2, metavar=("ENGINE", "WORKDIR"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
         print(json.dumps(_measure_engine(args.child[0], Path(args.child[1]), args.repeats)))
         return
-
-    with tempfile.TemporaryDirectory(prefix="bench_rollout_") as tmp:
-        work = Path(tmp)
-        _save_qwen2(work / "tiny", TINY)
-        _save_qwen2(work / "large", LARGE)
-        engines = {}
-        for kind in ("hf", "vllm"):
-            proc = subprocess.run([sys.executable, __file__, "--child", kind, str(work), "--repeats",
-                                   str(args.repeats)], cwd=ROOT, capture_output=True, text=True,
-                                  env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
-            if proc.returncode:
-                raise SystemExit(f"{kind} engine failed:\n{proc.stderr[-4000:]}")
-            engines[kind] = json.loads(proc.stdout.strip().splitlines()[-1])
-        hf, vl = engines["hf"], engines["vllm"]
-        print(f"generate: {hf['generated_tokens']} tokens (24 prompts x 8 x 16), best of {args.repeats}")
-        print("| engine | tokens/s | vs HF | start-up s | first generate s | sync s/100 MB | vs plain copy |")
-        print("|---|---|---|---|---|---|---|")
-        for e in (hf, vl):
-            print(f"| {e['engine']} | {e['tokens_per_s']:.0f} | {e['tokens_per_s'] / hf['tokens_per_s']:.2f}x | "
-                  f"{e['start_s']:.1f} | {e['first_generate_s']:.2f} | {e['sync_s_per_100mb']:.3f} | "
-                  f"{e['sync_s_per_100mb'] / e['copy_s_per_100mb']:.1f}x |")
-        if args.skip_train:
-            return
-        runs = {}
-        for kind in ("hf", "vllm"):
-            run_dir = work / f"run_{kind}"
-            runs[kind] = _train(kind, run_dir, None if kind == "hf" else work / "run_hf", args.steps)
-        print(f"\nDAPO step, conf/cpu_tiny_vllm.yaml, torchrun 2 processes, {args.steps} steps "
-              "(means over steps 2..N)")
-        print("| engine | s/step | vs HF | rollout s | sync s | wall s (start-up included) | max |mismatch-1| |")
-        print("|---|---|---|---|---|---|---|")
-        for r in (runs["hf"], runs["vllm"]):
-            print(f"| {r['engine']} | {r['step_s']:.3f} | {r['step_s'] / runs['hf']['step_s']:.2f}x | "
-                  f"{r['rollout_s']:.3f} | {r['sync_s']:.3f} | {r['wall_s']:.0f} | {r['mismatch_max']:.1e} |")
+    result = measure(args.repeats, args.steps, args.skip_train,
+                     on_engines=lambda r: print("\n".join(engine_table(r)), flush=True))
+    if result["runs"]:
+        print("\n" + "\n".join(train_table(result)))
 
 
 if __name__ == "__main__":

@@ -27,6 +27,9 @@ generation, so that row takes fewer steps within the budget.
     python benchmarks/table1.py                  # 6 rows x 3 seeds, ~15 min on 2 cores
     python benchmarks/table1.py --seeds 1 --budget 2048   # a quick look, ~2 min
 
+``run(quick)`` (benchmarks/run_all.py) gives each row's final accuracy against GRPO's as figures,
+for 1 seed at 640 responses (quick) or the defaults, in a temporary directory.
+
 Writes <out>/table1.json (every run's final numbers and curve), <out>/table1.md (the table README
 shows) and <out>/table1.png (held-out accuracy, entropy and response length against generated
 responses, mean over seeds).
@@ -40,6 +43,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -196,26 +200,69 @@ def plot(results: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+# Quick: one seed and 5 GRPO steps' worth of responses. The seed's toy base (~50 s, made before any
+# row can start) and each run's start-up and final evaluation dominate, not the steps.
+QUICK = dict(seeds=1, budget=640, jobs=2)
+# Full: the CLI's defaults; README's run of them took 7.4 min on the 2 cores, far inside run_all's hour.
+FULL = dict(seeds=3, budget=10240, jobs=2)
+
+
+def measure(seeds: int, budget: int, jobs: int, out: Path) -> dict:
+    """Every row for seeds 1..N, `jobs` runs at once; finished runs under out are reused."""
+    start = time.perf_counter()
+    seed_list = list(range(1, seeds + 1))
+    with ThreadPoolExecutor(jobs) as pool:  # each job is a process; threads only wait
+        preps = dict(zip(seed_list, pool.map(lambda s: _make_toy(s, out), seed_list)))
+        work = [(name, row, seed) for seed in seed_list for name, row in rows()]
+        results = list(pool.map(lambda j: _run(*j, budget, out, preps[j[2]]), work))
+    return {"budget": budget, "jobs": jobs, "wall_s": time.perf_counter() - start, "runs": results}
+
+
+def markdown(result: dict) -> str:
+    return (table(result["runs"], result["budget"]) + f" Wall time {result['wall_s'] / 60:.1f} min on this "
+            f"machine ({result['jobs']} runs at once).")
+
+
+def figures(result: dict) -> list[dict]:
+    """Each row's final held-out avg@k by the paper's rule (mean over seeds), against the GRPO row's
+    from the same run (ratio > 1: the row beats GRPO). No targets: at this scale neighbouring rows
+    differ within the seeds' spread (README)."""
+    runs = result["runs"]
+    mean = {name: statistics.fmean(r["avg_at_k"] for r in runs if r["row"] == name) for name, _ in STEPS}
+    grpo, k, seeds = STEPS[0][0], runs[0]["k"], len({r["seed"] for r in runs})
+    out = []
+    for name, _ in STEPS:
+        base = None if name == grpo else mean[grpo]
+        out.append(dict(figure=f"{name}: final held-out avg@{k} ({seeds} seed(s), {result['budget']} responses)",
+                        value=mean[name], unit=f"avg@{k}", baseline_name=None if base is None else grpo,
+                        baseline=base, ratio=mean[name] / base if base else None, target=None, met=None))
+    return out
+
+
+def run(quick: bool) -> dict:
+    """benchmarks/run_all.py entry, in a temporary directory (runs/ is left alone, nothing reused):
+    QUICK (1 seed, 640 responses per run: ~1.5-2 min) or FULL (the CLI's defaults: 3 seeds, 10,240)."""
+    size = QUICK if quick else FULL
+    with tempfile.TemporaryDirectory(prefix="bench_table1_") as tmp:
+        result = measure(size["seeds"], size["budget"], size["jobs"], Path(tmp))
+    runs = [{k: v for k, v in r.items() if k not in ("curve", "entropy_curve")} for r in result["runs"]]
+    return dict(name="table1", figures=figures(result), markdown=markdown(result), details=dict(result, runs=runs))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--seeds", type=int, default=3, help="seeds 1..N per row")
-    p.add_argument("--budget", type=int, default=10240, help="generated responses per run (80 GRPO steps)")
-    p.add_argument("--jobs", type=int, default=2, help="runs at once (one thread each)")
+    p.add_argument("--seeds", type=int, default=FULL["seeds"], help="seeds 1..N per row")
+    p.add_argument("--budget", type=int, default=FULL["budget"], help="generated responses per run (80 GRPO steps)")
+    p.add_argument("--jobs", type=int, default=FULL["jobs"], help="runs at once (one thread each)")
     p.add_argument("--out", default="runs/table1", help="output dir; finished runs are reused on a rerun")
     args = p.parse_args()
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    start = time.perf_counter()
-    seeds = list(range(1, args.seeds + 1))
-    with ThreadPoolExecutor(args.jobs) as pool:  # each job is a process; threads only wait
-        preps = dict(zip(seeds, pool.map(lambda s: _make_toy(s, out), seeds)))
-        jobs = [(name, row, seed) for seed in seeds for name, row in rows()]
-        results = list(pool.map(lambda j: _run(*j, args.budget, out, preps[j[2]]), jobs))
-    wall = time.perf_counter() - start
-    md = table(results, args.budget) + f" Wall time {wall / 60:.1f} min on this machine ({args.jobs} runs at once)."
-    (out / "table1.json").write_text(json.dumps({"budget": args.budget, "wall_s": wall, "runs": results}, indent=1))
+    result = measure(args.seeds, args.budget, args.jobs, out)
+    md = markdown(result)
+    (out / "table1.json").write_text(json.dumps({k: result[k] for k in ("budget", "wall_s", "runs")}, indent=1))
     (out / "table1.md").write_text(md + "\n")
-    plot(results, out / "table1.png")
+    plot(result["runs"], out / "table1.png")
     print(md)
     print(f"\nwrote {out / 'table1.json'}, {out / 'table1.md'}, {out / 'table1.png'}")
 

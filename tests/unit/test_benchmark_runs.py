@@ -1,0 +1,155 @@
+"""Every benchmark has the run(quick) entry benchmarks/run_all.py calls, and each module's
+result-building helpers turn hand-made measurements into figures run_all accepts, with the ratios
+and pass criteria right. No benchmark is run here (they take minutes) and nothing is timed."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def _load(name: str):
+    """A benchmark module by path, as run_all's child loads it (benchmarks/ is no package)."""
+    spec = importlib.util.spec_from_file_location(f"bench_test_{name}", BENCH / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+run_all = _load("run_all")
+
+
+def _check(result: dict, name: str) -> dict[str, dict]:
+    """run_all accepts it, and every figure's ratio is value / baseline: figures by name."""
+    run_all.validate(result, name)
+    assert result["markdown"].strip()
+    for f in result["figures"]:
+        if f["ratio"] is not None:
+            assert f["ratio"] == pytest.approx(f["value"] / f["baseline"])
+        assert (f["target"] is None) == (f["met"] is None)
+    return {f["figure"]: f for f in result["figures"]}
+
+
+@pytest.mark.parametrize("name", run_all.discover(BENCH))
+def test_every_benchmark_has_run(name):
+    assert run_all.has_run(BENCH / f"{name}.py"), f"{name}.py has no top-level run(quick)"
+
+
+@pytest.mark.parametrize("name", ["checkpoint_save", "fault_campaign", "reward_fuzz", "rollout", "table1"])
+def test_quick_is_smaller_than_full(name):
+    m = _load(name)
+    assert m.QUICK.keys() == m.FULL.keys() and m.QUICK != m.FULL
+
+
+def test_checkpoint_save_figures():
+    m = _load("checkpoint_save")
+    result = dict(hidden=64, layers=2, saves=3,
+                  manager=dict(mode="manager", times=[2.0, 0.5, 0.3], mb=10.0, manager_process=True),
+                  in_process=dict(mode="in_process", times=[0.2, 0.3, 0.1], mb=10.0, manager_process=False))
+    figs = list(_check(dict(name="checkpoint_save", figures=m.figures(result),
+                            markdown=m.render_markdown(result)), "checkpoint_save").values())
+    assert [(f["value"], f["baseline"]) for f in figs] == [(0.2, 2.0), (pytest.approx(0.2), pytest.approx(0.4))]
+    assert figs[0]["ratio"] == pytest.approx(0.1) and figs[1]["ratio"] == pytest.approx(0.5)
+    assert "hidden 64, 2 layers" in m.render_markdown(result)
+    one = dict(result, saves=1, manager=dict(result["manager"], times=[2.0]),
+               in_process=dict(result["in_process"], times=[0.2]))
+    assert len(m.figures(one)) == 1 and "| - |" in m.render_markdown(one)  # no later saves to average
+
+
+def _record(step: int, loss: float) -> dict:
+    return {"step": step, "loss": loss, "time": 123.0 + step, "timing_s/step": 0.5}
+
+
+def test_fault_campaign_counts_and_figures():
+    m = _load("fault_campaign")
+    want = [_record(s, float(s)) for s in range(4)]
+    # step 1 missing, step 2 twice, step 3 differs; wall times differ everywhere and do not count
+    got = [_record(0, 0.0), _record(2, 2.0), _record(2, 2.0), _record(3, 9.0)]
+    for r in got:
+        r["time"] += 1000
+    outcomes = [("SIGKILL", dict(finished=False, rc=-9, children=2, left=1, in_save=True)),
+                ("SIGKILL", dict(finished=True)),
+                ("SIGTERM", dict(finished=False, rc=0, children=0, left=0, in_save=False)),
+                ("SIGINT", dict(finished=False, rc=1, children=0, left=0, in_save=False))]
+    c = m.summarise(dict(kills=2, signals=2, steps=3, seed=0), outcomes, 0, got, want, 12.0)
+    assert (c["missing"], c["duplicated"], c["differing"], c["equal"]) == (1, 1, 1, 2)
+    assert (c["landed"], c["kills_in_save"], c["leaked"], c["bad_signals"]) == (3, 1, 1, [("SIGINT", 1)])
+    assert not m.passed(c)
+    figs = _check(dict(name="fault_campaign", figures=m.figures(c), markdown=m.render_markdown(c)),
+                  "fault_campaign")
+    counts = {k.split(" (")[0]: (f["value"], f["met"]) for k, f in figs.items()}
+    assert counts["child processes left 20 s after a SIGKILL to the trainer"] == (1, False)
+    assert counts["SIGKILLs that landed inside a checkpoint save"] == (1, None)  # informational
+    assert counts["stop signals not exiting 0"] == (1, False)
+    assert counts["metric records differing from the reference"] == (1, False)
+
+    clean_outcomes = [("SIGKILL", dict(outcomes[0][1], left=0)), outcomes[2]]
+    clean = m.summarise(dict(kills=1, signals=1, steps=3, seed=0), clean_outcomes, 0, want, want, 5.0)
+    assert m.passed(clean) and all(f["met"] is not False for f in m.figures(clean))
+
+
+def test_reward_fuzz_figures():
+    m = _load("reward_fuzz")
+    report = m.Report(inputs=100, checked=90)
+    report.false_positives["paper"] = [("hedged", "5", "x")] * 4
+    report.seconds = {"ours": 0.5, "paper": 0.25}
+    report.worst_s, report.worst_kind = 0.2, "ours/huge"
+    report.pool_items, report.pool_s = 20, 1.0
+    size = dict(m.QUICK, n=100)
+    result = dict(name="reward_fuzz", figures=m.figures(report, 5.0), markdown=m.render_markdown(report, size, 0.1))
+    figs = list(_check(result, "reward_fuzz").values())
+    assert all(f["met"] is not False for f in figs)
+    fp, rate = figs[0], next(f for f in figs if f["unit"] == "inputs/s")
+    assert (fp["value"], fp["baseline"], fp["met"]) == (0, 4, True)
+    assert (rate["value"], rate["baseline"], rate["ratio"]) == (200, 400, 0.5)
+
+    report.false_positives["ours"].append(("list", "5", "Answer: 5, 6"))
+    report.slow_calls.append(("ours", "huge", ">5.0s", "x"))  # interrupted: worst_s alone misses it
+    failed = {f["figure"].split(" (")[0]: f["met"] for f in m.figures(report, 5.0)}
+    assert failed["false positives of ours"] is False and failed["worst inline call"] is False
+    assert m._details(report, size, 0.1)["failures"] == 2
+
+
+def _engine(name: str, rate: float, sync: float, copy: float) -> dict:
+    return dict(engine=name, tokens_per_s=rate, start_s=1.0, first_generate_s=0.1, generated_tokens=3072,
+                sync_s_per_100mb=sync, copy_s_per_100mb=copy)
+
+
+def test_rollout_figures():
+    m = _load("rollout")
+    result = dict(repeats=1, steps=12, runs=None,
+                  engines=dict(hf=_engine("hf", 20000.0, 0.01, 0.005), vllm=_engine("vllm", 15000.0, 0.06, 0.01)))
+    figs = list(_check(dict(name="rollout", figures=m.figures(result), markdown=m.render_markdown(result)),
+                       "rollout").values())
+    assert [f["ratio"] for f in figs] == [pytest.approx(0.75), pytest.approx(6.0), pytest.approx(2.0)]
+    assert "not run" in m.render_markdown(result)
+    run = dict(wall_s=30.0, step_s=0.3, rollout_s=0.1, sync_s=0.01, mismatch_max=1e-6)
+    result["runs"] = dict(hf=dict(run, engine="hf"), vllm=dict(run, engine="vllm", step_s=0.45))
+    figs = _check(dict(name="rollout", figures=m.figures(result), markdown=m.render_markdown(result)), "rollout")
+    assert list(figs.values())[-1]["ratio"] == pytest.approx(1.5)
+    assert "| vllm | 0.450 | 1.50x |" in m.render_markdown(result)
+
+
+def _table1_run(row: str, seed: int, acc: float) -> dict:
+    return dict(row=row, seed=seed, steps=10, generated=1280, wall_s=20.0, avg_at_k=acc, k=8, avg_at_k_value=acc,
+                entropy=0.5, response_length=6.0, truncation_rate=0.1, train_truncation_rate=0.1,
+                generated_per_trained=1.0, avg_at_k_by_step={0: 0.1, 10: acc})
+
+
+def test_table1_figures():
+    m = _load("table1")
+    names = [name for name, _ in m.STEPS]
+    runs = [_table1_run(name, seed, 0.2 + 0.1 * i + 0.02 * seed) for i, name in enumerate(names) for seed in (1, 2)]
+    result = dict(budget=1280, jobs=2, wall_s=60.0, runs=runs)
+    figs = list(_check(dict(name="table1", figures=m.figures(result), markdown=m.markdown(result)),
+                       "table1").values())
+    assert len(figs) == len(names)
+    assert figs[0]["baseline"] is None and figs[0]["value"] == pytest.approx(0.23)  # GRPO: the baseline itself
+    assert figs[-1]["baseline"] == pytest.approx(0.23) and figs[-1]["ratio"] == pytest.approx(0.73 / 0.23)
+    assert "2 seed(s), 1280 responses" in figs[1]["figure"]
+    assert "1.0 min" in m.markdown(result)
+
