@@ -75,7 +75,11 @@ def cmd_train(args: argparse.Namespace) -> int:
 
         return train_main(load_config(args.config, args.overrides), stop=stop)
     finally:
-        stop.restore()
+        # As the process's own command the handlers stay to the end: a stop signal after the run
+        # (interpreter shutdown takes seconds) would otherwise kill a finished run with rc -15
+        # (benchmarks/fault_campaign.py caught one). In-process callers get theirs back.
+        if not getattr(args, "process_entry", False):
+            stop.restore()
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -171,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
 
     quiet_start_up()
     args = build_parser().parse_args(argv)
+    args.process_entry = argv is None  # the console script and ``python -m`` pass none; callers do
     try:
         return args.func(args)
     except InputError as e:  # bad input is one line, not a traceback (errors.py)
