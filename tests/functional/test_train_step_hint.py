@@ -11,14 +11,7 @@ import torch
 
 from tests.distributed.test_policy_train_step import make_samples
 from tests.functional.test_loss_precision import ODD, hf_dir, make_actor, with_old
-
-
-@pytest.fixture
-def world_of_one(world_of_one_env):
-    yield
-    from megatron_dapo.policy import destroy_parallel
-
-    destroy_parallel()
+from tests.functional.test_loss_precision import world_of_one  # noqa: F401  (the fixture)
 
 
 @pytest.fixture
