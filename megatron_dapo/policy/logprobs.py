@@ -245,10 +245,24 @@ def _chunk_backward(logits, target, shard, m, log_sum, mean_shifted, g_lp, g_h, 
         torch.exp(x, out=probs)
         x.mul_((g_h / -t)[:, None]).add_((((log_sum - mean_shifted) * g_h + g_lp) / -t)[:, None])
         x.mul_(probs)
+    return _add_target_term(x, target, shard, g_lp)
+
+
+def _add_target_term(gx, target, shard, g_lp):
+    """gx += onehot(target) g_lp / T on this rank's vocabulary slice: the log p gradient's own-token
+    term, for the backward and for the forward's early gradients alike. gx: [C, valid] fp32."""
     if shard.valid:
         local_t, in_shard = _local_target(target, shard)
-        x.scatter_add_(1, local_t[:, None], torch.where(in_shard, g_lp / t, 0.0)[:, None])
-    return x
+        gx.scatter_add_(1, local_t[:, None], torch.where(in_shard, g_lp / shard.temperature, 0.0)[:, None])
+    return gx
+
+
+def _accumulate_output_grads(gx, weight, hidden_rows, grad_hidden, rows, grad_weight):
+    """The output layer's gradients from a chunk's logit gradient gx ([C, valid] fp32): writes
+    grad_hidden[rows] = gx @ weight and adds gx^T @ hidden_rows into grad_weight (fp32, in place:
+    no [V, H] temporary). weight, grad_weight: the [valid, H] rows."""
+    grad_hidden[rows] = (gx.to(weight.dtype) @ weight).to(grad_hidden.dtype)
+    grad_weight.addmm_(gx.t(), hidden_rows.float())
 
 
 def _run_forward(ctx, n, target, shard, logits_of, on_chunk=None):
@@ -354,8 +368,7 @@ class _HiddenLogProbs(torch.autograd.Function):
             gx = _chunk_backward(logits_of(rows), tgt[rows], shard, *stats[:, rows],
                                  None if g_lp is None else g_lp[rows], None if g_h is None else g_h[rows],
                                  buffers[1][:c], buffers[0][:c])
-            grad_hidden[rows] = (gx.to(w.dtype) @ w).to(grad_hidden.dtype)
-            grad_weight[:shard.valid].addmm_(gx.t(), flat[rows].float())  # in place: no [V, H] temporary
+            _accumulate_output_grads(gx, w, flat[rows], grad_hidden, rows, grad_weight[:shard.valid])
         return grad_hidden.view_as(hidden), grad_weight.to(weight.dtype), None, None, None
 
 
@@ -403,14 +416,10 @@ class _EarlyGrads:
                  else self.order[rows])
         g = self.hint.grad(index, log_probs.detach()).float().reshape(-1)
         self.expected[rows] = g
-        t = self.shard.temperature
-        gx = exp.mul_((g / -t * torch.exp(-log_sum))[:, None])  # p = exp(x - M) / S
-        if self.shard.valid:
-            local_t, in_shard = _local_target(target, self.shard)
-            gx.scatter_add_(1, local_t[:, None], torch.where(in_shard, g / t, 0.0)[:, None])
-        w = self.weight
-        self.grad_hidden[rows] = (gx.to(w.dtype) @ w).to(self.grad_hidden.dtype)
-        self.grad_weight[:self.shard.valid].addmm_(gx.t(), self.flat[rows].float())
+        gx = exp.mul_((g / -self.shard.temperature * torch.exp(-log_sum))[:, None])  # p = exp(x - M) / S
+        _add_target_term(gx, target, self.shard, g)
+        _accumulate_output_grads(gx, self.weight, self.flat[rows], self.grad_hidden, rows,
+                                 self.grad_weight[:self.shard.valid])
 
     def finish(self):
         """Back to the original row order; drop all but the gradients."""
@@ -426,8 +435,8 @@ class _EarlyGrads:
         if grad_entropy is not None or grad_log_probs is None:
             return None
         g, h = grad_log_probs.reshape(-1).float(), self.expected
-        norm = torch.dot(h, h)
-        c = torch.dot(g, h) / norm if norm > 0 else torch.zeros((), device=h.device)
+        # c = 0 when the hint is all zero (dot(g, h) is 0 then): no host sync to test for it
+        c = torch.dot(g, h) / torch.dot(h, h).clamp(min=torch.finfo(torch.float32).tiny)
         if not (g - c * h).abs().max() <= _HINT_RTOL * g.abs().max():
             return None
         return self.grad_hidden.mul_(c.to(self.grad_hidden.dtype)), self.grad_weight.mul_(c)
