@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from megatron_dapo.convert.mapping import ConversionError
+from megatron_dapo.convert.packing import pack_consecutive
 from megatron_dapo.convert.safetensors_io import SafetensorsReader
 from megatron_dapo.convert.table import ConversionTable, Task
 
@@ -98,17 +99,10 @@ def _plan(table: ConversionTable, local: dict[int, tuple[str, Tensor]], tp_group
     return items
 
 
-def _buckets(items: list[_Item], bucket_bytes: int) -> Iterator[list[_Item]]:
+def _buckets(items: list[_Item], bucket_bytes: int) -> list[list[_Item]]:
     """Consecutive items with the same owner and dtype, up to ``bucket_bytes`` (at least one item)."""
-    bucket: list[_Item] = []
-    for item in items:
-        if bucket and (item.owner != bucket[0].owner or item.dtype != bucket[0].dtype
-                       or sum(b.nbytes for b in bucket) + item.nbytes > bucket_bytes):
-            yield bucket
-            bucket = []
-        bucket.append(item)
-    if bucket:
-        yield bucket
+    return pack_consecutive(items, lambda item: item.nbytes, bucket_bytes,
+                            same=lambda first, item: (item.owner, item.dtype) == (first.owner, first.dtype))
 
 
 def _gather_tp(task: Task, shard: Tensor, tp_group) -> Tensor:

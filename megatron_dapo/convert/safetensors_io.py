@@ -24,6 +24,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from megatron_dapo.convert.mapping import ConversionError
+from megatron_dapo.convert.packing import pack_consecutive
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -147,20 +148,6 @@ def _name_shards(out_dir: Path, shards: list[list[str]], total_bytes: int) -> li
 _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 
 
-def _shard_groups(sizes: list[tuple[str, int]], max_shard_bytes: int) -> list[list[str]]:
-    """ShardedSafetensorsWriter's packing: in order, a new shard when the next tensor would pass
-    ``max_shard_bytes`` (a tensor larger than that gets a shard of its own)."""
-    groups: list[list[str]] = [[]]
-    filled = 0
-    for name, nbytes in sizes:
-        if groups[-1] and filled + nbytes > max_shard_bytes:
-            groups.append([])
-            filled = 0
-        groups[-1].append(name)
-        filled += nbytes
-    return groups
-
-
 class StreamingSafetensorsWriter:
     """``ShardedSafetensorsWriter``'s output (the same shards, names and index) for tensors known
     in advance: ``layout`` lists (name, shape, dtype) in the order ``add`` will receive them.
@@ -180,7 +167,9 @@ class StreamingSafetensorsWriter:
             raise ConversionError(f"cannot write {sorted(unsupported)} tensors")
         self._layout = {name: (tuple(shape), dtype) for name, shape, dtype in layout}
         sizes = [(name, math.prod(shape) * dtype.itemsize) for name, shape, dtype in layout]
-        self._shards = _shard_groups(sizes, max_shard_bytes)
+        # ShardedSafetensorsWriter's packing; an empty layout is one empty shard, as there
+        self._shards = [[name for name, _ in group]
+                        for group in pack_consecutive(sizes, lambda s: s[1], max_shard_bytes)] or [[]]
         self._order = [name for name, _ in sizes]
         self._shard_of = {name: i for i, shard in enumerate(self._shards) for name in shard}
         self._next = 0

@@ -42,6 +42,7 @@ from megatron_dapo.convert.export import (
     hf_targets,
 )
 from megatron_dapo.convert.mapping import ConversionError
+from megatron_dapo.convert.packing import pack_consecutive
 from megatron_dapo.convert.safetensors_io import (
     DEFAULT_MAX_SHARD_BYTES,
     SafetensorsReader,
@@ -401,19 +402,6 @@ def write_hf_checkpoint(chunks, table: ConversionTable, out_dir: str | os.PathLi
     return []
 
 
-def _param_buckets(targets: dict, bucket_bytes: int) -> list[list[str]]:
-    """Consecutive parameter names, up to ``bucket_bytes`` of parameters each (at least one)."""
-    buckets: list[list[str]] = [[]]
-    filled = 0
-    for name, (_, param) in targets.items():
-        if buckets[-1] and filled + param.nbytes > bucket_bytes:
-            buckets.append([])
-            filled = 0
-        buckets[-1].append(name)
-        filled += param.nbytes
-    return buckets
-
-
 def _aligned(nbytes: int, alignment: int = 64) -> int:
     return -(-nbytes // alignment) * alignment
 
@@ -452,7 +440,7 @@ def _stream_checkpoint_to_hf(model, table: ConversionTable, ckpt_dir: Path, out_
 
     sharded = model.sharded_state_dict()
     targets = hf_targets([model], table)
-    buckets = _param_buckets(targets, bucket_bytes)
+    buckets = pack_consecutive(list(targets), lambda name: targets[name][1].nbytes, bucket_bytes)
     # One arena for every bucket: fresh buffers per bucket would page-fault all of their memory again
     arena_bytes = max(sum(_aligned(targets[name][1].nbytes) for name in bucket) for bucket in buckets)
     arena = torch.empty(arena_bytes, dtype=torch.uint8, device=next(iter(targets.values()))[1].device)

@@ -75,3 +75,18 @@ def test_synthetic_checkpoint_has_the_configured_shapes(tmp_path):
     with SafetensorsReader(tmp_path) as r:
         assert torch.equal(model.model.embed_tokens.weight, r.get("model.embed_tokens.weight"))
         assert "lm_head.weight" not in r.names()
+
+
+def test_pack_consecutive_groups_in_order_by_bytes_and_key():
+    """The converter's one packing rule (shards, export buckets, megatron_to_hf's regions), on
+    hand-worked cases: a group closes before the item that would pass the limit, an oversized item
+    is a group alone, ``same`` splits on a change of key, nothing in, nothing out."""
+    from megatron_dapo.convert.packing import pack_consecutive
+
+    size = lambda x: x[1]
+    items = [("a", 4), ("b", 4), ("c", 3), ("d", 12), ("e", 1), ("f", 10)]
+    assert [[n for n, _ in g] for g in pack_consecutive(items, size, 10)] == [["a", "b"], ["c"], ["d"], ["e"], ["f"]]
+    assert [[n for n, _ in g] for g in pack_consecutive(items, size, 11)] == [["a", "b", "c"], ["d"], ["e", "f"]]
+    keyed = [("x", 1), ("x", 1), ("y", 1), ("x", 1)]
+    assert pack_consecutive(keyed, size, 100, same=lambda a, b: a[0] == b[0]) == [keyed[:2], [keyed[2]], [keyed[3]]]
+    assert pack_consecutive([], size, 10) == []
