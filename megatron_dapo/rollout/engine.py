@@ -82,11 +82,12 @@ def rollout_sampling_params(cfg: Any, *, seed: int | None = None,
                           seed=seed, logprobs=True)
 
 
-def eval_sampling_params(cfg: Any, *, seed: int | None = None,
+def eval_sampling_params(cfg: Any, *, max_tokens: int, seed: int | None = None,
                          stop_token_ids: Sequence[int] = ()) -> SamplingParams:
-    """Evaluation params from a config.EvalConfig (no top-k; log-probs off: nothing uses them)."""
+    """Evaluation params from a config.EvalConfig (no top-k; log-probs off: nothing uses them);
+    ``max_tokens``: DAPOConfig.eval_max_response_length."""
     return SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=-1,
-                          max_tokens=cfg.max_response_length, stop_token_ids=tuple(stop_token_ids),
+                          max_tokens=max_tokens, stop_token_ids=tuple(stop_token_ids),
                           seed=seed, logprobs=False)
 
 
@@ -123,7 +124,9 @@ class RolloutEngine(Protocol):
         """n responses to each prompt: result[i][k] is sample k of prompt i, drawn from the stream
         sequence_seed(params.seed, prompt_indices[i], k). ``prompt_indices`` are the prompts'
         positions in the whole generation batch (default 0..len-1), so a replica that generates a
-        share of the batch draws exactly what one engine generating all of it would."""
+        share of the batch draws exactly what one engine generating all of it would. Every replica
+        calls it for every generation batch, with ``prompt_ids=[]`` when its share is empty: an
+        engine whose replicas step together (vLLM's data parallelism) takes part and returns []."""
         ...
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

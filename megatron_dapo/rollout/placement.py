@@ -86,12 +86,15 @@ class RolloutPlacement:
                  params: SamplingParams) -> tuple[range, list[list[Rollout]]]:
         """This replica's share of a whole generation batch: (global positions, rollouts per prompt).
 
-        Every rank calls it with the same batch and params; ranks of one replica get the same share.
+        Every rank calls it with the same batch and params; ranks of one replica get the same share,
+        which may be empty (then the engine still takes part in the generation, returning []).
         """
         self.wake_up()
         share = self.share(len(prompt_ids))
-        if not share:  # fewer prompts than replicas
-            return share, []
+        # Called even with an empty share (fewer prompts than replicas): vLLM's data-parallel
+        # replicas step in lockstep, all-reducing "anything unfinished?" every engine step over
+        # the replicas (docs/DESIGN.md "Rollout placement"); a replica that skipped the call
+        # would leave the others waiting in that all-reduce for ever.
         return share, self.engine.generate([prompt_ids[i] for i in share], n, params,
                                            prompt_indices=list(share))
 
@@ -103,6 +106,14 @@ class RolloutPlacement:
         parts: list = [None] * self.world_size
         dist.all_gather_object(parts, list(local) if self.is_leader else None, group=self._group)
         return [item for part in parts if part is not None for item in part]
+
+    def gather_all(self, item: Any) -> list:
+        """Every rank's ``item``, in rank order, on every rank (small objects: names, counts)."""
+        if self.world_size == 1:
+            return [item]
+        parts: list = [None] * self.world_size
+        dist.all_gather_object(parts, item, group=self._group)
+        return parts
 
     def sync(self, weights: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> dict[str, int]:
         """Stream (HF name, full tensor) pairs into this rank's engine (every rank runs it, so every

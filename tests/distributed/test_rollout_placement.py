@@ -113,3 +113,65 @@ def _check(rank, rollout_tp):
 @pytest.mark.parametrize("rollout_tp", [1, 2])
 def test_replicas_gather_what_one_engine_generates(rollout_tp):
     spawn(_check, rollout_tp)
+
+
+class CountingEngine:
+    """The HF engine, counting generate() calls: a replica that skips one would hang vLLM's
+    data-parallel lockstep (every replica all-reduces "anything unfinished?" per engine step)."""
+
+    def __init__(self, engine):
+        self.engine, self.calls = engine, []
+
+    def generate(self, prompt_ids, n, params, *, prompt_indices=None):
+        self.calls.append(len(prompt_ids))
+        return self.engine.generate(prompt_ids, n, params, prompt_indices=prompt_indices)
+
+    def wake_up(self):
+        pass
+
+
+def _shares(rank, world):
+    import torch.distributed as dist
+
+    from megatron_dapo.collect import generate_groups
+    from megatron_dapo.config import DAPOConfig, OverlongBufferConfig, RewardConfig, RolloutConfig
+    from megatron_dapo.eval import evaluate
+    from megatron_dapo.rollout import SamplingParams
+    from megatron_dapo.rollout.placement import RolloutPlacement
+
+    engine = CountingEngine(_engine())
+    placement = RolloutPlacement(engine, tensor_parallel_size=1)
+    alone = RolloutPlacement(engine.engine, alone=True)
+    assert placement.num_replicas == world
+    params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=8, seed=11)
+    cfg = DAPOConfig(rollout=RolloutConfig(engine="hf", n=3, max_response_length=8),
+                     reward=RewardConfig(overlong_buffer=OverlongBufferConfig(len=4)))
+    kw = dict(tokenizer=CharTokenizer(), params=params, cfg=cfg, keep=lambda acc: torch.ones(len(acc), dtype=torch.bool))
+    # A batch of one prompt, one fewer than the replicas, and one not divisible by them.
+    sizes = sorted({1, world - 1, world + 1})
+    for size in sizes:
+        indices = list(range(size))[::-1]
+        groups, acc = generate_groups(placement, PROMPTS, indices, ground_truths=["1"] * 5,
+                                      pool=ParityPool() if placement.is_leader else None, **kw)
+        ref_groups, ref_acc = generate_groups(alone, PROMPTS, indices, ground_truths=["1"] * 5, pool=ParityPool(),
+                                              **kw)
+        assert torch.equal(acc, ref_acc) and len(groups) == size
+        for got, want in zip(groups, ref_groups, strict=True):
+            assert (got.prompt_index, got.acc, got.rewards) == (want.prompt_index, want.acc, want.rewards)
+            _same_rollouts(got.rollouts, want.rollouts)
+    # Evaluation of one problem: every replica but the first has nothing to do, and still takes part.
+    one = evaluate(placement, PROMPTS[:1], ["1"], tokenizer=CharTokenizer(), params=params, n=3,
+                   pool=ParityPool() if placement.is_leader else None)
+    assert one == evaluate(alone, PROMPTS[:1], ["1"], tokenizer=CharTokenizer(), params=params, n=3,
+                           pool=ParityPool())
+    want_calls = [len(placement.share(size)) for size in sizes] + [len(placement.share(1))]
+    assert engine.calls == want_calls  # one call per generation on every rank, empty shares included
+    everyone = [None] * world
+    dist.all_gather_object(everyone, engine.calls)
+    assert [len(c) for c in everyone] == [len(sizes) + 1] * world
+    assert any(0 in c for c in everyone), "the test needs a replica with an empty share"
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_every_replica_takes_part_whatever_its_share(world):
+    spawn(_shares, world, world_size=world)

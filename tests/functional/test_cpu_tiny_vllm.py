@@ -3,11 +3,14 @@ replicas at rollout TP 1): it learns, and after every weight sync vLLM's log-pro
 equal the Megatron trainer's to fp32 round-off (measured: abs diff at most 6.0e-5 over 80 steps)."""
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.helpers.records import assert_same_records, records
 
 pytest.importorskip("vllm", reason="vLLM is not installed (./install.sh vllm)")
 
@@ -34,3 +37,30 @@ def test_vllm_config_learns_under_torchrun(tmp_path):
     for r in steps:
         assert r["rollout/logprob_abs_diff_max"] < LOGPROB_ABS_TOL, r["step"]
         assert abs(r["rollout/logprob_mismatch"] - 1.0) < 1e-5, r["step"]
+
+
+def test_replicas_with_nothing_to_generate_take_part_and_match_one_process(tmp_path):
+    """2 replicas, generation batches of 1 prompt and an evaluation of 1 problem: replica 1's share is
+    always empty. vLLM steps its data-parallel replicas in lockstep (an all-reduce of "anything
+    unfinished?" per engine step), so a replica that skipped generate() hung the other for ever
+    (issue 21: the 32B recipe's 32 replicas for 30 AIME problems). Now the run finishes, with the
+    records of one process: exactly for rollouts, rewards and evaluation, to round-off for the update."""
+    args = ["train", "--config", str(ROOT / "conf" / "cpu_tiny_vllm.yaml"), "toy.num_val=1", "train.total_steps=2",
+            "data.gen_prompts_per_batch=1", "data.prompts_per_step=2", "train.mini_batch_prompts=1",
+            "eval.every=1", "checkpoint.save_every=0", "logging.tensorboard=false"]
+    one = tmp_path / "one"
+    out = subprocess.run([sys.executable, "-m", "megatron_dapo.cli", *args, f"logging.dir={one}"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-5000:]
+    two = tmp_path / "two"
+    two.mkdir()
+    for name in ("toy", "toy_data", "toy_base"):
+        shutil.copytree(one / name, two / name)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
+           "megatron_dapo.cli", *args, f"logging.dir={two}"]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)  # a hang fails here (~40 s)
+    assert out.returncode == 0, out.stderr[-5000:]
+    assert [r["step"] for r in records(two)] == [0, 1, 2]
+    assert all(r["dynamic_sampling/num_gen_batches"] >= 2 for r in records(two)[1:])  # several 1-prompt batches
+    # the update at DP=2 vs DP=1, and the engine's probabilities after syncing it, to round-off
+    assert_same_records(two, one, round_off=("rollout/token_prob",))

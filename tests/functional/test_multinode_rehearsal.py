@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.records import assert_same_record, records
+
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 ENV = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "MASTER_ADDR")}
@@ -57,16 +59,6 @@ def _two_nodes(run_dir: Path, *args: str) -> str:
     return "\n".join(text)
 
 
-def _records(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def _split(record: dict) -> tuple[dict, dict]:
-    rounded = {k: v for k, v in record.items() if k.startswith(("actor/", "rollout/logprob"))}
-    exact = {k: v for k, v in record.items() if k not in rounded and not k.startswith(("timing", "time"))}
-    return exact, rounded
-
-
 def test_two_agents_train_save_and_resume_at_another_layout(tmp_path):
     run_dir = tmp_path / "run"
     first = _two_nodes(run_dir, "train.total_steps=2", TP2)
@@ -84,16 +76,13 @@ def test_two_agents_train_save_and_resume_at_another_layout(tmp_path):
     out = subprocess.run(_agent(0, 1, 4, port, f"logging.dir={ref_dir}", "train.total_steps=2", TP2), cwd=ROOT,
                          env=ENV, capture_output=True, text=True, timeout=1200)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
-    got, want = _records(run_dir), _records(ref_dir)
+    got, want = records(run_dir), records(ref_dir)
     assert [r["step"] for r in got] == [r["step"] for r in want] == [0, 1, 2]
     for g, w in zip(got, want):
-        (g_exact, g_round), (w_exact, w_round) = _split(g), _split(w)
-        assert g_exact == w_exact, g["step"]
-        assert g_round.keys() == w_round.keys()
-        assert all(abs(g_round[k] - w_round[k]) <= 1e-5 * max(1.0, abs(w_round[k])) for k in g_round), g["step"]
+        assert_same_record(g, w)
 
     second = _two_nodes(run_dir, "train.total_steps=4", PP2)
     assert "resumed from" in second and "at step 2" in second
-    assert [r["step"] for r in _records(run_dir)] == [0, 1, 2, 3, 4]
+    assert [r["step"] for r in records(run_dir)] == [0, 1, 2, 3, 4]
     meta = json.loads((run_dir / "checkpoints" / "step_00000004" / "checkpoint.json").read_text())
     assert meta["layout"]["pp"] == 2 and meta["layout"]["dp"] == 2, meta["layout"]

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.records import assert_same_record
+
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 SHORT = ["train.total_steps=1", "eval.every=1", "logging.tensorboard=false", "checkpoint.save_every=0",
@@ -26,13 +28,6 @@ def _train(run_dir: Path, nproc: int, *overrides: str) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def _split(record: dict) -> tuple[dict, dict]:
-    """(exact part: rollouts, rewards, dynamic sampling, evaluation; round-off part: the trainer)."""
-    rounded = {k: v for k, v in record.items() if k.startswith(("actor/", "rollout/logprob"))}
-    exact = {k: v for k, v in record.items() if k not in rounded and not k.startswith(("timing", "time"))}
-    return exact, rounded
-
-
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory) -> list[dict]:
     return _train(tmp_path_factory.mktemp("one_process"), 1)
@@ -43,8 +38,4 @@ def test_torchrun_from_an_empty_dir_matches_one_process(one_process, tmp_path_fa
     records = _train(tmp_path_factory.mktemp("torchrun"), 2, *layout)
     assert [r["step"] for r in records] == [0, 1]
     for got, want in zip(records, one_process, strict=True):
-        (got_exact, got_rounded), (want_exact, want_rounded) = _split(got), _split(want)
-        assert got_exact == want_exact
-        assert got_rounded.keys() == want_rounded.keys()
-        for key, value in want_rounded.items():
-            assert got_rounded[key] == pytest.approx(value, rel=1e-4, abs=1e-5), key
+        assert_same_record(got, want, rel=1e-4)
