@@ -74,6 +74,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         from megatron_dapo.train import main as train_main
 
         return train_main(load_config(args.config, args.overrides), stop=stop)
+    except Exception as e:
+        stop.abandon_if_stopping(e)  # a peer abandoned its step (its collective broke): exit 0 too
+        raise
     finally:
         # As the process's own command the handlers stay to the end: a stop signal after the run
         # (interpreter shutdown takes seconds) would otherwise kill a finished run with rc -15

@@ -44,6 +44,7 @@ from multiprocessing.connection import wait
 from megatron_dapo.reward import math_dapo
 from megatron_dapo.reward.math_dapo import TAIL_CHARS, compute_score
 
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)  # the trainer's (preemption.py), not a worker's
 FLUSH_INTERVAL_S = 0.02  # result latency vs per-message cost; also the timeout's extra slack
 # Linux buffers ~180 KiB per socket direction by default (net.core.wmem_default); stay well below.
 PIPELINE_MAX_BYTES = 64 * 1024
@@ -65,10 +66,15 @@ def _score_one(score_fn, response, ground_truth) -> dict:
 
 def _worker_main(conn, current, score_fns) -> None:
     """Worker loop: receive (fn name, chunk of (index, response, ground_truth)), send [(index, result)]."""
-    # Ctrl-C reaches the whole process group: stopping is the trainer's call (preemption.py), and a
-    # worker must not die with a KeyboardInterrupt traceback mid-item. When the trainer dies, the
-    # pipe breaks and the worker ends quietly (below), so a kill leaves no worker behind.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Stop signals reach the workers too: Ctrl-C the whole process group, SLURM's --signal=USR1 and
+    # its time-limit TERM every process of the job step. Stopping is the trainer's call
+    # (preemption.py): a worker killed mid-item would score that item as failed and change the
+    # step's groups (a resumed run then no longer equals an uninterrupted one). When the trainer
+    # dies, the pipe breaks and the worker ends quietly (below); the pool itself stops workers with
+    # SIGKILL, so a kill leaves no worker behind. A signal in the worker's first ~0.1 s (its
+    # interpreter booting, before this line) still ends it; the pool reports that as a failed start.
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
     try:
         _serve(conn, current, score_fns)
     except (BrokenPipeError, ConnectionResetError, EOFError):  # the parent went away

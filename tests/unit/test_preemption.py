@@ -1,10 +1,15 @@
 """preemption.StopRequest: the first signal asks for a stop, the same request forwarded within the
-window is absorbed (Ctrl-C under torchrun), a later second signal exits at once with 128 + signal."""
+window is absorbed (Ctrl-C under torchrun), a later second signal exits at once with 128 + signal;
+once the loop arms the watch, a step that cannot finish within the signal's grace is abandoned
+(exit 0, naming the last checkpoint), also while the main thread is busy in a C call."""
 
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
+
+import pytest
 
 CHILD = """
 import os, signal, sys, time
@@ -72,3 +77,71 @@ def test_a_stop_signal_after_a_finished_run_does_not_kill_it():
     assert entry.returncode == 0 and "exited cleanly 0" in entry.stdout, entry.stderr[-2000:]
     called = run("call")
     assert called.returncode == -signal.SIGTERM, (called.returncode, called.stderr[-2000:])
+
+
+WATCH_CHILD = """
+import os, signal, sys, time
+from megatron_dapo.preemption import StopRequest, Watch
+estimate, grace, step_s, out = float(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3]), sys.argv[4]
+stop = StopRequest().install()
+stop.watch(Watch(seconds_to_finish=lambda: estimate, last_checkpoint=lambda: "ckpt/step_00000002",
+                 on_abandon=lambda line: open(out, "w").write(line), grace_s=grace, end_time=None))
+start = time.monotonic()
+os.kill(os.getpid(), signal.SIGTERM)
+time.sleep(step_s)  # the step in flight: the main thread is busy (here in a C call)
+print(f"step finished after {time.monotonic() - start:.1f} s", flush=True)
+"""
+
+
+def _watched(tmp_path, estimate: float, grace: float, step_s: float):
+    out = tmp_path / "abandoned.txt"
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", WATCH_CHILD, str(estimate), str(grace), str(step_s), str(out)],
+                          capture_output=True, text=True, timeout=60)
+    return done, time.monotonic() - start, out.read_text() if out.exists() else None
+
+
+def test_a_step_that_cannot_finish_within_the_grace_is_abandoned_at_once(tmp_path):
+    done, seconds, line = _watched(tmp_path, estimate=100.0, grace=25.0, step_s=30.0)
+    assert done.returncode == 0 and "step finished" not in done.stdout
+    assert seconds < 10  # at the signal, not after the 30 s step nor at the end of the grace
+    assert line.startswith("megatron-dapo: SIGTERM: the step in flight and its checkpoint need ~100 s, more than the 25 s")
+    assert "the last checkpoint is ckpt/step_00000002, rerun the same command to resume from it" in line
+    assert line in done.stderr
+
+
+def test_a_step_that_fits_finishes_and_one_that_overruns_is_abandoned_before_the_kill(tmp_path):
+    done, _, line = _watched(tmp_path, estimate=1.0, grace=6.0, step_s=1.0)
+    assert done.returncode == 0 and "step finished" in done.stdout and line is None
+    done, seconds, line = _watched(tmp_path, estimate=1.0, grace=6.0, step_s=30.0)  # the estimate was wrong
+    assert done.returncode == 0 and "step finished" not in done.stdout
+    assert 3.5 < seconds < 10  # grace 6 - ABANDON_SAFETY_S 2, after start-up
+    assert "did not finish within the 6 s before the kill" in line
+
+
+ERROR_CHILD = """
+import os, signal, sys, time
+from megatron_dapo.preemption import StopRequest, Watch
+stop = StopRequest().install()
+if sys.argv[1] == "armed":
+    stop.watch(Watch(seconds_to_finish=lambda: 1.0, last_checkpoint=lambda: "none yet",
+                     on_abandon=lambda line: None, grace_s=25.0, end_time=None))
+if sys.argv[2] == "signal":
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(0.2)
+try:
+    raise RuntimeError("Connection closed by peer")  # gloo, after a peer abandoned its step
+except Exception as e:
+    stop.abandon_if_stopping(e)
+    raise
+"""
+
+
+@pytest.mark.parametrize("armed, sent, rc", [("armed", "signal", 0), ("armed", "none", 1), ("unarmed", "signal", 1)])
+def test_an_error_after_a_stop_signal_ends_the_rank_like_its_peer(armed, sent, rc):
+    done = subprocess.run([sys.executable, "-c", ERROR_CHILD, armed, sent], capture_output=True, text=True, timeout=60)
+    assert done.returncode == rc, done.stderr
+    if rc == 0:
+        assert "SIGTERM, then RuntimeError in the step in flight (Connection closed by peer): abandoning" in done.stderr
+    else:
+        assert "Traceback" in done.stderr  # without a stop request an error stays an error

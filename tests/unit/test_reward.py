@@ -282,6 +282,29 @@ def test_pool_survives_a_dying_worker(hooked_pool):
     assert (hooked_pool.num_crashes, hooked_pool.num_timeouts) == (before[0] + 1, before[1])
 
 
+def test_workers_outlive_the_stop_signals_a_job_step_sends_to_every_process():
+    """SLURM's --signal=USR1 and time-limit TERM (and Ctrl-C) reach every process of the step, the
+    reward workers included; a worker killed by one would score its item as failed and change the
+    step's groups (tests/functional/test_slurm.py caught that). Stopping is the trainer's call."""
+    import os
+    import signal
+
+    def signal_all(pool):
+        for pid in [w.process.pid for w in pool._workers]:
+            for sig in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):
+                os.kill(pid, sig)
+
+    responses, truths = _batch(50)
+    with RewardPool(num_workers=1, timeout_s=POOL_TIMEOUT_S, score_fn=_hooked_score) as pool:
+        pid = pool._workers[0].process.pid
+        pool.wait_until_ready()
+        signal_all(pool)
+        time.sleep(0.3)
+        results = pool.score(responses, truths)
+        assert [r["acc"] for r in results] == [c[2] for c in CASES[:50]]
+        assert pool._workers[0].process.pid == pid and pool.num_crashes == 0
+
+
 def test_pool_bounds_a_real_sympy_hang():
     timeout_s = 1.0
     with RewardPool(num_workers=1, timeout_s=timeout_s, score_fn=_raw_math_verify_score) as pool:
