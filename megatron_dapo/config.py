@@ -247,12 +247,13 @@ class EvalConfig:
     n: int = _f(32, "samples per problem: avg@n, pass@n, cons@n")
     temperature: float = _f(1.0, "sampling temperature (DAPO eval: 1.0)")
     top_p: float = _f(0.7, "nucleus sampling (DAPO eval: 0.7)")
-    max_response_length: int = _f(20480, "generation limit in evaluation")
+    max_response_length: int | None = _f(None, "generation limit in evaluation; null = rollout.max_response_length "
+                                              "(the engine is sized for it: more is refused)")
     reward_fn: str = _f("math_dapo_paper", "scorer of eval/avg@n etc. (registry; the paper's rule, comparable "
                         "with its numbers); eval/*_value always use dapo_math")
 
     def __post_init__(self):
-        if self.every < 0 or self.n < 1 or self.max_response_length < 1:
+        if self.every < 0 or self.n < 1 or (self.max_response_length is not None and self.max_response_length < 1):
             _fail(f"eval: need every >= 0, n >= 1, max_response_length >= 1; got {self.every}, {self.n}, "
                   f"{self.max_response_length}")
         if self.temperature < 0 or not 0 < self.top_p <= 1:
@@ -265,10 +266,17 @@ class CheckpointConfig:
     save_every: int = _f(5, "save every N rollout steps; 0 = only at the end")
     keep_last: int = _f(2, "checkpoints kept on disk (older ones are deleted after a successful save)")
     resume: Literal["auto", "never"] = _f("auto", "auto: continue from the latest checkpoint in dir")
+    stop_grace_s: float = _f(25.0, "seconds from SIGTERM / SIGINT to the kill (torchrun waits 30, SLURM's KillWait "
+                                   "is 30): a step that cannot finish and save in them is abandoned, exit 0")
+    time_limit_margin_s: float = _f(120.0, "with a known job end (SLURM): stop and save when the next step and its "
+                                           "save would end less than this before it")
 
     def __post_init__(self):
         if self.save_every < 0 or self.keep_last < 1:
             _fail(f"checkpoint: need save_every >= 0 and keep_last >= 1; got {self.save_every}, {self.keep_last}")
+        if self.stop_grace_s < 0 or self.time_limit_margin_s < 0:
+            _fail(f"checkpoint.stop_grace_s and checkpoint.time_limit_margin_s must be >= 0, got "
+                  f"{self.stop_grace_s}, {self.time_limit_margin_s}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -331,6 +339,11 @@ class DAPOConfig:
         return self.data.prompts_per_step // self.train.mini_batch_prompts * self.train.ppo_epochs
 
     @property
+    def eval_max_response_length(self) -> int:
+        """eval.max_response_length, or the rollout's limit when it is null."""
+        return self.eval.max_response_length or self.rollout.max_response_length
+
+    @property
     def checkpoint_root(self) -> Path:
         """Where the run's checkpoints live: checkpoint.dir, else <logging.dir>/checkpoints."""
         return Path(self.checkpoint.dir) if self.checkpoint.dir else Path(self.logging.dir) / "checkpoints"
@@ -352,6 +365,36 @@ def _validate_cross_section(cfg: DAPOConfig) -> None:
               f"{r.max_response_length}]; shorten the buffer or disable it (reward.overlong_buffer.enable=false)")
     if ob.enable and ob.penalty_factor < 0:
         _fail(f"reward.overlong_buffer.penalty_factor must be >= 0, got {ob.penalty_factor}")
+    if cfg.parallel.context_parallel_size > 1:
+        # Accepted by megatron, but the train step has no per-rank sequence split: it would fail in
+        # the first update, after a whole generation batch.
+        _fail(f"parallel.context_parallel_size={cfg.parallel.context_parallel_size}: context parallelism is not "
+              "supported by the training step yet; set parallel.context_parallel_size=1 (long sequences: "
+              "model.recompute=full and a smaller train.max_tokens_per_micro_batch)")
+    if (cfg.eval.max_response_length or 0) > r.max_response_length:
+        # One engine serves both, sized for prompt + rollout.max_response_length tokens: longer
+        # evaluation responses would be cut there silently.
+        _fail(f"eval.max_response_length={cfg.eval.max_response_length} exceeds rollout.max_response_length="
+              f"{r.max_response_length}, which sizes the engine (data.max_prompt_length + rollout.max_response_length "
+              "tokens); lower eval.max_response_length or raise rollout.max_response_length")
+    if cfg.toy.enable:
+        # The demo points these at what it makes in the run directory (toy/bootstrap.py): any other
+        # value would be replaced without a word, and the run would train the toy, not that model or data.
+        run = Path(cfg.logging.dir)
+        for name, value, allowed in (
+                ("model.hf_path", cfg.model.hf_path, ("", str(run / "toy_base"))),
+                ("data.train_files", d.train_files, ((), (str(run / "toy_data" / "train.parquet"),))),
+                ("data.val_files", d.val_files, (DataConfig().val_files, (str(run / "toy_data" / "val.parquet"),)))):
+            if value not in allowed:
+                shown = f"[{', '.join(value)}]" if isinstance(value, tuple) else value
+                _fail(f"{name}={shown} is ignored with toy.enable=true (the demo trains on the task and base it "
+                      f"makes in logging.dir={run}); set toy.enable=false to use it, or leave {name} unset")
+        # RoPE runs past it without a word in the trainer and the HF engine; vLLM refuses it only
+        # once the trainer is built.
+        if cfg.toy.max_position_embeddings < d.max_prompt_length + r.max_response_length:
+            _fail(f"toy.max_position_embeddings={cfg.toy.max_position_embeddings} is shorter than the sequences "
+                  f"of the run: data.max_prompt_length + rollout.max_response_length = "
+                  f"{d.max_prompt_length + r.max_response_length}; raise it to at least that, or shorten them")
     seq_len = d.max_prompt_length + r.max_response_length
     if 0 < t.max_tokens_per_micro_batch < seq_len:
         _fail(f"train.max_tokens_per_micro_batch={t.max_tokens_per_micro_batch} cannot hold one sequence of "

@@ -36,13 +36,14 @@ def describe_layout(cfg: DAPOConfig, world_size: int, hf_config: dict, source: s
     """The layout's lines (see module docstring) for the model ``model_shape`` returned
     (``hf_config`` from ``source``); InputError when it cannot run at ``world_size``."""
     from megatron_dapo.config_loading import ConfigError
-    from megatron_dapo.policy.parallel import validate_parallel
+    from megatron_dapo.policy.parallel import check_training_layout, validate_parallel
     from megatron_dapo.rollout.placement import replica_layout
 
     p, d, t = cfg.parallel, cfg.data, cfg.train
     try:
         sizes = validate_parallel(hf_config, parallel=p, model=cfg.model, world_size=world_size, on_gpu=on_gpu,
                                   check_installed=False)
+        check_training_layout(hf_config, p)
         _, replicas, _ = replica_layout(0, world_size, cfg.rollout.tensor_parallel_size)
     except ValueError as e:  # ConfigError (a ValueError) included
         raise ConfigError(f"at world size {world_size}: {e}") from None

@@ -84,6 +84,8 @@ def setup_run(cfg: DAPOConfig, *, lock: bool = True, done: Callable[[dict], bool
         from megatron_dapo.toy import bootstrap as toy
 
         toy.check(cfg, run_dir)
+    if cfg.checkpoint.resume == "auto":
+        check_checkpoints(ckpt_dir)
     inputs = None if cfg.toy.enable else _load_inputs(cfg, ckpt_dir)
     run_lock = None
     if lock and rank == 0:
@@ -94,6 +96,7 @@ def setup_run(cfg: DAPOConfig, *, lock: bool = True, done: Callable[[dict], bool
         if cfg.toy.enable:
             cfg = toy.materialise(cfg, run_dir, rank)
         inputs = inputs or _load_inputs(cfg, ckpt_dir)
+        check_layout(cfg, inputs.hf_config, world)
         if done is not None and inputs.resume_from is not None:
             from megatron_dapo.policy.checkpoint import read_trainer_state
 
@@ -143,6 +146,17 @@ def _resume_point(ckpt_dir: Path, hf_config: dict) -> Path | None:
         arch = hf_arch(hf_config)
         check_model_shape(path, read_meta(path), {k: getattr(arch, k) for k in SHAPE_FIELDS})
     return path
+
+
+def check_checkpoints(ckpt_dir: Path) -> None:
+    """InputError when the run has saved checkpoints and none is intact, before anything (the lock
+    file included) is written: starting over would silently drop every metrics record of the run."""
+    from megatron_dapo.policy.checkpoint import why_none_usable
+
+    if why := why_none_usable(ckpt_dir):
+        raise InputError(f"{ckpt_dir}: no intact checkpoint to resume from ({why}); nothing was changed. Restore "
+                         "the checkpoints from a copy, or start the run over on purpose with "
+                         "checkpoint.resume=never (metrics.jsonl is then rewritten from step 0) or a new logging.dir")
 
 
 def _check_start_checkpoint(path: Path) -> None:
@@ -210,6 +224,22 @@ def check_model(cfg: DAPOConfig) -> None:
 
     try:
         resolve_runtime(cfg.model, torch.cuda.is_available())
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def check_layout(cfg: DAPOConfig, hf_config: dict, world_size: int) -> None:
+    """The parallel layout against the model (heads, layers, world size, known-bad combinations),
+    before any model is built; a ConfigError, which the CLI prints as one line."""
+    import torch
+
+    from megatron_dapo.config_loading import ConfigError
+    from megatron_dapo.policy.parallel import check_training_layout, validate_parallel
+
+    try:
+        validate_parallel(hf_config, parallel=cfg.parallel, model=cfg.model, world_size=world_size,
+                          on_gpu=torch.cuda.is_available())
+        check_training_layout(hf_config, cfg.parallel)
     except ValueError as e:
         raise ConfigError(str(e)) from None
 

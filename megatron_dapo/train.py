@@ -12,6 +12,7 @@ import dataclasses
 import json
 import logging
 import os
+import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,11 +25,12 @@ from megatron_dapo.config import DAPOConfig
 from megatron_dapo.config_loading import dump_yaml, to_dict
 from megatron_dapo.eval import evaluate
 from megatron_dapo.metrics_log import MetricsLogger, format_progress, read_metrics
-from megatron_dapo.preemption import StopRequest
+from megatron_dapo.preemption import TIME_LIMIT, StopRequest, Watch
 from megatron_dapo.reward import VALUE_REWARD_FN
 from megatron_dapo.rollout.engine import Rollout, eval_sampling_params, rollout_sampling_params
 from megatron_dapo.rollout.weight_sync import logprob_mismatch
 from megatron_dapo.setup import Run, setup_run
+from megatron_dapo.time_limit import StepClock, job_end_time, write_status
 
 logger = logging.getLogger("megatron_dapo.train")
 
@@ -53,7 +55,14 @@ def train(cfg: DAPOConfig, stop: StopRequest | None = None) -> TrainResult:
         run = setup_run(cfg, done=lambda state: _finished(cfg, state["step"], state.get("responses_generated", 0)))
         if run.actor is None:  # nothing was built: the checkpoint it would resume from ends the run
             return TrainResult(final_eval=_last_eval(run.dir), step=run.state["step"], already_complete=True)
-        return _train(run, cfg, stop)
+        # From here on only run.cfg: the config as resolved by setup (the demo's data files and
+        # base filled in), which is what runs and what config.yaml and W&B record.
+        result = _train(run, stop)
+        if run.rank == 0:  # for the launcher: requeue the job while the run is unfinished
+            write_status("stopped" if result.stopped_by else "finished",
+                         f"after step {result.step} of {run.cfg.train.total_steps}"
+                         + (f", by {result.stopped_by}; checkpoint {result.checkpoint}" if result.stopped_by else ""))
+        return result
     finally:
         if own:
             stop.restore()
@@ -61,7 +70,8 @@ def train(cfg: DAPOConfig, stop: StopRequest | None = None) -> TrainResult:
             run.close()
 
 
-def _train(run: Run, cfg: DAPOConfig, stop: StopRequest) -> TrainResult:
+def _train(run: Run, stop: StopRequest) -> TrainResult:
+    cfg = run.cfg
     dyn = DynamicSampler(prompts_per_step=cfg.data.prompts_per_step, group_size=cfg.rollout.n,
                          max_num_gen_batches=cfg.algorithm.filter_groups.max_num_gen_batches,
                          enabled=cfg.algorithm.filter_groups.enable, surplus=cfg.algorithm.filter_groups.surplus)
@@ -76,28 +86,39 @@ def _train(run: Run, cfg: DAPOConfig, stop: StopRequest) -> TrainResult:
     log = MetricsLogger(run.dir, tensorboard=cfg.logging.tensorboard, wandb=cfg.logging.wandb,
                         wandb_project=cfg.logging.wandb_project, config=to_dict(cfg), enabled=run.rank == 0,
                         start_step=start + 1 if start else 0)
+    clock = StepClock()
+    clock.load_state_dict(run.state.get("clock", {}))
+    end_time = job_end_time(scontrol=run.rank == 0)  # rank 0 asks SLURM; the stop all-reduce tells the rest
+    # From the first step on, a signal whose grace cannot hold the step in flight abandons it.
+    stop.watch(Watch(seconds_to_finish=clock.seconds_to_finish, last_checkpoint=lambda: str(_latest(run) or "none yet"),
+                     on_abandon=lambda line: write_status("stopped", line) if run.rank == 0 else None,
+                     grace_s=cfg.checkpoint.stop_grace_s, end_time=end_time))
     try:
-        return _loop(run, cfg, stop, dyn, log, start, gen_batch)
+        return _loop(run, stop, dyn, log, start, gen_batch, clock, end_time)
     finally:
         log.close()
 
 
-def _loop(run: Run, cfg: DAPOConfig, stop: StopRequest, dyn: DynamicSampler, log: MetricsLogger, start: int,
-          gen_batch: int) -> TrainResult:
-    actor, placement = run.actor, run.placement
+def _loop(run: Run, stop: StopRequest, dyn: DynamicSampler, log: MetricsLogger, start: int,
+          gen_batch: int, clock: StepClock, end_time: float | None) -> TrainResult:
+    cfg, actor, placement = run.cfg, run.actor, run.placement
+    _record_ranks(run)
     if run.rank == 0:
         (run.dir / "config.yaml").write_text(dump_yaml(cfg))
     _sync(run)  # the engines start from the checkpoint's weights (vLLM's from dummy ones)
     final = {}
     if cfg.eval.before_train and start == 0:
-        final = _log(log, 0, _evaluate(run, cfg), cfg, start)
+        final = _log(log, 0, _evaluate(run), cfg, start)
 
     done = saved = start  # completed steps; the step the newest checkpoint holds
     generated = run.state.get("responses_generated", 0)  # every response generated so far, kept or not
     finished = False  # at total_steps, or the generation budget spent
     for step in range(start, cfg.train.total_steps):
+        if end_time is not None and not clock.next_step_fits(end_time, cfg.checkpoint.time_limit_margin_s):
+            stop.request(TIME_LIMIT)  # the next step and its save would end past the job's end
         if stop.agreed():  # every rank stops after the same step
             break
+        clock.start_step()
         metrics: dict[str, float] = {}
         step_start = time.perf_counter()
         with log.timer("rollout"):
@@ -135,30 +156,42 @@ def _loop(run: Run, cfg: DAPOConfig, stop: StopRequest, dyn: DynamicSampler, log
             _sync(run)
         if cfg.eval.every and (step + 1) % cfg.eval.every == 0 or finished:
             with log.timer("eval"):
-                metrics.update(_evaluate(run, cfg))
+                metrics.update(_evaluate(run))
         metrics["timing_s/step"] = time.perf_counter() - step_start
         # Log before saving: a crash between the two resumes from the previous checkpoint and
         # rewrites this step's record, never leaves a step without one.
         final = _log(log, step + 1, metrics, cfg, start) or final
         done = step + 1
+        clock.end_step()
         if cfg.checkpoint.save_every and done % cfg.checkpoint.save_every == 0 or finished:
-            _save(run, dyn, done, generated)
+            _save(run, dyn, done, generated, clock)
             saved = done
         if finished:
             break
     if stop.signum is None or finished:
         return TrainResult(final_eval=final, step=done)
     if done > saved:
-        _save(run, dyn, done, generated)
+        _save(run, dyn, done, generated, clock)
     latest = _latest(run)
     return TrainResult(final_eval=final, step=done, stopped_by=stop.name, checkpoint=latest and str(latest),
                        stop_latency_s=stop.seconds_since())
 
 
-def _save(run: Run, dyn: DynamicSampler, step: int, generated: int) -> None:
+def _record_ranks(run: Run) -> None:
+    """<logging.dir>/ranks.json: each rank's node (SLURM's node name, else the host name), in rank
+    order, for the invocation that runs now: where to look when one rank misbehaves."""
+    nodes = run.placement.gather_all(os.environ.get("SLURMD_NODENAME") or socket.gethostname())
+    if run.rank == 0:
+        (run.dir / "ranks.json").write_text(json.dumps({"nodes": nodes}, indent=1) + "\n")
+
+
+def _save(run: Run, dyn: DynamicSampler, step: int, generated: int, clock: StepClock) -> None:
     held = [dataclasses.asdict(g) for g in dyn.state_dict()["held"]]
+    started = time.monotonic()
     run.actor.save_checkpoint(str(run.ckpt_dir), {"step": step, "sampler": run.sampler.state_dict(),
-                                                  "held_groups": held, "responses_generated": generated})
+                                                  "held_groups": held, "responses_generated": generated,
+                                                  "clock": clock.state_dict()})
+    clock.record_save(time.monotonic() - started)
 
 
 def _finished(cfg: DAPOConfig, steps: int, generated: int) -> bool:
@@ -185,8 +218,10 @@ def _sync(run: Run) -> None:
     run.placement.sync(run.actor.export_hf_weights(), run.cfg.rollout.weight_sync_bucket_mb << 20)
 
 
-def _evaluate(run: Run, cfg: DAPOConfig) -> dict[str, float]:
-    params = eval_sampling_params(cfg.eval, seed=cfg.seed, stop_token_ids=run.stops)
+def _evaluate(run: Run) -> dict[str, float]:
+    cfg = run.cfg
+    params = eval_sampling_params(cfg.eval, max_tokens=cfg.eval_max_response_length, seed=cfg.seed,
+                                  stop_token_ids=run.stops)
     return evaluate(run.placement, run.val_ids, run.val_truths, tokenizer=run.tokenizer, params=params,
                     n=cfg.eval.n, pool=run.pool, reward_fn=cfg.eval.reward_fn, value_fn=VALUE_REWARD_FN)
 
@@ -230,7 +265,7 @@ def evaluate_run(cfg: DAPOConfig) -> dict[str, float]:
     run = setup_run(cfg, lock=False)
     try:
         _sync(run)
-        result = {"step": run.state.get("step", 0), **_evaluate(run, cfg)}
+        result = {"step": run.state.get("step", 0), **_evaluate(run)}
     finally:
         run.close()
     if run.rank == 0:

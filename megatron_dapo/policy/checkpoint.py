@@ -16,7 +16,8 @@ A checkpoint is used only when it is complete and intact: every file of its mani
 its recorded size, and its JSON files parse. A damaged one (a file truncated or deleted after the
 save, by a full disk or a bad copy) is passed over with a warning naming the file, and resume falls
 back to the newest intact checkpoint. The fallback deletes nothing: the damaged copy goes only when
-the run saves that step again or pruning reaches it.
+the run saves that step again or pruning reaches it. When every saved checkpoint is damaged,
+resuming is refused (``why_none_usable`` names each one and its file) instead of starting over.
 
 A crash at any point of a save leaves ``latest`` and the previous checkpoints untouched; the
 stray ``.tmp`` directory is removed by the next successful save, which then deletes all but
@@ -223,6 +224,24 @@ def latest_checkpoint(root: str | os.PathLike) -> Path | None:
             return path
         logger.warning("checkpoint %s is damaged (%s): passing over it, not deleting it", path, why)
     return None
+
+
+def why_none_usable(root: str | os.PathLike) -> str | None:
+    """When ``root`` holds saved checkpoints but latest_checkpoint() finds none intact: what is wrong
+    with each ("step_00000010: model.distcp has 100 bytes, the save wrote 4096; ..."); None when a
+    checkpoint is intact or none was ever saved (no ``latest`` pointer, no complete checkpoint).
+    A crashed save (a ``.tmp`` directory) never counts: it was never published."""
+    root = Path(root)
+    found = list_checkpoints(root)
+    problems = [f"{path.name}: {why}" for _, path in found if (why := damage(path)) is not None]
+    if len(problems) < len(found):
+        return None
+    pointer = root / LATEST
+    if pointer.is_file():
+        named = pointer.read_text().strip()
+        if not any(path.name == named for _, path in found):
+            problems.append(f"{LATEST} names {named}, which is {'incomplete' if (root / named).exists() else 'missing'}")
+    return "; ".join(problems) or None
 
 
 def save_checkpoint(root: str | os.PathLike, step: int, *, model: list, optimizer, scheduler,

@@ -53,6 +53,20 @@ def validate_parallel(hf_config, *, parallel: ParallelConfig, model: ModelConfig
                 layers_per_chunk=arch.num_layers // (pp * vpp))
 
 
+def check_training_layout(hf_config, parallel: ParallelConfig) -> None:
+    """ValueError for layouts that build and train but cannot be checkpointed and resumed
+    correctly (training only: conversion and export keep no optimizer state)."""
+    tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
+    if bool(hf_config.get("tie_word_embeddings", False)) and tp > 1 and pp > 1 and parallel.use_distributed_optimizer:
+        # megatron-core 0.19.2 saves this layout's optimizer state of the tied embedding one row
+        # off (zeros at the end of each TP shard; its own "param range exceeds unpadded buffer"
+        # warning), and a resume copies it into the weights: docs/DESIGN.md "Known upstream bugs".
+        raise ValueError("tie_word_embeddings with tensor_model_parallel_size > 1 and pipeline_model_parallel_size > 1 "
+                         "and the distributed optimizer: megatron-core 0.19.2 checkpoints the tied embedding's "
+                         "optimizer state shifted by a row, and a resumed run trains a corrupted embedding; set "
+                         "parallel.use_distributed_optimizer=false, or TP=1, or PP=1")
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 

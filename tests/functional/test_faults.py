@@ -256,3 +256,74 @@ def test_a_generation_budget_ends_the_run_like_its_last_step(reference, tmp_path
     assert [same(r) for r in got] == [same(ref[r["step"]]) for r in got]
     again = _run(run_dir, f"train.generation_budget={budget}")
     assert again.returncode == 0 and "nothing to do" in again.stdout and f"generation_budget={budget}" in again.stdout
+
+
+def test_a_step_that_cannot_finish_within_the_grace_is_abandoned_with_exit_0(reference, tmp_path):
+    """checkpoint.stop_grace_s=0: no step fits, so the step in flight is abandoned at the signal
+    (what a 20-minute step under torchrun's 30 s or SLURM's KillWait gets); the saved steps stay,
+    the rerun redoes the rest and ends equal to the uninterrupted run."""
+    run_dir = _copy_toy(reference, tmp_path / "run")
+    proc = _start(run_dir, "checkpoint.stop_grace_s=0")
+    _wait_for(_logged(run_dir, 3), proc, "step 3")  # a checkpoint at step 2 exists
+    proc.send_signal(signal.SIGTERM)
+    sent = time.monotonic()
+    _, stderr = _finish(proc)
+    assert proc.returncode == 0, stderr[-3000:]
+    assert time.monotonic() - sent < 10
+    latest = run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text().strip()
+    assert f"abandoning the step; the last checkpoint is {latest}, rerun the same command" in stderr
+    assert "Traceback" not in stderr
+    out = _run(run_dir)
+    assert out.returncode == 0, out.stderr[-5000:]
+    _assert_same_as_reference(run_dir, reference)
+
+
+def test_the_jobs_end_stops_the_run_before_it_with_a_checkpoint(reference, tmp_path):
+    """MEGATRON_DAPO_END_TIME (what recipes/lib/launch.sh exports from SLURM): the run stops when the
+    next step and its save would end past it, saves, exits 0; the rerun completes it exactly."""
+    run_dir = _copy_toy(reference, tmp_path / "run")
+    end = time.time() + 9  # start-up takes ~5 s here, 10 steps another ~10 s
+    out = subprocess.run(_cmd(run_dir, "checkpoint.time_limit_margin_s=0"), cwd=ROOT, capture_output=True, text=True,
+                         timeout=600, env={**ENV, "MEGATRON_DAPO_END_TIME": f"{end:.0f}"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    step = _records(run_dir)[-1]["step"] if _records(run_dir) else 0
+    assert step < STEPS and f"stopped by the job's time limit after step {step} of {STEPS}" in out.stdout
+    if step:  # (a slow start-up may leave no time for any step: nothing to save then)
+        ckpt = run_dir / "checkpoints" / f"step_{step:08d}"
+        assert (run_dir / "checkpoints" / "latest").read_text().strip() == ckpt.name
+        assert (ckpt / "checkpoint.json").stat().st_mtime <= end  # the step and its save ended before the end
+    out = _run(run_dir)
+    assert out.returncode == 0, out.stderr[-5000:]
+    _assert_same_as_reference(run_dir, reference)
+
+
+def test_a_run_whose_checkpoints_are_all_damaged_is_refused_and_left_as_it_is(reference, tmp_path):
+    run_dir = _copy_toy(reference, tmp_path / "run")
+    shutil.copytree(reference / "checkpoints", run_dir / "checkpoints")
+    shutil.copy(reference / "metrics.jsonl", run_dir / "metrics.jsonl")
+    victims = []
+    for ckpt in sorted((run_dir / "checkpoints").glob("step_*")):
+        victim = max(ckpt.glob("*.distcp"), key=lambda p: p.stat().st_size)
+        victim.write_bytes(victim.read_bytes()[:100])  # truncated, as by a full disk
+        victims.append((ckpt.name, victim.name))
+    assert len(victims) == 2
+    before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+    out = _run(run_dir, f"train.total_steps={STEPS + 2}")
+    assert out.returncode == 2, out.stderr[-3000:]
+    line = out.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"megatron-dapo: error: {run_dir / 'checkpoints'}: no intact checkpoint to resume from (")
+    for name, file in victims:
+        assert f"{name}: {file} has 100 bytes, the save wrote" in line
+    assert "checkpoint.resume=never" in line and "nothing was changed" in line
+    assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == before
+
+
+def test_the_run_records_the_config_it_ran(reference):
+    """The demo's config as setup resolved it (its data files and base in the run directory), not
+    the caller's (data/aime-2024.parquet and an empty model.hf_path): config.yaml and W&B get it."""
+    from megatron_dapo.config_loading import load_config
+
+    cfg = load_config(reference / "config.yaml")
+    assert cfg.model.hf_path == str(reference / "toy_base")
+    assert cfg.data.train_files == (str(reference / "toy_data" / "train.parquet"),)
+    assert cfg.data.val_files == (str(reference / "toy_data" / "val.parquet"),)

@@ -191,3 +191,17 @@ def test_logits_match_transformers_qwen2(world_of_one, tied):
         fresh = build_model(hf, model=MODEL, parallel=ONE)[0](ids, torch.arange(16).expand(2, 16), None)
     assert (fresh - theirs).abs().max() > 0.1  # the comparison can fail
     torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-6)  # measured: bit-identical
+
+
+def test_a_layout_whose_resume_megatron_corrupts_is_refused():
+    """tests/distributed/test_upstream_tied_embedding_ckpt.py shows why; the neighbours are fine."""
+    import dataclasses
+
+    from megatron_dapo.policy.parallel import check_training_layout
+
+    bad = ParallelConfig(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
+    with pytest.raises(ValueError, match="set parallel.use_distributed_optimizer=false, or TP=1, or PP=1"):
+        check_training_layout({"tie_word_embeddings": True}, bad)
+    check_training_layout({"tie_word_embeddings": False}, bad)
+    check_training_layout({"tie_word_embeddings": True}, dataclasses.replace(bad, use_distributed_optimizer=False))
+    check_training_layout({"tie_word_embeddings": True}, dataclasses.replace(bad, pipeline_model_parallel_size=1))

@@ -248,6 +248,6 @@ def test_sampling_params_from_configs():
     train = rollout_sampling_params(RolloutConfig(top_k=50, max_response_length=64), seed=1)
     assert (train.temperature, train.top_k, train.max_tokens) == (1.0, 50, 64)
     assert train.seed == 1 and train.logprobs
-    ev = eval_sampling_params(EvalConfig(), stop_token_ids=[9])
+    ev = eval_sampling_params(EvalConfig(), max_tokens=20480, stop_token_ids=[9])
     assert (ev.temperature, ev.top_p, ev.top_k, ev.max_tokens) == (1.0, 0.7, -1, 20480)
     assert ev.stop_token_ids == (9,) and not ev.logprobs

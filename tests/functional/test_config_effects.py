@@ -1,0 +1,497 @@
+"""Every config key has an effect: each non-default value changes something observable in a one-step
+run of the real trainer, or is refused up front (tests/unit/test_config_keys.py only checks that each
+leaf key is read somewhere).
+
+Every leaf of ``DAPOConfig`` (``_leaves``) is in exactly one table (``test_every_key_is_classified``,
+so a new key fails until someone classifies it):
+
+(a) ``CASES``: ``megatron-dapo train --config conf/cpu_tiny.yaml`` with ``BASE`` (one step, tiny
+    batches) and the key at one non-default value, against a reference run made the same way that
+    differs from it in that key alone: the baseline, or the baseline plus a context the key needs to
+    matter (``Case.context``: e.g. dynamic sampling on for data.gen_prompts_per_batch; both runs have
+    it). An effect is a difference in what the run leaves behind: metrics.jsonl (values, the set of
+    keys, the number of records; ``time`` and ``timing_s/*`` never count), the files of the run dir
+    (TensorBoard events, checkpoints, checkpoint.json / trainer_state.json fields), stdout, stderr
+    and the run's log lines, its exit code, or the process's torch thread count (num_threads).
+    Echoes of the value (config.yaml, toy/.complete, W&B's config) never count.
+(b) ``REFUSED``: the value is refused before anything is written: exit 2, one line
+    ``megatron-dapo: config error: ...`` (``error:`` for the input checks) naming the key; the run dir
+    is unchanged.
+(c) ``GPU_ONLY``: values this CPU machine cannot run and the code accepts here, with the reason and
+    the GPU-marked test (tests/gpu, tools/gpu_smoke.sh) that covers them.
+    ``NO_EFFECT_ON_CPU``: keys whose non-default values are accepted and change nothing a one-step
+    run on this machine shows, with why they are not refused and what covers them elsewhere.
+
+How it runs (about 3 minutes on 2 cores): the toy base is made once (``base``, warm-up 40 steps: the format, not the task; the
+heads of conf/cpu_tiny_vllm.yaml so the vLLM run can reuse it) and copied into each run dir. Runs
+are in-process through ``cli.main`` (~1 s each; megatron's parallel state is destroyed after
+each, and curves.png, a plot of metrics.jsonl that no key configures, is skipped); toy.* and seed
+runs make their own base with a 1-step warm-up. The 2-process cases (parallel sizes, rollout TP,
+the vLLM engine) run in one torchrun job driving several runs (``dist``), and the signal case
+(checkpoint.stop_grace_s) in one subprocess (its abandoned step ends the process).
+"""
+
+import contextlib
+import dataclasses
+import io
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+from unittest import mock
+
+import pytest
+import torch
+
+from megatron_dapo import cli
+from megatron_dapo.config import DAPOConfig
+from megatron_dapo.policy.parallel import destroy_parallel
+from tests.unit.test_config_keys import _leaves
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIG = str(ROOT / "conf" / "cpu_tiny.yaml")
+pytestmark = [pytest.mark.slow]
+BASE = {"toy.warmup_steps": "40", "toy.num_train": "200", "toy.num_val": "8", "toy.num_attention_heads": "2",
+        "toy.num_key_value_heads": "1", "train.total_steps": "1", "eval.every": "0", "eval.before_train": "false",
+        "checkpoint.save_every": "0", "logging.tensorboard": "false", "data.prompts_per_step": "4",
+        "data.gen_prompts_per_batch": "8", "train.mini_batch_prompts": "2", "eval.n": "1",
+        "reward.num_workers": "0", "algorithm.filter_groups.enable": "false"}
+TOY = {"toy.warmup_steps": "1"}  # runs that make their own base
+TWO = {"train.total_steps": "2"}
+FILTER = {"algorithm.filter_groups.enable": "true"}
+KV = {"rollout.kv_cache_memory_mb": "64"}  # 2-process runs: vLLM on CPU needs it, the hf engine ignores it
+REAL = {"toy.enable": "false", "model.hf_path": "{base}/toy_base", "data.train_files": "[{data}]",
+        "data.val_files": "[{base}/toy_data/val.parquet]"}  # a real model dir and data files, no demo
+# ... whose answers are written "4.0": the value scorer (dapo_math) takes "Answer: 4", the paper's rule does not
+DECIMAL = REAL | {"data.train_files": "[{root}/decimal_train.jsonl]", "data.val_files": "[{root}/decimal_val.jsonl]"}
+END_TIME = str(int(time.time()) + 36_000)  # a job end 10 h away (time_limit.py)
+
+
+@dataclasses.dataclass
+class Result:
+    rc: int | None
+    out: str
+    err: str
+    logs: str
+    error: str  # an exception that escaped cli.main
+    dir: Path
+    threads: int = 0
+
+    @property
+    def records(self) -> list[dict]:
+        path = self.dir / "metrics.jsonl"
+        lines = path.read_text().splitlines() if path.exists() else []
+        return [{k: v for k, v in json.loads(x).items() if k != "time" and not k.startswith("timing_s/")}
+                for x in lines]
+
+    @property
+    def last(self) -> dict:
+        return (self.records or [{}])[-1]
+
+    @property
+    def files(self) -> set[str]:
+        skip = ("toy/", "toy_data/", "toy_base/")
+        return {str(p.relative_to(self.dir)) for p in self.dir.rglob("*")
+                if p.is_file() and not str(p.relative_to(self.dir)).startswith(skip)} if self.dir.exists() else set()
+
+    def ckpt(self, name: str = "checkpoint.json") -> dict:
+        from megatron_dapo.policy.checkpoint import latest_checkpoint
+
+        latest = latest_checkpoint(self.dir / "checkpoints")
+        return json.loads((latest / name).read_text()) if latest else {}
+
+
+# -- checks: (run with the value, reference) -> whether they differ the way the key says -----------
+def metric(*names: str) -> Callable:
+    return lambda a, b: any(a.last.get(n) != b.last.get(n) for n in names)
+
+
+def prefix(p: str) -> Callable:  # any value of metrics under this prefix
+    return lambda a, b: {k: v for k, v in a.last.items() if k.startswith(p)} != \
+        {k: v for k, v in b.last.items() if k.startswith(p)}
+
+
+def records(a, b) -> bool:
+    return a.records != b.records
+
+
+def ckpt(*path: str, file: str = "checkpoint.json") -> Callable:
+    def get(r):
+        d = r.ckpt(file)
+        for p in path:
+            d = d.get(p, {}) if isinstance(d, dict) else d
+        return d
+    return lambda a, b: get(a) != get(b) and get(a) != {}
+
+
+def text(where: str, s: str) -> Callable:  # the line is in this run's output and not the reference's
+    return lambda a, b: s in getattr(a, where) and s not in getattr(b, where)
+
+
+def ok(a, b) -> bool:
+    return a.rc == 0 and not a.error
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    value: str
+    check: Callable
+    context: dict = dataclasses.field(default_factory=dict)
+    via: str = "local"  # local (in-process), dist (the torchrun job), grace (the signal subprocess)
+    env: tuple = ()
+
+
+C = Case
+CASES: dict[str, Case] = {
+    "seed": C("2", records, TOY),
+    "num_threads": C("2", lambda a, b: (a.threads, b.threads) == (2, 1)),
+    "model.checkpoint": C("{base}/checkpoints", lambda a, b: text("logs", "from " + str(a.dir.parent / "base/checkpoints"))(
+        a, b) and metric("actor/pg_loss")(a, b)),
+    "model.dtype": C("bf16", prefix("actor/")),
+    "model.make_vocab_size_divisible_by": C("1000", ckpt("padded_vocab_size")),
+    "parallel.tensor_model_parallel_size": C("2", ckpt("layout", "tp"), KV, via="dist"),
+    "parallel.pipeline_model_parallel_size": C("2", ckpt("layout", "pp"), KV, via="dist"),
+    "parallel.use_distributed_optimizer": C("true", ckpt("distributed_optimizer")),
+    "data.dedup": C("false", ckpt("sampler", "num_items", file="trainer_state.json"), REAL | {"data.on_bad_row": "skip"}),
+    "data.on_bad_row": C("skip", lambda a, b: ok(a, b) and b.rc == 2 and "line 3" in b.err, REAL),
+    "data.max_prompt_length": C("100", ckpt("sampler", "num_items", file="trainer_state.json"),
+                                REAL | {"data.on_bad_row": "skip"}),
+    "data.shuffle": C("false", metric("rollout/token_prob_mean")),  # other prompts
+    "data.prompts_per_step": C("2", metric("actor/num_updates")),
+    "data.gen_prompts_per_batch": C("16", metric("dynamic_sampling/num_groups_generated"), FILTER),
+    "rollout.engine": C("vllm", lambda a, b: text("logs", "(vllm engine")(a, b) and records(a, b), KV, via="dist"),
+    "rollout.n": C("4", metric("actor/num_seqs")),
+    "rollout.temperature": C("0.5", metric("rollout/token_prob_mean")),
+    "rollout.top_p": C("0.5", metric("rollout/token_prob_mean")),
+    "rollout.top_k": C("2", metric("rollout/token_prob_mean")),
+    "rollout.max_response_length": C("24", metric("reward/overlong_penalty_mean")),
+    "rollout.tensor_parallel_size": C("2", text("logs", "rollout replica 0 of 1 (hf engine, rollout TP 2)"), KV, via="dist"),
+    "rollout.kv_cache_memory_mb": C("64", lambda a, b: ok(a, b) and b.rc == 2 and "rollout.kv_cache_memory_mb" in b.err,
+                                    {"rollout.engine": "vllm", "rollout.kv_cache_memory_mb": "0"}, via="dist"),
+    "rollout.check_logprob_mismatch": C("false", lambda a, b: "rollout/logprob_mismatch" in b.last.keys() - a.last.keys()),
+    "algorithm.adv_estimator": C("grpo_mean_only", metric("actor/pg_loss")),
+    "algorithm.adv_eps": C("0.5", metric("actor/pg_loss")),
+    "algorithm.filter_groups.enable": C("true", metric("dynamic_sampling/num_groups_generated")),
+    "algorithm.filter_groups.max_num_gen_batches": C("1", lambda a, b: "max_num_gen_batches=1" in a.error and ok(b, a),
+                                                     FILTER | {"data.gen_prompts_per_batch": "4"}),
+    "algorithm.filter_groups.surplus": C("carry", lambda a, b: "dynamic_sampling/num_surplus_carried" in a.last
+                                         and "dynamic_sampling/num_surplus_carried" not in b.last),
+    "loss.clip_ratio_low": C("0.01", metric("actor/pg_clipfrac_low")),
+    "loss.clip_ratio_high": C("0.01", metric("actor/pg_clipfrac_high")),
+    "loss.clip_ratio_c": C("1.3", metric("actor/pg_clipfrac_dual"), {"optim.lr": "0.05"}),
+    "loss.loss_agg_mode": C("seq-mean-token-mean", metric("actor/pg_loss")),
+    "loss.tis_cap": C("2.0", lambda a, b: "actor/tis_weight_mean" in a.last and "actor/tis_weight_mean" not in b.last),
+    "reward.fn": C("dapo_math", metric("reward/acc_mean"), DECIMAL),
+    "reward.overlong_buffer.enable": C("false", metric("reward/overlong_penalty_mean")),
+    "reward.overlong_buffer.len": C("8", metric("reward/overlong_penalty_mean")),
+    "reward.overlong_buffer.penalty_factor": C("0.5", metric("reward/overlong_penalty_mean")),
+    "reward.overlong_filter": C("true", metric("actor/pg_loss")),
+    "optim.lr": C("0.01", metric("actor/lr")),
+    "optim.lr_warmup_steps": C("0", metric("actor/lr")),
+    "optim.weight_decay": C("0.1", metric("actor/ratio_mean")),
+    # The first Adam step is the same for any betas (bias correction): the third update's ratio shows them.
+    "optim.adam_beta1": C("0.5", metric("actor/ratio_mean"), {"train.mini_batch_prompts": "1"}),
+    "optim.adam_beta2": C("0.9", metric("actor/ratio_mean"), {"train.mini_batch_prompts": "1"}),
+    "optim.adam_eps": C("0.001", metric("actor/ratio_mean")),
+    "optim.clip_grad": C("0.01", metric("actor/ratio_mean")),  # the toy's norms are below the 1.0 of cpu_tiny
+    "train.total_steps": C("2", lambda a, b: [r["step"] for r in a.records] == [1, 2] != [r["step"] for r in b.records]),
+    "train.mini_batch_prompts": C("4", metric("actor/num_updates")),
+    "train.ppo_epochs": C("2", metric("actor/num_updates")),
+    "train.micro_batch_size": C("4", metric("actor/num_micro_batches")),
+    "train.max_tokens_per_micro_batch": C("200", metric("actor/num_micro_batches")),
+    "train.generation_budget": C("1", lambda a, b: (len(a.records), len(b.records)) == (1, 2), TWO),
+    "eval.every": C("1", lambda a, b: "eval/avg@1" in a.records[0] and "eval/avg@1" not in b.records[0], TWO),
+    "eval.before_train": C("true", lambda a, b: a.records[0]["step"] == 0 != b.records[0]["step"]),
+    "eval.n": C("2", lambda a, b: "eval/avg@2" in a.last and "eval/avg@2" not in b.last),
+    "eval.temperature": C("0.1", prefix("eval/"), {"eval.n": "4"}),
+    "eval.top_p": C("0.2", prefix("eval/")),
+    "eval.max_response_length": C("8", metric("eval/truncation_rate")),
+    "eval.reward_fn": C("dapo_math", metric("eval/avg@4"), DECIMAL | {"eval.n": "4"}),
+    "checkpoint.dir": C("{run}/elsewhere", lambda a, b: any(f.startswith("elsewhere/step_00000001/") for f in a.files)
+                        and not any(f.startswith("checkpoints/") for f in a.files)),
+    "checkpoint.save_every": C("1", lambda a, b: "checkpoints/step_00000001/checkpoint.json" in a.files - b.files, TWO),
+    "checkpoint.keep_last": C("1", lambda a, b: "checkpoints/step_00000001/checkpoint.json" in b.files - a.files,
+                              TWO | {"checkpoint.save_every": "1"}),
+    "checkpoint.resume": C("never", text("out", "final evaluation"), {"_copy": "all"}),
+    "checkpoint.stop_grace_s": C("0", lambda a, b: "abandoning the step" in a.err and "stopped by SIGTERM" in b.out,
+                                 {"train.total_steps": "20"}, via="grace"),
+    "checkpoint.time_limit_margin_s": C("1e6", text("out", "stopped by the job's time limit after step 0"),
+                                        env=(("MEGATRON_DAPO_END_TIME", END_TIME),)),
+    "logging.dir": C("{run}", lambda a, b: "metrics.jsonl" in a.files and "checkpoints/latest" in a.files),
+    "logging.tensorboard": C("true", lambda a, b: any("tfevents" in f for f in a.files - b.files)),
+    "logging.wandb": C("true", text("logs", "logging.wandb=true but wandb is not installed")),
+    "logging.progress": C("false", lambda a, b: "step 1/1 |" in b.out and "step 1/1 |" not in a.out),
+    "toy.num_digits": C("4", records, TOY),
+    "toy.min_digits": C("4", records, TOY),
+    "toy.num_train": C("100", ckpt("sampler", "num_items", file="trainer_state.json"), TOY),
+    "toy.num_val": C("4", text("logs", "val.parquet: 4 prompts"), TOY),
+    "toy.hidden_size": C("32", ckpt("model_shape", "hidden_size"), TOY),
+    "toy.intermediate_size": C("96", ckpt("model_shape", "ffn_hidden_size"), TOY),
+    "toy.num_layers": C("1", ckpt("model_shape", "num_layers"), TOY),
+    "toy.num_attention_heads": C("4", ckpt("model_shape", "num_attention_heads"), TOY),
+    "toy.num_key_value_heads": C("2", ckpt("model_shape", "num_query_groups"), TOY),
+    "toy.tie_word_embeddings": C("false", ckpt("files", "__0_0.distcp"), TOY),
+    "toy.warmup_steps": C("1", records),  # its own base vs the module's 20-step one
+    "toy.warmup_batch_size": C("8", records, TOY),
+    "toy.warmup_lr": C("0.01", records, TOY),
+    "toy.reasoning_prob": C("0.0", records, TOY),
+}
+
+REFUSED: dict[str, tuple[str, dict]] = {  # key -> (value, context)
+    "model.hf_path": ("/elsewhere/model", {}),
+    "model.transformer_impl": ("transformer_engine", {}),
+    "model.fp8": ("e4m3", {}),
+    "parallel.virtual_pipeline_model_parallel_size": ("2", {}),
+    "parallel.sequence_parallel": ("true", {}),
+    "parallel.context_parallel_size": ("2", {}),
+    "data.train_files": ("[/elsewhere/train.parquet]", {}),
+    "data.val_files": ("[/elsewhere/val.parquet]", {}),
+    "loss.policy_loss": ("ppo", {}),
+    "toy.enable": ("false", {}),  # then model.hf_path is empty: "... or set toy.enable=true"
+    "toy.max_position_embeddings": ("32", {}),  # shorter than prompt + response; longer values only reach config.json
+}
+
+GPU_ONLY: dict[str, str] = {
+    "model.fp8_recipe": "only read with model.fp8 set, which needs Transformer Engine on CUDA (refused on CPU); "
+                        "tests/gpu/test_policy_gpu.py::test_fp8_switch_builds_and_runs",
+    "rollout.gpu_memory_utilization": "vLLM on CUDA only: on CPU vLLM needs rollout.kv_cache_memory_mb, which overrides "
+                                      "it; tests/gpu/test_vllm_engine.py (its free-memory check), tests/unit/test_plan.py",
+    "rollout.enforce_eager": "CUDA graphs in vLLM on CUDA; vLLM's CPU build turns false into an inductor compile of "
+                             "minutes; no GPU test sets it yet (the GPU runs keep the default true)",
+    "logging.wandb_project": "only read when wandb is installed (it is not in the CPU environment); "
+                             "tests/unit/test_metrics_log.py covers the missing-wandb path only",
+}
+
+NO_EFFECT_ON_CPU: dict[str, str] = {
+    "model.recompute": "recomputes activations in the backward: memory and time only, the numbers are bitwise "
+                       "equal; used by the recipes and conf/cpu_rehearsal_32b.yaml, so not refused; "
+                       "tests/gpu/test_policy_gpu.py::test_te_recompute_builds_and_runs",
+    "rollout.weight_sync_bucket_mb": "the toy's weights fit one bucket even at the minimum (1 MiB): only peak memory "
+                                     "of a sync would change; tests/unit/test_rollout_weight_sync.py counts buckets",
+    "reward.num_workers": "toy responses score in microseconds, so workers vs inline scoring leaves no trace in a "
+                          "run (the pool's own timeouts and restarts: tests/unit/test_reward.py)",
+    "reward.timeout_s": "as reward.num_workers: nothing on the toy comes near a time limit (tests/unit/test_reward.py)",
+}
+
+
+def _fmt(value: str, **paths) -> str:
+    return value.format(**{k: str(v) for k, v in paths.items()})
+
+
+class _Lines(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
+def _train_in_process(run_dir: Path, args: list[str], env: dict) -> Result:
+    lines, logger = _Lines(), logging.getLogger("megatron_dapo")
+    logger.addHandler(lines)
+    level, logger.level = logger.level, logging.INFO
+    out, err, rc, error = io.StringIO(), io.StringIO(), None, ""
+    try:
+        with mock.patch.dict(os.environ, env), mock.patch("megatron_dapo.plotting.plot_run", lambda d: None), \
+                contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            rc = cli.main(["train", "--config", CONFIG, *args])
+    except Exception as e:  # noqa: BLE001 - a run that fails is an observation too
+        error = f"{type(e).__name__}: {e}"
+    finally:
+        destroy_parallel()  # the next run starts torch.distributed and megatron's groups afresh
+        logger.removeHandler(lines)
+        logger.level = level
+    return Result(rc, out.getvalue(), err.getvalue(), "\n".join(lines.lines), error, run_dir, torch.get_num_threads())
+
+
+class Runs:
+    """Runs by their settings, each once: a reference shared by several keys runs once."""
+
+    def __init__(self, root: Path):
+        self.root, self.base, self.cache = root, root / "base", {}
+        self.data = root / "mixed.jsonl"
+
+    def args(self, settings: dict, run_dir: Path) -> list[str]:
+        merged = BASE | {"logging.dir": str(run_dir)} | {k: v for k, v in settings.items() if not k.startswith("_")}
+        return [f"{k}={_fmt(v, base=self.base, data=self.data, root=self.root, run=run_dir)}" for k, v in merged.items()]
+
+    def prepare(self, settings: dict, run_dir: Path) -> None:
+        run_dir.mkdir(parents=True)
+        if settings.get("_copy") == "all":
+            shutil.copytree(self.base, run_dir, dirs_exist_ok=True)
+        elif not any(k.startswith("toy.") or k == "seed" for k in settings):  # the same toy: reuse the base
+            for name in ("toy", "toy_data", "toy_base"):
+                shutil.copytree(self.base / name, run_dir / name)
+
+    def __call__(self, settings: dict, env: tuple = ()) -> Result:
+        key = (tuple(sorted(settings.items())), env)
+        if key not in self.cache:
+            run_dir = self.root / f"run{len(self.cache)}"
+            self.prepare(settings, run_dir)
+            self.cache[key] = _train_in_process(run_dir, self.args(settings, run_dir), dict(env))
+        return self.cache[key]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Runs:
+    import pyarrow.parquet as pq
+
+    r = Runs(tmp_path_factory.mktemp("effects"))
+    base = _train_in_process(r.base, r.args({}, r.base), {})
+    assert base.rc == 0, base.err[-3000:] + base.error
+    r.cache[((), ())] = base
+    rows = pq.read_table(r.base / "toy_data" / "train.parquet").to_pylist()[:24]
+    long = json.loads(json.dumps(rows[0]))
+    long["prompt"][0]["content"] = "Largest digit of " + "1" * 60 + "?"  # more than 64 tokens, fewer than 100
+    lines = [json.dumps(x) for x in rows[:2]] + ["{not json"] + [json.dumps(x) for x in rows[2:] + rows[:6] + [long]]
+    r.data.write_text("\n".join(lines) + "\n")  # 6 duplicates, a bad row at line 3, a long prompt
+    for split, rows in (("train", rows), ("val", pq.read_table(r.base / "toy_data" / "val.parquet").to_pylist())):
+        for row in rows:
+            row["reward_model"]["ground_truth"] += ".0"
+        (r.root / f"decimal_{split}.jsonl").write_text("".join(json.dumps(x) + "\n" for x in rows))
+    return r
+
+
+DRIVER = """
+import contextlib, io, json, logging, os, sys
+from megatron_dapo import cli
+from megatron_dapo.policy.parallel import destroy_parallel
+import megatron_dapo.plotting
+megatron_dapo.plotting.plot_run = lambda d: None
+logger = logging.getLogger("megatron_dapo")
+for run in json.load(open(sys.argv[1])):
+    lines = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    out, err, rc, error = io.StringIO(), io.StringIO(), None, ""
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            rc = cli.main(["train", "--config", run["config"], *run["args"]])
+        except Exception as e:
+            error = f"{type(e).__name__}: {e}"
+    logger.removeHandler(handler)
+    destroy_parallel(process_group=False)
+    if os.environ["RANK"] == "0":
+        result = dict(rc=rc, out=out.getvalue(), err=err.getvalue(), logs="\\n".join(lines), error=error)
+        open(run["result"], "w").write(json.dumps(result))
+destroy_parallel()
+"""
+
+
+@pytest.fixture(scope="module")
+def dist(runs) -> dict:
+    """Every 2-process run the cases need (with and without the value), in one torchrun job; vLLM last."""
+    wanted = {}
+    for key, case in CASES.items():
+        if case.via == "dist" and (_installed("vllm") or "rollout.engine" not in case.context | {key: 1}):
+            for s in (case.context | {key: case.value}, case.context):
+                wanted[frozenset(s.items())] = s
+    spec = []
+    for i, settings in enumerate(sorted(wanted.values(), key=lambda s: s.get("rollout.engine", "") == "vllm")):
+        run_dir = runs.root / f"dist{i}"
+        runs.prepare(settings, run_dir)
+        spec.append(dict(config=CONFIG, args=runs.args(settings, run_dir), result=str(run_dir) + ".json", settings=settings))
+    (runs.root / "spec.json").write_text(json.dumps(spec))
+    (runs.root / "driver.py").write_text(DRIVER)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                           "MASTER_PORT")}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           str(runs.root / "driver.py"), str(runs.root / "spec.json")]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-5000:]
+    return {frozenset(run["settings"].items()): Result(**json.loads(Path(run["result"]).read_text()),
+                                                       dir=Path(run["result"][:-5])) for run in spec}
+
+
+def _signalled(runs: Runs, *settings: dict) -> list[Result]:
+    """Subprocess trainers (side by side), each sent SIGTERM once its first step is logged."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    procs = []
+    for i, s in enumerate(settings):
+        run_dir = runs.root / f"signalled{len(list(runs.root.glob('signalled*')))}"
+        runs.prepare(s, run_dir)
+        procs.append((run_dir, subprocess.Popen([sys.executable, "-m", "megatron_dapo.cli", "train", "--config", CONFIG,
+                                                 *runs.args(s, run_dir)], cwd=ROOT, env=env, text=True,
+                                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)))
+    results = []
+    for run_dir, proc in procs:
+        deadline = time.time() + 120
+        while not (run_dir / "metrics.jsonl").exists() or not (run_dir / "metrics.jsonl").read_text():
+            assert proc.poll() is None and time.time() < deadline, proc.communicate()[1][-3000:]
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGTERM)
+    for run_dir, proc in procs:
+        out, err = proc.communicate(timeout=120)
+        results.append(Result(proc.returncode, out, err, err, "", run_dir))
+    return results
+
+
+def _pair(runs, dist, key: str, case: Case) -> tuple[Result, Result]:
+    settings = case.context | {key: case.value}
+    if case.via == "dist":
+        if "rollout.engine" in settings:
+            pytest.importorskip("vllm", reason="vLLM is not installed (./install.sh vllm)")
+        return dist[frozenset(settings.items())], dist[frozenset(case.context.items())]
+    if case.via == "grace":
+        return tuple(_signalled(runs, settings, case.context))
+    return runs(settings, case.env), runs(case.context, case.env)
+
+
+@pytest.mark.parametrize("key", list(CASES))
+def test_a_non_default_value_changes_the_run(runs, request, key):
+    case = CASES[key]
+    dist = request.getfixturevalue("dist") if case.via == "dist" else None
+    a, b = _pair(runs, dist, key, case)
+    if key == "logging.wandb" and _installed("wandb"):
+        pytest.skip("wandb is installed: the run would log to W&B")
+    for r in (a, b):
+        if key not in ("data.on_bad_row", "algorithm.filter_groups.max_num_gen_batches", "rollout.kv_cache_memory_mb"):
+            assert r.rc == 0 and not r.error, f"{key}: a run failed:\n{r.err[-3000:]}{r.error}"
+    assert case.check(a, b), (f"{key}={case.value} (context {case.context}) changed nothing this case observes;\n"
+                              f"with it: {a.last}\nwithout: {b.last}\n{a.err[-1500:]}{a.error}")
+
+
+def _installed(name: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(name) is not None
+
+
+@pytest.mark.parametrize("key", list(REFUSED))
+def test_a_refused_value_is_one_line_and_touches_nothing(runs, key):
+    value, context = REFUSED[key]
+    run_dir = runs.root / f"refused_{key}"
+    runs.prepare(context, run_dir)
+    before = {p: p.stat().st_mtime_ns for p in run_dir.rglob("*")}
+    r = _train_in_process(run_dir, runs.args(context | {key: value}, run_dir), {})
+    line = r.err.strip().splitlines()[-1] if r.err.strip() else ""
+    assert r.rc == 2, f"{key}={value} was not refused: rc={r.rc}\n{r.err[-2000:]}{r.error}"
+    assert line.startswith(("megatron-dapo: config error: ", "megatron-dapo: error: ")) and key in line, r.err
+    assert len(r.err.strip().splitlines()) == 1 and "Traceback" not in r.err, r.err
+    assert {p: p.stat().st_mtime_ns for p in run_dir.rglob("*")} == before, "the refused run wrote to its dir"
+
+
+def test_every_key_is_classified():
+    keys = [k for k, _, _ in _leaves(DAPOConfig)]
+    tables = {"CASES": CASES, "REFUSED": REFUSED, "GPU_ONLY": GPU_ONLY, "NO_EFFECT_ON_CPU": NO_EFFECT_ON_CPU}
+    seen = [k for t in tables.values() for k in t]
+    assert not [k for k in seen if k not in keys], "classified keys that are not in the schema"
+    assert sorted(seen) == sorted(set(seen)), "a key in two tables"
+    missing = [k for k in keys if k not in seen]
+    assert not missing, f"unclassified keys: give each a case, a refusal, or a reason: {missing}"
+
+
+def test_the_baseline_is_deterministic(runs):
+    """Runs later in the process than the base (after ~80 others) record the same numbers, so a
+    difference above is the key's, not the order's."""
+    again = runs({"_again": "1"})
+    assert again.records == runs({}).records
