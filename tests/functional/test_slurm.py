@@ -1,0 +1,119 @@
+"""The recipes' SLURM machinery on a real two-node SLURM (slurm-wlm 22.05, two slurmd on this machine:
+tests/helpers/slurm_cluster.py), with the CPU demo's recipe (recipes/cpu-tiny/train.sbatch, 2 nodes
+x 1 process, DP=2).
+
+* A job whose time limit falls mid-run: the trainer knows the job's end (launch.sh exports it from
+  scontrol), stops with a checkpoint before a step would cross it, the batch script requeues the
+  job, and its second run resumes to the same records as an uninterrupted run (2 processes on one
+  node: two agents and one give the same records, tests/functional/test_multinode_rehearsal.py).
+  SLURM never has to kill anything (no "DUE TO TIME LIMIT").
+* The warning signal (--signal=USR1@50) reaches the trainers through torchrun, which ignores it;
+  they save after their step, and the requeued job resumes to the same records.
+* The ranks ran one per node (ranks.json: n1, n2), the rendezvous went to the first node's
+  NodeAddr (node names do not resolve here), and a failing run fails the job.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.records import assert_same_records, records
+from tests.helpers.slurm_cluster import SlurmCluster, slurm_available
+
+ROOT = Path(__file__).resolve().parents[2]
+REASON = slurm_available()
+pytestmark = [pytest.mark.slow, pytest.mark.distributed, pytest.mark.slurm,
+              pytest.mark.skipif(REASON is not None, reason=REASON or "")]
+STEPS = 100  # about twice what fits in the first run of a one-minute job on 2 cores
+ARGS = [f"train.total_steps={STEPS}", "eval.every=0", "eval.before_train=false", "checkpoint.save_every=25",
+        "logging.tensorboard=false", "checkpoint.time_limit_margin_s=8"]
+ENV = {**{k: v for k, v in os.environ.items()
+          if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "MASTER_ADDR") and not k.startswith("SLURM")},
+       "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}", "PYTHON": sys.executable}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    """The same run uninterrupted, one node with 2 processes; its toy task and base serve every job."""
+    run_dir = tmp_path_factory.mktemp("slurm_ref") / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
+           "megatron_dapo.cli", "train", "--config", str(ROOT / "conf" / "cpu_tiny.yaml"), f"logging.dir={run_dir}",
+           *ARGS]
+    out = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-4000:]
+    return run_dir
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    # cred_expire 10 s: a requeued job is held that long before it may start again (120 s by default)
+    with SlurmCluster(tmp_path / "slurm", cred_expire_s=10, kill_wait_s=10) as c:
+        yield c
+    assert c.leftovers() == []
+
+
+def _copy_toy(reference: Path, run_dir: Path) -> Path:
+    for name in ("toy", "toy_data", "toy_base"):
+        shutil.copytree(reference / name, run_dir / name)
+    return run_dir
+
+
+def _sbatch(c: SlurmCluster, out: Path, *args: str, time_min: int, timeout: float,
+            signal_lead: int | None = None) -> int:
+    """recipes/cpu-tiny/train.sbatch submitted from the repository root, as README says; waits.
+    ``signal_lead``: --signal=USR1@<it>, as the GPU recipes ask (measured here: it can come up to
+    ~30 s earlier than asked, SLURM checks every 30 s)."""
+    done = c.run("sbatch", "--parsable", "--wait", f"--time={time_min}", f"--output={out}",
+                 *([f"--signal=USR1@{signal_lead}"] if signal_lead else []),
+                 str(ROOT / "recipes" / "cpu-tiny" / "train.sbatch"), *args, check=False, timeout=timeout,
+                 env={**ENV, **{k: v for k, v in c.env.items() if k != "PATH"}, "STATUS_DIR": str(out.parent)},
+                 cwd=ROOT)
+    return done.returncode
+
+
+def _same_records(run_dir: Path, reference: Path) -> None:
+    assert [r["step"] for r in records(run_dir)] == list(range(1, STEPS + 1))
+    assert_same_records(run_dir, reference)
+
+
+def test_a_job_at_its_time_limit_stops_requeues_and_resumes_to_the_same_records(reference, cluster, tmp_path):
+    run_dir = _copy_toy(reference, tmp_path / "run")
+    out = tmp_path / "job.out"
+    rc = _sbatch(cluster, out, f"logging.dir={run_dir}", *ARGS, time_min=1, timeout=900)  # no warning signal
+    text = out.read_text()
+    assert rc == 0, text[-5000:] + cluster.logs()
+    assert "DUE TO TIME LIMIT" not in text  # the trainer was gone before SLURM had to kill it
+    assert "stopped by the job's time limit after step" in text and "requeueing job" in text
+    assert "SIGUSR1 received" not in text
+    assert "(run 1 of it)" in text, "the job ran a second time after its requeue"
+    assert text.count("rendezvous at 127.0.0.1:") >= 2  # the first node's NodeAddr, not its name
+    # one rank per node (which node holds rank 0 is c10d's choice, run by run)
+    assert sorted(json.loads((run_dir / "ranks.json").read_text())["nodes"]) == ["n1", "n2"]
+    _same_records(run_dir, reference)
+
+
+def test_the_warning_signal_reaches_the_trainers_through_torchrun(reference, cluster, tmp_path):
+    """--signal=USR1@50 goes to every process of the step: torchrun ignores it (launch.sh), the
+    trainers finish their step, save and exit 0; the requeued job resumes to the same records."""
+    run_dir = _copy_toy(reference, tmp_path / "run")
+    out = tmp_path / "job.out"
+    rc = _sbatch(cluster, out, f"logging.dir={run_dir}", *ARGS, time_min=1, timeout=900, signal_lead=50)
+    text = out.read_text()
+    assert rc == 0, text[-5000:] + cluster.logs()
+    assert "SIGUSR1 received: finishing this step" in text and "stopped by SIGUSR1 after step" in text
+    assert "requeueing job" in text and "DUE TO TIME LIMIT" not in text
+    _same_records(run_dir, reference)
+
+
+def test_a_failing_run_fails_the_job(cluster, tmp_path):
+    out = tmp_path / "job.out"
+    rc = _sbatch(cluster, out, f"logging.dir={tmp_path / 'run'}", "train.total_steps=0", time_min=2, timeout=300)
+    text = out.read_text()
+    assert rc != 0, text[-3000:]
+    assert "config error: train.total_steps must be >= 1, got 0" in text
+    assert "requeueing" not in text
