@@ -174,6 +174,7 @@ slurm_nodes() {
   local ends=never
   [ "$MEGATRON_DAPO_END_TIME" = 0 ] || ends=$(date -d "@$MEGATRON_DAPO_END_TIME")
   echo "job $SLURM_JOB_ID (run ${SLURM_RESTART_COUNT:-0} of it): $nodes node(s), rendezvous at $head:$port, ends $ends"
+  echo "job step: $(print_cmd "${step[@]}")"
   local rc=0
   (cd "$REPO" && "${step[@]}") || rc=$?
   local status=""

@@ -8,7 +8,7 @@ x 1 process, DP=2).
   node: two agents and one give the same records, tests/functional/test_multinode_rehearsal.py).
   SLURM never has to kill anything (no "DUE TO TIME LIMIT").
 * The warning signal (--signal=USR1@50) reaches the trainers through torchrun, which ignores it;
-  they save after their step, and the requeued job resumes to the same records.
+  they save after their step, with the uninterrupted run's records so far.
 * The ranks ran one per node (ranks.json: n1, n2), the rendezvous went to the first node's
   NodeAddr (node names do not resolve here), and a failing run fails the job.
 """
@@ -22,14 +22,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.records import assert_same_records, records
+from tests.helpers.records import assert_same_record, assert_same_records, records
 from tests.helpers.slurm_cluster import SlurmCluster, slurm_available
 
 ROOT = Path(__file__).resolve().parents[2]
 REASON = slurm_available()
-pytestmark = [pytest.mark.slow, pytest.mark.distributed, pytest.mark.slurm,
+# each test: one-minute jobs run 1-3 times with requeue holds (the first also makes the reference)
+pytestmark = [pytest.mark.slow, pytest.mark.distributed, pytest.mark.slurm, pytest.mark.timeout(1200),
               pytest.mark.skipif(REASON is not None, reason=REASON or "")]
-STEPS = 100  # about twice what fits in the first run of a one-minute job on 2 cores
+STEPS = 60  # more than fits in the first run of a one-minute job on 2 cores (~50 quiet, ~25 under load)
 ARGS = [f"train.total_steps={STEPS}", "eval.every=0", "eval.before_train=false", "checkpoint.save_every=25",
         "logging.tensorboard=false", "checkpoint.time_limit_margin_s=8"]
 ENV = {**{k: v for k, v in os.environ.items()
@@ -64,14 +65,15 @@ def _copy_toy(reference: Path, run_dir: Path) -> Path:
 
 
 def _sbatch(c: SlurmCluster, out: Path, *args: str, time_min: int, timeout: float,
-            signal_lead: int | None = None) -> int:
+            signal_lead: int | None = None, env: dict | None = None) -> int:
     """recipes/cpu-tiny/train.sbatch submitted from the repository root, as README says; waits.
     ``signal_lead``: --signal=USR1@<it>, as the GPU recipes ask (measured here: it can come up to
     ~30 s earlier than asked, SLURM checks every 30 s)."""
     done = c.run("sbatch", "--parsable", "--wait", f"--time={time_min}", f"--output={out}",
                  *([f"--signal=USR1@{signal_lead}"] if signal_lead else []),
                  str(ROOT / "recipes" / "cpu-tiny" / "train.sbatch"), *args, check=False, timeout=timeout,
-                 env={**ENV, **{k: v for k, v in c.env.items() if k != "PATH"}, "STATUS_DIR": str(out.parent)},
+                 env={**ENV, **{k: v for k, v in c.env.items() if k != "PATH"}, "STATUS_DIR": str(out.parent),
+                      **(env or {})},
                  cwd=ROOT)
     return done.returncode
 
@@ -99,15 +101,21 @@ def test_a_job_at_its_time_limit_stops_requeues_and_resumes_to_the_same_records(
 
 def test_the_warning_signal_reaches_the_trainers_through_torchrun(reference, cluster, tmp_path):
     """--signal=USR1@50 goes to every process of the step: torchrun ignores it (launch.sh), the
-    trainers finish their step, save and exit 0; the requeued job resumes to the same records."""
+    trainers finish their step, save and exit 0. Not requeued (REQUEUE=0; the resume is the test
+    above's): the records so far are the uninterrupted run's, and the last step is saved."""
     run_dir = _copy_toy(reference, tmp_path / "run")
     out = tmp_path / "job.out"
-    rc = _sbatch(cluster, out, f"logging.dir={run_dir}", *ARGS, time_min=1, timeout=900, signal_lead=50)
+    rc = _sbatch(cluster, out, f"logging.dir={run_dir}", *ARGS, time_min=1, timeout=600, signal_lead=50,
+                 env={"REQUEUE": "0"})
     text = out.read_text()
     assert rc == 0, text[-5000:] + cluster.logs()
     assert "SIGUSR1 received: finishing this step" in text and "stopped by SIGUSR1 after step" in text
-    assert "requeueing job" in text and "DUE TO TIME LIMIT" not in text
-    _same_records(run_dir, reference)
+    assert "requeueing job" not in text and "DUE TO TIME LIMIT" not in text
+    got, want = records(run_dir), records(reference)
+    assert 0 < len(got) < STEPS and [r["step"] for r in got] == list(range(1, len(got) + 1))
+    for g, w in zip(got, want):
+        assert_same_record(g, w)
+    assert (run_dir / "checkpoints" / f"step_{len(got):08d}" / "checkpoint.json").is_file()
 
 
 def test_a_failing_run_fails_the_job(cluster, tmp_path):
@@ -117,3 +125,7 @@ def test_a_failing_run_fails_the_job(cluster, tmp_path):
     assert rc != 0, text[-3000:]
     assert "config error: train.total_steps must be >= 1, got 0" in text
     assert "requeueing" not in text
+    # one task per node, torchrun found where the task runs (bash -c), with the node's CPUs unbound
+    step = next(line for line in text.splitlines() if line.startswith("job step: srun "))
+    assert "--ntasks-per-node=1" in step and "--cpu-bind=none" in step and "--cpus-per-task=" in step, step
+    assert " bash -c " in step and "exec torchrun --nnodes 2 " in step.replace("\\", ""), step
