@@ -56,11 +56,23 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _number(kind: type, low: float, high: float | None = None):
+    """An argparse type: a number in (low, high] (argparse names the flag in its error)."""
+    def parse(text: str):
+        value = kind(text)
+        if not value > low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"must be in ({low}, {high if high is not None else 'inf'}], got {text}")
+        return value
+    parse.__name__ = kind.__name__  # argparse's "invalid int value" wording for non-numbers
+    return parse
+
+
 def _add_plan_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--world-size", type=int, help="processes (GPUs) in all; default: $WORLD_SIZE or 1")
+    p.add_argument("--world-size", type=_number(int, 0), help="processes (GPUs) in all; default: $WORLD_SIZE or 1")
     p.add_argument("--shape", help="the Qwen2.5 shape (0.5B, 1.5B, 7B, 32B) when model.hf_path is not on this machine")
-    p.add_argument("--gpu-memory-gb", type=float, default=80.0, help="memory per GPU (H100 80, H200 141)")
-    p.add_argument("--mfu", type=float, default=0.3, help="model FLOPs utilisation for the step-time estimate")
+    p.add_argument("--gpu-memory-gb", type=_number(float, 0), default=80.0, help="memory per GPU (H100 80, H200 141)")
+    p.add_argument("--mfu", type=_number(float, 0, 1), default=0.3,
+                   help="model FLOPs utilisation for the step-time estimate, in (0, 1]")
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -126,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("config", help="validate and print the resolved configuration")
     _add_config_args(p)
     p.add_argument("--defaults", action="store_true", help="print every key with its default and comment")
-    p.add_argument("--world-size", type=int, help="instead: check and print the layout at this many processes")
+    p.add_argument("--world-size", type=_number(int, 0), help="instead: check and print the layout at this many processes")
     p.add_argument("--shape", help="with --world-size: the Qwen2.5 shape (0.5B, 1.5B, 7B, 32B) when "
                                    "model.hf_path is not on this machine")
     p.set_defaults(func=cmd_config)

@@ -12,7 +12,7 @@ Deviations are noted on the field.
 
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 
 def _f(default: Any, help: str) -> Any:
@@ -26,6 +26,23 @@ def _sub(cls: type, help: str) -> Any:
 
 def _fail(msg: str) -> None:
     raise ValueError(msg)
+
+
+def _require(section: str, obj: Any, **rules: tuple[Callable[[Any], bool], str]) -> None:
+    """Each named field against its rule: the first one broken fails naming ``section.field``, the
+    rule and the value (``rules``: field -> (predicate, the rule in words))."""
+    for name, (ok, rule) in rules.items():
+        value = getattr(obj, name)
+        if not ok(value):
+            _fail(f"{section + '.' if section else ''}{name} must be {rule}, got {value}")
+
+
+def _at_least(low: float) -> tuple[Callable[[Any], bool], str]:
+    return (lambda v: v >= low), f">= {low}"
+
+
+def _above(low: float) -> tuple[Callable[[Any], bool], str]:
+    return (lambda v: v > low), f"> {low}"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -79,7 +96,8 @@ class ParallelConfig:
         if world_size % mp:
             _fail(f"world size {world_size} is not divisible by TP x PP x CP = "
                   f"{self.tensor_model_parallel_size} x {self.pipeline_model_parallel_size} x "
-                  f"{self.context_parallel_size} = {mp}; change the parallel sizes or the number of processes")
+                  f"{self.context_parallel_size} = {mp}; change parallel.tensor_model_parallel_size, "
+                  "pipeline_model_parallel_size or context_parallel_size, or the number of processes")
         return world_size // mp
 
 
@@ -130,8 +148,8 @@ class RolloutConfig:
             _fail(f"rollout.top_k must be -1 (off) or >= 1, got {self.top_k}")
         if self.kv_cache_memory_mb < 0:
             _fail(f"rollout.kv_cache_memory_mb must be >= 0 (0 = use gpu_memory_utilization), got {self.kv_cache_memory_mb}")
-        if self.max_response_length < 1 or self.tensor_parallel_size < 1 or self.weight_sync_bucket_mb < 1:
-            _fail("rollout.max_response_length, tensor_parallel_size and weight_sync_bucket_mb must be >= 1")
+        _require("rollout", self, max_response_length=_at_least(1), tensor_parallel_size=_at_least(1),
+                 weight_sync_bucket_mb=_at_least(1))
         if not 0 < self.gpu_memory_utilization < 1:
             _fail(f"rollout.gpu_memory_utilization must be in (0, 1), got {self.gpu_memory_utilization}")
 
@@ -153,6 +171,9 @@ class AlgorithmConfig:
     adv_estimator: str = _f("grpo", "advantage estimator (registry: grpo, grpo_mean_only)")
     adv_eps: float = _f(1e-6, "epsilon in (r - mean) / (std + eps)")
     filter_groups: FilterGroupsConfig = _sub(FilterGroupsConfig, "dynamic sampling")
+
+    def __post_init__(self):
+        _require("algorithm", self, adv_eps=_at_least(0))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -198,8 +219,7 @@ class RewardConfig:
     overlong_filter: bool = _f(False, "mask the loss of truncated responses (off in the verl recipe's best runs)")
 
     def __post_init__(self):
-        if self.num_workers < 0 or self.timeout_s <= 0:
-            _fail(f"reward.num_workers must be >= 0 and reward.timeout_s > 0, got {self.num_workers}, {self.timeout_s}")
+        _require("reward", self, num_workers=_at_least(0), timeout_s=_above(0))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -213,11 +233,9 @@ class OptimConfig:
     clip_grad: float = _f(1.0, "global gradient-norm clip; 0 = off")
 
     def __post_init__(self):
-        if self.lr <= 0 or self.lr_warmup_steps < 0 or self.weight_decay < 0 or self.clip_grad < 0:
-            _fail(f"optim: need lr > 0, lr_warmup_steps >= 0, weight_decay >= 0, clip_grad >= 0; got "
-                  f"{self.lr}, {self.lr_warmup_steps}, {self.weight_decay}, {self.clip_grad}")
-        if not (0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1):
-            _fail(f"optim.adam_beta1/adam_beta2 must be in [0, 1), got {self.adam_beta1}, {self.adam_beta2}")
+        beta = ((lambda v: 0 <= v < 1), "in [0, 1)")
+        _require("optim", self, lr=_above(0), lr_warmup_steps=_at_least(0), weight_decay=_at_least(0),
+                 adam_beta1=beta, adam_beta2=beta, adam_eps=_above(0), clip_grad=_at_least(0))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -253,11 +271,9 @@ class EvalConfig:
                         "with its numbers); eval/*_value always use dapo_math")
 
     def __post_init__(self):
-        if self.every < 0 or self.n < 1 or (self.max_response_length is not None and self.max_response_length < 1):
-            _fail(f"eval: need every >= 0, n >= 1, max_response_length >= 1; got {self.every}, {self.n}, "
-                  f"{self.max_response_length}")
-        if self.temperature < 0 or not 0 < self.top_p <= 1:
-            _fail(f"eval: need temperature >= 0 and top_p in (0, 1]; got {self.temperature}, {self.top_p}")
+        _require("eval", self, every=_at_least(0), n=_at_least(1),
+                 max_response_length=((lambda v: v is None or v >= 1), ">= 1 (or null: the rollout's)"),
+                 temperature=_at_least(0), top_p=((lambda v: 0 < v <= 1), "in (0, 1]"))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -272,11 +288,8 @@ class CheckpointConfig:
                                            "save would end less than this before it")
 
     def __post_init__(self):
-        if self.save_every < 0 or self.keep_last < 1:
-            _fail(f"checkpoint: need save_every >= 0 and keep_last >= 1; got {self.save_every}, {self.keep_last}")
-        if self.stop_grace_s < 0 or self.time_limit_margin_s < 0:
-            _fail(f"checkpoint.stop_grace_s and checkpoint.time_limit_margin_s must be >= 0, got "
-                  f"{self.stop_grace_s}, {self.time_limit_margin_s}")
+        _require("checkpoint", self, save_every=_at_least(0), keep_last=_at_least(1), stop_grace_s=_at_least(0),
+                 time_limit_margin_s=_at_least(0))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -309,6 +322,14 @@ class ToyConfig:
     reasoning_prob: float = _f(0.5, "fraction of warm-up responses with the optional reasoning line")
 
     def __post_init__(self):
+        one = _at_least(1)
+        _require("toy", self, num_digits=_at_least(2), num_train=one, num_val=one, hidden_size=one,
+                 intermediate_size=one, num_layers=one, num_attention_heads=one, num_key_value_heads=one,
+                 max_position_embeddings=one, warmup_steps=_at_least(0), warmup_batch_size=one,
+                 warmup_lr=_above(0), reasoning_prob=((lambda v: 0 <= v <= 1), "in [0, 1]"))
+        if self.hidden_size % self.num_attention_heads or self.num_attention_heads % self.num_key_value_heads:
+            _fail(f"toy.hidden_size={self.hidden_size} must be a multiple of toy.num_attention_heads="
+                  f"{self.num_attention_heads}, and that of toy.num_key_value_heads={self.num_key_value_heads}")
         if self.min_digits and not 2 <= self.min_digits <= self.num_digits:
             _fail(f"toy.min_digits={self.min_digits} must be in [2, toy.num_digits={self.num_digits}] (or 0 = fixed length)")
 
@@ -332,6 +353,7 @@ class DAPOConfig:
     toy: ToyConfig = _sub(ToyConfig, "the synthetic task and tiny base of the CPU demo")
 
     def __post_init__(self):
+        _require("", self, seed=_at_least(0), num_threads=_at_least(0))  # seeds derive per response (>= 0)
         _validate_cross_section(self)
 
     @property

@@ -32,7 +32,12 @@ def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] 
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
             raise ConfigError(f"override {item!r} is not of the form key.path=value")
-        _set_dotted(raw, key.strip(), yaml.safe_load(value) if value.strip() else "")
+        try:
+            parsed = yaml.safe_load(value) if value.strip() else ""
+        except yaml.YAMLError as e:
+            raise ConfigError(f"override {item!r}: the value is not valid YAML ({_yaml_problem(e)}); quote it, "
+                              "or write lists as [a, b]") from None
+        _set_dotted(raw, key.strip(), parsed)
     return build(DAPOConfig, raw, where="")
 
 
@@ -93,6 +98,13 @@ def _emit(cfg: Any, indent: int, lines: list[str]) -> None:
             lines.append(f"{pad}{f.name}: {value}  # {helps[f.name]}")
 
 
+def _yaml_problem(e: Exception) -> str:
+    """PyYAML's multi-line message as one line: the problem and where (1-based line, column)."""
+    mark = getattr(e, "problem_mark", None)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    return f"{getattr(e, 'problem', None) or str(e).splitlines()[0]}{where}"
+
+
 def _load_yaml_chain(path: Path, seen: tuple[Path, ...]) -> dict[str, Any]:
     path = path.resolve()
     if path in seen:
@@ -103,7 +115,7 @@ def _load_yaml_chain(path: Path, seen: tuple[Path, ...]) -> dict[str, Any]:
         try:
             data = yaml.safe_load(fh) or {}
         except yaml.YAMLError as e:
-            raise ConfigError(f"cannot parse {path}: {e}") from None
+            raise ConfigError(f"cannot parse {path}: {_yaml_problem(e)}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path} must hold a mapping at the top level")
     parents = data.pop("defaults", [])

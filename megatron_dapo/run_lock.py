@@ -36,7 +36,11 @@ class RunDirLock:
         self._fd: int | None = None
 
     def acquire(self) -> RunDirLock:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:  # under a file, a read-only or pseudo file system
+            raise InputError(f"logging.dir={self.path.parent}: cannot create it ({e.strerror}); set logging.dir "
+                             "to a directory this user can write") from None
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -87,6 +87,9 @@ def setup_run(cfg: DAPOConfig, *, lock: bool = True, done: Callable[[dict], bool
     if cfg.checkpoint.resume == "auto":
         check_checkpoints(ckpt_dir)
     inputs = None if cfg.toy.enable else _load_inputs(cfg, ckpt_dir)
+    if inputs is not None:  # the demo's model is made below; its layout is checked then
+        check_layout(cfg, inputs.hf_config, world)
+        check_disk(cfg, inputs.hf_config)
     run_lock = None
     if lock and rank == 0:
         from megatron_dapo.run_lock import RunDirLock
@@ -95,8 +98,10 @@ def setup_run(cfg: DAPOConfig, *, lock: bool = True, done: Callable[[dict], bool
     try:
         if cfg.toy.enable:
             cfg = toy.materialise(cfg, run_dir, rank)
-        inputs = inputs or _load_inputs(cfg, ckpt_dir)
-        check_layout(cfg, inputs.hf_config, world)
+        if inputs is None:
+            inputs = _load_inputs(cfg, ckpt_dir)
+            check_layout(cfg, inputs.hf_config, world)
+            check_disk(cfg, inputs.hf_config)
         if done is not None and inputs.resume_from is not None:
             from megatron_dapo.policy.checkpoint import read_trainer_state
 
@@ -113,38 +118,34 @@ def setup_run(cfg: DAPOConfig, *, lock: bool = True, done: Callable[[dict], bool
 
 def _load_inputs(cfg: DAPOConfig, ckpt_dir: Path) -> Inputs:
     """Everything read from the user's files, checked; InputError on the first problem."""
-    from transformers import AutoTokenizer, GenerationConfig
+    from megatron_dapo.hf_dir import check_weights, read_hf_dir
+    from megatron_dapo.rollout.engine import get_engine_cls
 
     if not cfg.model.hf_path:
         raise InputError("model.hf_path is empty: point it at an HF model dir (config.json, tokenizer), "
                          "or set toy.enable=true for the CPU demo")
-    hf_path = Path(cfg.model.hf_path)
-    if not (hf_path / "config.json").is_file():
-        raise InputError(f"model.hf_path={hf_path}: no config.json there; point it at an HF model dir "
-                         "(config.json, tokenizer, safetensors)")
-    hf_config = json.loads((hf_path / "config.json").read_text())
-    tokenizer = AutoTokenizer.from_pretrained(hf_path)
-    stops = _stop_ids(GenerationConfig.from_pretrained(hf_path), tokenizer)
-    train_ids, train_truths = _prompts("data.train_files", cfg.data.train_files, tokenizer, cfg,
+    hf = read_hf_dir(cfg.model.hf_path, weights=False)
+    train_ids, train_truths = _prompts("data.train_files", cfg.data.train_files, hf.tokenizer, cfg,
                                        dedup=cfg.data.dedup)
     # Always merged: eval.n draws the samples, and copies would skew pass@n and cons@n.
-    val_ids, val_truths = _prompts("data.val_files", cfg.data.val_files, tokenizer, cfg, dedup=True)
-    resume_from = _resume_point(ckpt_dir, hf_config) if cfg.checkpoint.resume == "auto" else None
-    if cfg.model.checkpoint:
-        _check_start_checkpoint(Path(cfg.model.checkpoint))
-    return Inputs(hf_config, resume_from, tokenizer, stops, train_ids, train_truths, val_ids, val_truths)
+    val_ids, val_truths = _prompts("data.val_files", cfg.data.val_files, hf.tokenizer, cfg, dedup=True)
+    resume_from = _resume_point(ckpt_dir, hf.config) if cfg.checkpoint.resume == "auto" else None
+    if cfg.model.checkpoint and resume_from is None:
+        _check_start_checkpoint(Path(cfg.model.checkpoint), hf.config)
+    if (resume_from is None and not cfg.model.checkpoint) or get_engine_cls(cfg.rollout.engine).reads_hf_weights:
+        check_weights(hf.path, f"model.hf_path={hf.path}")
+    return Inputs(hf.config, resume_from, hf.tokenizer, hf.stops, train_ids, train_truths, val_ids, val_truths)
 
 
 def _resume_point(ckpt_dir: Path, hf_config: dict) -> Path | None:
     """The run's latest intact checkpoint (found once: the actor loads this one), refused before
     any model is built when it holds another architecture."""
-    from megatron_dapo.policy.checkpoint import SHAPE_FIELDS, check_model_shape, latest_checkpoint, read_meta
-    from megatron_dapo.policy.model import hf_arch
+    from megatron_dapo.policy.checkpoint import latest_checkpoint, read_meta
 
     path = latest_checkpoint(ckpt_dir)
     if path is not None:
-        arch = hf_arch(hf_config)
-        check_model_shape(path, read_meta(path), {k: getattr(arch, k) for k in SHAPE_FIELDS})
+        _check_shape(path, read_meta(path), hf_config, "resume with the model it was trained with, or start a "
+                     "new logging.dir")
     return path
 
 
@@ -159,13 +160,39 @@ def check_checkpoints(ckpt_dir: Path) -> None:
                          "checkpoint.resume=never (metrics.jsonl is then rewritten from step 0) or a new logging.dir")
 
 
-def _check_start_checkpoint(path: Path) -> None:
-    """model.checkpoint must hold weights: a typo would otherwise start from random ones."""
-    from megatron_dapo.policy.checkpoint import latest_checkpoint
+def _check_start_checkpoint(path: Path, hf_config: dict) -> None:
+    """model.checkpoint must hold weights of model.hf_path's shape: a typo would otherwise start
+    from random weights, another model would fail deep in megatron's loader."""
+    from megatron_dapo.hf_dir import read_hf_dir
+    from megatron_dapo.policy.checkpoint import latest_checkpoint, read_meta
 
-    if not (path / "metadata.json").is_file() and latest_checkpoint(path) is None:
+    fix = "point model.checkpoint at a conversion of model.hf_path (tools/convert_ckpt/hf_to_megatron.py)"
+    if (path / "metadata.json").is_file():
+        meta = read_meta(path)  # a run's step_* dir
+        if meta is None and (path / "hf" / "config.json").is_file():  # converted: the config it was made from
+            meta = {"model_shape": _shape(read_hf_dir(path / "hf", weights=False).config)}
+        if isinstance(meta, dict):
+            _check_shape(path, meta, hf_config, fix)
+        return
+    latest = latest_checkpoint(path)
+    if latest is None:
         raise InputError(f"model.checkpoint={path}: no checkpoint there; give a converted dist checkpoint "
                          "(tools/convert_ckpt/hf_to_megatron.py) or a run's checkpoints directory")
+    _check_shape(latest, read_meta(latest), hf_config, fix)
+
+
+def _shape(hf_config: dict) -> dict:
+    from megatron_dapo.policy.checkpoint import SHAPE_FIELDS
+    from megatron_dapo.policy.model import hf_arch
+
+    arch = hf_arch(hf_config)
+    return {k: getattr(arch, k) for k in SHAPE_FIELDS}
+
+
+def _check_shape(path: Path, meta: dict, hf_config: dict, fix: str) -> None:
+    from megatron_dapo.policy.checkpoint import check_model_shape
+
+    check_model_shape(path, meta, _shape(hf_config), fix=fix)
 
 
 def _build(cfg: DAPOConfig, rank: int, world: int, run_dir: Path, ckpt_dir: Path, inputs: Inputs,
@@ -244,6 +271,41 @@ def check_layout(cfg: DAPOConfig, hf_config: dict, world_size: int) -> None:
         raise ConfigError(str(e)) from None
 
 
+def check_disk(cfg: DAPOConfig, hf_config: dict) -> None:
+    """InputError when checkpoint.dir's file system cannot hold the checkpoints the run keeps (one
+    more than checkpoint.keep_last while a save is published), counting those already there: a
+    full disk found at the first save would cost the steps before it."""
+    import shutil
+
+    import torch
+
+    from megatron_dapo.plan import count_parameters
+    from megatron_dapo.precision import resolve_dtype
+
+    root = cfg.checkpoint_root
+    probe = next(p for p in (root, *root.parents) if p.exists())
+    params = count_parameters(hf_config, tp=1, pp=1, padded_vocab=hf_config["vocab_size"]).total
+    # weights, fp32 main weights when they are bf16, and Adam's two fp32 moments
+    per_param = 12 if resolve_dtype(cfg.model.dtype, torch.cuda.is_available()) == "fp32" else 14
+    each = params * per_param
+    there = sum(f.stat().st_size for f in root.glob("step_*/**/*") if f.is_file()) if root.is_dir() else 0
+    free = shutil.disk_usage(probe).free
+    need = (cfg.checkpoint.keep_last + 1) * each
+    if free + there < need:
+        raise InputError(f"checkpoint.dir={root}: {_size(free)} free on its file system ({_size(there)} in "
+                         f"checkpoints there), the run needs ~{_size(need)}: checkpoint.keep_last+1="
+                         f"{cfg.checkpoint.keep_last + 1} checkpoints of ~{_size(each)} ({params:,} parameters x "
+                         f"{per_param} bytes); free space, point checkpoint.dir elsewhere, or lower checkpoint.keep_last")
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return ""
+
+
 def check_rollout(cfg: DAPOConfig, world_size: int) -> None:
     """The rollout settings that need the world size or the installed packages, before heavy work
     (the engine's own ``preflight``); a ConfigError, which the CLI prints as one line."""
@@ -283,8 +345,3 @@ def _prompts(key: str, files, tokenizer, cfg: DAPOConfig, *, dedup: bool) -> tup
         raise InputError(f"{key}={','.join(map(str, files))}: no usable prompts ({why}); point {key} at a "
                          "DAPO-format parquet or JSONL file with rows")
     return ids, [r.ground_truth for r in records]
-
-
-def _stop_ids(gen_cfg, tokenizer) -> list[int]:
-    eos = gen_cfg.eos_token_id if gen_cfg.eos_token_id is not None else tokenizer.eos_token_id
-    return sorted(set(eos if isinstance(eos, list) else [eos]))

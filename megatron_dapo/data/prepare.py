@@ -57,6 +57,8 @@ def prepare_data(out_dir: str | os.PathLike, *, train: list[str], eval: list[str
     """Loads every input (deduplicated), then writes train.parquet / eval.parquet and the report.
     Returns the per-split counts."""
     out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise InputError(f"--out {out_dir} is a file; give a directory (it is made if missing)")
     splits = [("train", train), ("eval", eval or [])]
     targets = [out_dir / f"{name}.parquet" for name, files in splits if files]
     if not force and any(p.exists() for p in targets):
@@ -66,7 +68,10 @@ def prepare_data(out_dir: str | os.PathLike, *, train: list[str], eval: list[str
         if not result.records:
             raise InputError(f"--{name} {', '.join(dict(splits)[name])}: no usable rows ({result.num_rows} rows, "
                              f"{result.num_skipped} skipped as bad)")
-    out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise InputError(f"--out {out_dir}: cannot create it ({e.strerror})") from None
     report = []
     for name, result in loaded.items():
         _write(result.records, out_dir / f"{name}.parquet")

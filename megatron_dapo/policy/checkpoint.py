@@ -162,8 +162,11 @@ def damage(path: str | os.PathLike) -> str | None:
     checked for their JSON files only."""
     path = Path(path)
     meta = read_meta(path)
-    if meta is None:
+    if not isinstance(meta, dict):
         return f"{META} is unreadable"
+    if not isinstance(meta.get("format_version", 1), int) or meta.get("format_version", 1) > FORMAT_VERSION:
+        return (f"{META} has format_version {meta.get('format_version')!r}, newer than this version reads "
+                f"({FORMAT_VERSION}): resume it with the megatron-dapo that wrote it")
     for name, size in meta.get("files", {}).items():
         file = path / name
         if not file.is_file():
@@ -177,13 +180,14 @@ def damage(path: str | os.PathLike) -> str | None:
     return None
 
 
-def check_model_shape(path: Path, meta: dict, shape: dict) -> None:
+def check_model_shape(path: Path, meta: dict, shape: dict, *, fix: str = "resume with the model it was trained "
+                      "with, or start a new logging.dir") -> None:
     """InputError naming both shapes when a checkpoint was saved from another architecture."""
     saved = meta.get("model_shape")
     if saved is not None and saved != shape:
         diff = ", ".join(f"{k} {saved.get(k)} -> {shape.get(k)}" for k in SHAPE_FIELDS if saved.get(k) != shape.get(k))
         raise InputError(f"checkpoint {path} holds another model shape ({diff}; checkpoint -> this run's "
-                         "model): resume with the model it was trained with, or start a new logging.dir")
+                         f"model): {fix}")
 
 
 def model_shape(model: list) -> dict:

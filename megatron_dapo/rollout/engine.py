@@ -116,8 +116,9 @@ class Rollout:
 class RolloutEngine(Protocol):
     """What train.py and eval call; both engines implement it. Each class also has
     ``from_config(model_path, cfg)`` (the engine of a run) and ``preflight(cfg)`` (a staticmethod:
-    cheap checks of the settings and installed packages before anything heavy; ValueError), and
-    is chosen by name through ENGINES."""
+    cheap checks of the settings and installed packages before anything heavy; ValueError), a
+    ``reads_hf_weights`` class attribute (whether a run's engine loads model.hf_path's safetensors,
+    so that setup checks them first), and is chosen by name through ENGINES."""
 
     def generate(self, prompt_ids: Sequence[Sequence[int]], n: int, params: SamplingParams, *,
                  prompt_indices: Sequence[int] | None = None) -> list[list[Rollout]]:

@@ -51,6 +51,8 @@ class HFEngine:
             change any response (per-response random streams).
     """
 
+    reads_hf_weights = True  # from_config loads model.hf_path; the first sync replaces them
+
     def __init__(self, model: torch.nn.Module, *, eos_token_ids: Sequence[int] | None = None,
                  pad_token_id: int | None = None, max_batch_size: int = 64):
         if max_batch_size < 1:

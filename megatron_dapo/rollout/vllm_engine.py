@@ -215,6 +215,8 @@ class VLLMEngine:
         llm_kwargs: passed to vllm.LLM as is (e.g. max_num_seqs), overriding the above.
     """
 
+    reads_hf_weights = False  # a run's engine starts with dummy weights (load_format="dummy")
+
     def __init__(self, model_path: str, *, mode: Literal["colocated", "standalone"] = "colocated",
                  tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.7,
                  kv_cache_memory_bytes: int | None = None, enforce_eager: bool = True,
