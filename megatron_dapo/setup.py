@@ -89,7 +89,8 @@ def setup_run(cfg: DAPOConfig, *, lock: bool = True, done: Callable[[dict], bool
     inputs = None if cfg.toy.enable else _load_inputs(cfg, ckpt_dir)
     if inputs is not None:  # the demo's model is made below; its layout is checked then
         check_layout(cfg, inputs.hf_config, world)
-        check_disk(cfg, inputs.hf_config)
+        if lock:  # training saves; evaluation does not
+            check_disk(cfg, inputs.hf_config)
     run_lock = None
     if lock and rank == 0:
         from megatron_dapo.run_lock import RunDirLock
@@ -101,7 +102,8 @@ def setup_run(cfg: DAPOConfig, *, lock: bool = True, done: Callable[[dict], bool
         if inputs is None:
             inputs = _load_inputs(cfg, ckpt_dir)
             check_layout(cfg, inputs.hf_config, world)
-            check_disk(cfg, inputs.hf_config)
+            if lock:
+                check_disk(cfg, inputs.hf_config)
         if done is not None and inputs.resume_from is not None:
             from megatron_dapo.policy.checkpoint import read_trainer_state
 
@@ -284,7 +286,8 @@ def check_disk(cfg: DAPOConfig, hf_config: dict) -> None:
 
     root = cfg.checkpoint_root
     probe = next(p for p in (root, *root.parents) if p.exists())
-    params = count_parameters(hf_config, tp=1, pp=1, padded_vocab=hf_config["vocab_size"]).total
+    hf = {**hf_config, "num_key_value_heads": hf_config.get("num_key_value_heads") or hf_config["num_attention_heads"]}
+    params = count_parameters(hf, tp=1, pp=1, padded_vocab=hf["vocab_size"]).total
     # weights, fp32 main weights when they are bf16, and Adam's two fp32 moments
     per_param = 12 if resolve_dtype(cfg.model.dtype, torch.cuda.is_available()) == "fp32" else 14
     each = params * per_param

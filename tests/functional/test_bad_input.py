@@ -135,3 +135,20 @@ def test_a_fresh_process_prints_one_error_line(inputs, tmp_path):
     errors = [line for line in out.stderr.splitlines() if line.startswith("megatron-dapo:")]
     assert len(errors) == 1 and "schema.parquet" in errors[0], out.stderr
     assert "Traceback" not in out.stderr and not (tmp_path / "run").exists()
+
+
+def test_a_converted_checkpoint_of_another_shape_is_one_line(inputs, tmp_path, capsys):
+    """issue 28: model.checkpoint converted from a wider model ended in a 71-line CheckpointingException
+    from megatron's loader; its hf/config.json is now checked against model.hf_path up front."""
+    from megatron_dapo.toy.base import make_toy_base
+
+    wide = make_toy_base(tmp_path / "wide", seed=0, cfg=ToyConfig(**{**TINY, "hidden_size": 48}))
+    ckpt = tmp_path / "converted"
+    done = subprocess.run([sys.executable, str(ROOT / "tools" / "convert_ckpt" / "hf_to_megatron.py"), "--hf-dir",
+                           str(wide), "--out", str(ckpt), "--no-progress"], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rc, err = _train(capsys, tmp_path / "run", *_real_run(inputs), f"model.checkpoint={ckpt}")
+    line = err.strip().splitlines()[-1]
+    assert rc == 2 and "Traceback" not in err, err
+    assert f"checkpoint {ckpt} holds another model shape (hidden_size 48 -> 32" in line, line
+    assert "tools/convert_ckpt/hf_to_megatron.py" in line and not (tmp_path / "run").exists()
