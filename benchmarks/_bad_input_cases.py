@@ -422,7 +422,21 @@ def env_cases(fx: Fixtures) -> list[Case]:
     if _small_fs(full, "256k"):
         cases.append(Case("environment", "a small disk (logging.dir on a 256 KiB tmpfs)",
                           fx.train_args(full / "run", "checkpoint.save_every=1"), "free on its file system"))
+    ro = fx.root / "ro_checkout"
+    if _read_only_copy(ro):
+        cases.append(Case("environment", "a read-only checkout (the default logging.dir in it)",
+                          ("train", "--config", "conf/cpu_tiny.yaml"), "logging.dir=runs/dapo", cwd=str(ro)))
     return cases
+
+
+def _read_only_copy(path: Path) -> bool:
+    """The package and conf/ copied onto a tmpfs at path, remounted read-only: a checkout on a
+    read-only file system (a copy, so that nothing can touch the real one)."""
+    if not _small_fs(path, "64m"):
+        return False
+    for name in ("megatron_dapo", "conf"):
+        shutil.copytree(ROOT / name, path / name, ignore=shutil.ignore_patterns("__pycache__"))
+    return subprocess.run(["mount", "-o", "remount,ro", str(path)], capture_output=True).returncode == 0
 
 
 def _small_fs(path: Path, size: str) -> bool:

@@ -156,7 +156,8 @@ def campaign(classes: list[str], *, workers: int, per_class: int = 0, root: Path
 
         with ThreadPoolExecutor(workers) as pool:
             verdicts = list(pool.map(one, enumerate(cases)))
-        _unmount(fx.root / "full_disk")
+        for mount in ("full_disk", "ro_checkout"):
+            _unmount(fx.root / mount)
         return verdicts
 
 
