@@ -425,7 +425,7 @@ def env_cases(fx: Fixtures) -> list[Case]:
     ro = fx.root / "ro_checkout"
     if _read_only_copy(ro):
         cases.append(Case("environment", "a read-only checkout (the default logging.dir in it)",
-                          ("train", "--config", "conf/cpu_tiny.yaml"), "logging.dir=runs/dapo", cwd=str(ro)))
+                          ("train", "--config", "conf/cpu_tiny.yaml"), "logging.dir=runs/cpu_tiny", cwd=str(ro)))
     return cases
 
 
