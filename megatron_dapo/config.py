@@ -75,9 +75,9 @@ class ParallelConfig:
     use_distributed_optimizer: bool = _f(True, "shard optimizer states across data-parallel ranks")
 
     def __post_init__(self):
-        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
-            if getattr(self, name) < 1:
-                _fail(f"parallel.{name} must be >= 1, got {getattr(self, name)}")
+        one = _at_least(1)
+        _require("parallel", self, tensor_model_parallel_size=one, pipeline_model_parallel_size=one,
+                 context_parallel_size=one)
         vpp = self.virtual_pipeline_model_parallel_size
         if vpp is not None and (vpp < 2 or self.pipeline_model_parallel_size < 2):
             _fail(f"parallel.virtual_pipeline_model_parallel_size={vpp} needs a value >= 2 and "
@@ -114,9 +114,8 @@ class DataConfig:
                                     "3 x 512); without it a generation batch is prompts_per_step")
 
     def __post_init__(self):
-        for name in ("max_prompt_length", "prompts_per_step", "gen_prompts_per_batch"):
-            if getattr(self, name) < 1:
-                _fail(f"data.{name} must be >= 1, got {getattr(self, name)}")
+        one = _at_least(1)
+        _require("data", self, max_prompt_length=one, prompts_per_step=one, gen_prompts_per_batch=one)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -250,12 +249,9 @@ class TrainConfig:
                                    "cost; 0 = no budget")
 
     def __post_init__(self):
-        for name in ("total_steps", "mini_batch_prompts", "ppo_epochs", "micro_batch_size"):
-            if getattr(self, name) < 1:
-                _fail(f"train.{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("max_tokens_per_micro_batch", "generation_budget"):
-            if getattr(self, name) < 0:
-                _fail(f"train.{name} must be >= 0, got {getattr(self, name)}")
+        one, zero = _at_least(1), _at_least(0)
+        _require("train", self, total_steps=one, mini_batch_prompts=one, ppo_epochs=one, micro_batch_size=one,
+                 max_tokens_per_micro_batch=zero, generation_budget=zero)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -16,10 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from megatron_dapo.convert.safetensors_io import INDEX_NAME, SINGLE_NAME
 from megatron_dapo.errors import InputError, one_line
 
-INDEX_NAME = "model.safetensors.index.json"
-SINGLE_NAME = "model.safetensors"
 FLOAT_DTYPES = ("F32", "BF16", "F16")  # what the loader casts to the training dtype
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")  # fast, sentencepiece, BPE
 
@@ -37,11 +36,7 @@ def read_hf_dir(path: str | Path, *, weights: bool) -> HFDir:
     (the run starts from them). InputError on the first problem."""
     path = Path(path)
     where = f"model.hf_path={path}"
-    if not (path / "config.json").is_file():
-        raise InputError(f"{where}: no config.json there; point it at an HF model dir "
-                         "(config.json, tokenizer, safetensors)")
-    config = _read_json(path / "config.json", where)
-    _check_architecture(config, where)
+    config = read_config(path, where)
     tokenizer, stops = _tokenizer(path, where)
     if len(tokenizer) > config["vocab_size"]:
         raise InputError(f"{where}: the tokenizer has {len(tokenizer)} tokens, more than config.json's vocab_size="
@@ -49,6 +44,16 @@ def read_hf_dir(path: str | Path, *, weights: bool) -> HFDir:
     if weights:
         check_weights(path, where)
     return HFDir(path, config, tokenizer, stops)
+
+
+def read_config(path: Path, where: str) -> dict:
+    """config.json of an HF dir, a JSON object of an architecture the trainer implements."""
+    if not (path / "config.json").is_file():
+        raise InputError(f"{where}: no config.json there; point it at an HF model dir "
+                         "(config.json, tokenizer, safetensors)")
+    config = _read_json(path / "config.json", where)
+    _check_architecture(config, where)
+    return config
 
 
 def _read_json(file: Path, where: str) -> dict:

@@ -165,14 +165,14 @@ def check_checkpoints(ckpt_dir: Path) -> None:
 def _check_start_checkpoint(path: Path, hf_config: dict) -> None:
     """model.checkpoint must hold weights of model.hf_path's shape: a typo would otherwise start
     from random weights, another model would fail deep in megatron's loader."""
-    from megatron_dapo.hf_dir import read_hf_dir
+    from megatron_dapo.hf_dir import read_config
     from megatron_dapo.policy.checkpoint import latest_checkpoint, read_meta
 
     fix = "point model.checkpoint at a conversion of model.hf_path (tools/convert_ckpt/hf_to_megatron.py)"
     if (path / "metadata.json").is_file():
         meta = read_meta(path)  # a run's step_* dir
         if meta is None and (path / "hf" / "config.json").is_file():  # converted: the config it was made from
-            meta = {"model_shape": _shape(read_hf_dir(path / "hf", weights=False).config)}
+            meta = {"model_shape": _shape(read_config(path / "hf", f"model.checkpoint={path}"))}
         if isinstance(meta, dict):
             _check_shape(path, meta, hf_config, fix)
         return
