@@ -3,7 +3,7 @@
 megatron-core's sync ``dist_checkpointing.save`` writes in the calling process (threads), but hands
 the write results back through a queue that it gets from a ``multiprocessing.Manager`` server
 process, spawned on the first save and alive until the trainer exits (and past it, after a
-SIGKILL). policy/checkpoint.py gives it a plain in-process queue instead. This benchmark saves the
+SIGKILL). mcore/checkpoint.py gives it a plain in-process queue instead. This benchmark saves the
 same actor (optimizer included) ``--saves`` times both ways, in fresh processes, and reports the
 first save, the later saves and the ratio. ``run(quick)`` (benchmarks/run_all.py) gives the same
 figures at a tiny size (quick) or at these defaults.
@@ -24,14 +24,14 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _child(args) -> None:
-    from megatron_dapo.policy.cpu_compat import apply_cpu_compat
+    from megatron_dapo.mcore.cpu_compat import apply_cpu_compat
 
     apply_cpu_compat()  # before anything imports megatron.core
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     from megatron_dapo.config_loading import load_config
-    from megatron_dapo.policy import checkpoint
-    from megatron_dapo.policy.actor import MegatronActor
+    from megatron_dapo.mcore import checkpoint
+    from megatron_dapo.mcore.actor import MegatronActor
 
     if args.mode == "manager":  # megatron's own behaviour: its Manager-backed queue
         checkpoint.in_process_write_results = lambda: None

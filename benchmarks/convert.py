@@ -4,8 +4,8 @@ For each shape (real Qwen2.5 dimensions, or "tiny" for a quick run; random bf16 
 this script):
   baseline        every shard read with safe_open, tensor by tensor, and written back with save_file
                   (one shard in memory at a time): the I/O floor of any converter
-  hf_to_megatron  megatron_dapo.policy.hf_conversion.hf_to_megatron (TP=1, torch_dist checkpoint)
-  megatron_to_hf  megatron_dapo.policy.hf_conversion.megatron_to_hf (back to sharded safetensors)
+  hf_to_megatron  megatron_dapo.mcore.hf_conversion.hf_to_megatron (TP=1, torch_dist checkpoint)
+  megatron_to_hf  megatron_dapo.mcore.hf_conversion.megatron_to_hf (back to sharded safetensors)
 then checks that the round trip is bit-exact. Each step runs in its own process; peak RSS is that
 process's ru_maxrss (the dist-checkpoint writer's helper process is not counted), and "after imports"
 is its RSS before any weight is touched. Ratios are against the baseline measured in the same run.
@@ -116,11 +116,11 @@ def _step(name: str, src: str, dst: str, size: str, shard_bytes: int, profile: b
     import torch  # noqa: F401  (counted in "after imports" for every step)
 
     if name in ("hf_to_megatron", "megatron_to_hf"):  # megatron.core too: part of "the imports"
-        from megatron_dapo.policy.cpu_compat import apply_cpu_compat
+        from megatron_dapo.mcore.cpu_compat import apply_cpu_compat
         apply_cpu_compat()
         from megatron.core import dist_checkpointing  # noqa: F401
 
-        from megatron_dapo.policy import hf_conversion as ckpt
+        from megatron_dapo.mcore import hf_conversion as ckpt
     from safetensors import safe_open
     from safetensors.torch import save_file
 

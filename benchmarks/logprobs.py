@@ -2,8 +2,8 @@
 
 Paths, each on logits from a [T, H] x [H, V] projection (H small, so the [T, V] tensors dominate):
   naive   log_softmax(logits / temperature) over the full [T, V], then gather (baseline)
-  logits  megatron_dapo.policy.vocab_parallel_logprobs on the logits (chunked, + entropy)
-  fused   megatron_dapo.policy.logprobs.vocab_parallel_logprobs_from_hidden: the projection
+  logits  megatron_dapo.mcore.vocab_parallel_logprobs on the logits (chunked, + entropy)
+  fused   megatron_dapo.mcore.logprobs.vocab_parallel_logprobs_from_hidden: the projection
           inside the chunk loop, so no [tokens, V] tensor exists (+ entropy)
 then compute_policy_loss (token-mean, global_num_tokens) and backward to the hidden states and the
 projection weight. TP=1, fp32, one CPU process per (path, T), so no two peaks mix.
@@ -42,7 +42,7 @@ LOAD_ALLOWANCE_GB = 0.5  # imports and inputs, on top of the modelled peak, for 
 MODEL_ERROR_TARGET = 0.05  # a model that misses a measured cell by more is not to be trusted
 FUSED_GROWTH_TARGET = 1.25  # DESIGN.md numerics contract: the fused peak does not scale with T x V
 HIDDEN, TEMPERATURE = 64, 0.7  # H small: the [T, V] tensors dominate; temperature != 1: the division runs
-# The fits start above DEFAULT_CHUNK_TOKENS (policy/logprobs.py, 256): up to it the chunk buffers
+# The fits start above DEFAULT_CHUNK_TOKENS (mcore/logprobs.py, 256): up to it the chunk buffers
 # shrink with T, above it they are constant, so a fit through both regimes bends the line (fitted
 # on 256-1024 with 256-token chunks, the logits path model missed 8192 tokens by 12.5%).
 FULL = dict(tokens=(2048, 4096, 8192, 16384), fit_tokens=(512, 768, 1024), vocab=152064, max_gb=None)
@@ -54,7 +54,7 @@ def _case(path: str, tokens: int, vocab: int, hidden: int, temperature: float) -
     import torch
 
     from megatron_dapo.algo import compute_policy_loss
-    from megatron_dapo.policy.logprobs import vocab_parallel_logprobs, vocab_parallel_logprobs_from_hidden
+    from megatron_dapo.mcore.logprobs import vocab_parallel_logprobs, vocab_parallel_logprobs_from_hidden
 
     g = torch.Generator().manual_seed(0)
     h = torch.randn(1, tokens, hidden, generator=g).requires_grad_()

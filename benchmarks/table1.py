@@ -114,23 +114,24 @@ def _run(name: str, row: list[str], seed: int, budget: int, out: Path, prep: Pat
 def _summarise(name: str, seed: int, run_dir: Path) -> dict:
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if r["step"] > 0 and "rollout/responses_generated_total" in r]
-    evals = [r for r in records if "eval/acc_mean" in r]
-    last, final = steps[-1], evals[-1]
     run_cfg = _yaml(run_dir / "config.yaml")
+    avg = f"eval/avg@{run_cfg['eval']['n']}"
+    evals = [r for r in records if avg in r]
+    last, final = steps[-1], evals[-1]
     trained = last["step"] * run_cfg["data"]["prompts_per_step"] * run_cfg["rollout"]["n"]
     generated = last["rollout/responses_generated_total"]
     by_step = {r["step"]: r["rollout/responses_generated_total"] for r in steps} | {0: 0}
     return {
         "row": name, "seed": seed, "steps": last["step"], "generated": generated,
         "wall_s": json.loads((run_dir / "done.json").read_text())["wall_s"],
-        "avg_at_k": final["eval/acc_mean"], "k": run_cfg["eval"]["n"],
-        "avg_at_k_value": final.get("eval/acc_mean_value"),
+        "avg_at_k": final[avg], "k": run_cfg["eval"]["n"],
+        "avg_at_k_value": final.get(avg + "_value"),
         "entropy": last["actor/entropy"], "response_length": final["eval/response_length_mean"],
         "truncation_rate": final["eval/truncation_rate"],
         "train_truncation_rate": statistics.fmean(r["response_length/clip_ratio"] for r in steps),
         "generated_per_trained": generated / trained,
-        "avg_at_k_by_step": {r["step"]: r["eval/acc_mean"] for r in evals},
-        "curve": [{"generated": by_step[r["step"]], "avg_at_k": r["eval/acc_mean"],
+        "avg_at_k_by_step": {r["step"]: r[avg] for r in evals},
+        "curve": [{"generated": by_step[r["step"]], "avg_at_k": r[avg],
                    "response_length": r["eval/response_length_mean"], "truncation_rate": r["eval/truncation_rate"]}
                   for r in evals],
         "entropy_curve": [{"generated": r["rollout/responses_generated_total"], "entropy": r["actor/entropy"]}

@@ -3,8 +3,9 @@
 import argparse
 import sys
 
-from megatron_dapo.config_loading import ConfigError, defaults_yaml, dump_yaml, load_config
-from megatron_dapo.errors import InputError
+from megatron_dapo import ranks
+from megatron_dapo.config_loading import defaults_yaml, dump_yaml, load_config
+from megatron_dapo.errors import ConfigError, InputError
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -40,14 +41,12 @@ def cmd_score(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    """The checked layout and the per-GPU memory plan (plan.py); exit 2 when it does not fit."""
-    import os
-
+    """The checked layout and the per-GPU memory plan (memory_plan.py); exit 2 when it does not fit."""
     from megatron_dapo.layout import describe_layout, model_shape
-    from megatron_dapo.plan import check_fits, plan
+    from megatron_dapo.memory_plan import check_fits, plan
 
     cfg = load_config(args.config, args.overrides)
-    world = args.world_size or int(os.environ.get("WORLD_SIZE", 1))
+    world = args.world_size or ranks.world_size()
     hf_config, source = model_shape(cfg, args.shape)  # read once: the layout and the plan share it
     print(describe_layout(cfg, world, hf_config, source))
     result = plan(cfg, hf_config, world, capacity_gb=args.gpu_memory_gb, mfu=args.mfu)
@@ -107,19 +106,28 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    """A training checkpoint of the run -> an HF dir (policy/run_export.py); also under torchrun."""
-    import os
-
+    """A training checkpoint of the run -> an HF dir (mcore/run_export.py); also under torchrun."""
     from megatron_dapo.convert import ConversionError
-    from megatron_dapo.policy.run_export import export_run
+    from megatron_dapo.mcore.run_export import export_run
 
     try:
         ckpt = export_run(load_config(args.config, args.overrides), args.out, step=args.step, dtype=args.dtype,
                           force=args.force, progress=not args.no_progress)
     except ConversionError as e:
         raise InputError(str(e)) from None
-    if int(os.environ.get("RANK", 0)) == 0:
+    if ranks.rank() == 0:
         print(f"exported {ckpt} -> {args.out} (HF: config, generation config, tokenizer, safetensors)", flush=True)
+    return 0
+
+
+def cmd_example(args: argparse.Namespace) -> int:
+    """One prompt through a DAPO step: responses, both rewards, advantages, loss shares (worked_example.py)."""
+    from megatron_dapo.mcore.cpu_compat import apply_cpu_compat
+    from megatron_dapo.worked_example import format_example, run_example
+
+    apply_cpu_compat()  # set-up's layout checks import megatron.core
+    cfg = load_config(args.config, args.overrides)
+    print(format_example(run_example(cfg, args.prompt), cfg), flush=True)
     return 0
 
 
@@ -166,6 +174,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="overwrite a non-empty --out")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("example", help="one prompt through a DAPO step: responses, rewards, advantages, loss shares")
+    _add_config_args(p)
+    p.add_argument("--prompt", type=int, default=0, help="index of the training prompt (after dedup and filtering)")
+    p.set_defaults(func=cmd_example)
 
     p = sub.add_parser("prepare-data", help="downloaded DAPO-Math-17K / AIME files -> deduplicated train / eval files")
     p.add_argument("--train", nargs="+", required=True, help="training file(s): parquet or JSONL, DAPO schema")

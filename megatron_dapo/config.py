@@ -10,9 +10,11 @@ verl reproduction recipe (``run_dapo_qwen2.5_32b.sh``): see docs/reference/dapo.
 Deviations are noted on the field.
 """
 
-from dataclasses import dataclass, field, fields, is_dataclass
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable, Literal
+
+from megatron_dapo.errors import ConfigError
 
 
 def _f(default: Any, help: str) -> Any:
@@ -25,7 +27,7 @@ def _sub(cls: type, help: str) -> Any:
 
 
 def _fail(msg: str) -> None:
-    raise ValueError(msg)
+    raise ConfigError(msg)
 
 
 def _require(section: str, obj: Any, **rules: tuple[Callable[[Any], bool], str]) -> None:
@@ -48,7 +50,9 @@ def _above(low: float) -> tuple[Callable[[Any], bool], str]:
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     hf_path: str = _f("", "HF model dir (config.json, tokenizer; safetensors for conversion)")
-    checkpoint: str = _f("", "Megatron dist checkpoint to start from; empty: convert hf_path")
+    checkpoint: str = _f("", "starting weights from a converted dist checkpoint (tools/convert_ckpt/hf_to_megatron.py) "
+                               "or a run's checkpoints dir; empty: model.hf_path's safetensors, each rank "
+                               "reading its own shard")
     dtype: Literal["auto", "bf16", "fp32"] = _f("auto", "training dtype; auto = bf16 on GPU, fp32 on CPU")
     transformer_impl: Literal["auto", "local", "transformer_engine"] = _f(
         "auto", "layer spec; auto = transformer_engine on GPU, local on CPU")
@@ -133,7 +137,8 @@ class RolloutConfig:
     kv_cache_memory_mb: int = _f(0, "vLLM KV cache in MiB, overriding gpu_memory_utilization; 0 = off. Set it "
                                     "on CPU, where vLLM counts the whole process (trainer too) against the fraction")
     enforce_eager: bool = _f(True, "no CUDA graphs in vLLM (the verl recipe notes graphs hurt accuracy)")
-    weight_sync_bucket_mb: int = _f(512, "bytes per bucket when streaming weights into the engine")
+    weight_sync_bucket_mb: int = _f(512, "MiB per bucket when streaming weights into the engine: the export gathers "
+                                    "that much of full tensors at a time, and the engine loads it in one call")
     check_logprob_mismatch: bool = _f(True, "log rollout/logprob_mismatch (engine vs trainer) every step")
 
     def __post_init__(self):
@@ -434,7 +439,3 @@ def _divisor_near(n: int, k: int) -> int:
 def field_help(cls: type) -> dict[str, str]:
     """{field name: help text} of a config section."""
     return {f.name: f.metadata.get("help", "") for f in fields(cls)}
-
-
-def is_section(obj: Any) -> bool:
-    return is_dataclass(obj)

@@ -16,11 +16,7 @@ from typing import Any
 import yaml
 
 from megatron_dapo.config import DAPOConfig, field_help
-from megatron_dapo.errors import InputError
-
-
-class ConfigError(InputError):
-    """A configuration that cannot be used: unknown key, wrong type or inconsistent values."""
+from megatron_dapo.errors import ConfigError
 
 
 def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -> DAPOConfig:

@@ -12,6 +12,11 @@ class InputError(ValueError):
     """Input that cannot be used (data file, checkpoint, run directory, responses file)."""
 
 
+class ConfigError(InputError):
+    """A configuration that cannot be used: unknown key, wrong type, inconsistent values, or a
+    setting this machine or this model cannot run (raised where the setting is checked)."""
+
+
 def one_line(err: BaseException) -> str:
     """The first line of an exception's message, for wrapping third-party errors."""
     text = str(err).strip() or type(err).__name__

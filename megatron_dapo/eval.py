@@ -16,7 +16,7 @@ every rank computes the same numbers, equal to a one-process evaluation with the
 
 import re
 
-from megatron_dapo.collect import score_rollouts
+from megatron_dapo.groups import generate_scored
 from megatron_dapo.eval_metrics import eval_metrics
 from megatron_dapo.rollout.engine import SamplingParams
 from megatron_dapo.rollout.placement import RolloutPlacement
@@ -28,29 +28,25 @@ _INTEGER = re.compile(r"-?\d+")
 def evaluate(placement: RolloutPlacement, prompt_ids: list[list[int]], ground_truths: list[str], *, tokenizer,
              params: SamplingParams, n: int, pool, prefix: str = "eval/", reward_fn: str | None = None,
              value_fn: str | None = None) -> dict[str, float]:
-    """Generates ``n`` responses per prompt and returns {prefix + avg@n (also as acc_mean), pass@1,
+    """Generates ``n`` responses per prompt and returns {prefix + avg@n (the mean accuracy), pass@1,
     pass@n, cons@n, format_rate (the scorer read an integer answer), response_length_mean,
     truncation_rate, num_timeouts}, on every rank, scored by
-    the pool's fn ``reward_fn`` (None: its default). With ``value_fn``, also avg@n, pass@.., cons@n
-    and acc_mean scored by that fn, each key with the suffix "_value"."""
+    the pool's fn ``reward_fn`` (None: its default). With ``value_fn``, also avg@n, pass@.. and
+    cons@n scored by that fn, each key with the suffix "_value"."""
     fns = (reward_fn,) if value_fn is None else (reward_fn, value_fn)
-    share, outputs = placement.generate(prompt_ids, n, params)
-    local = []
-    if placement.is_leader and share:
-        scored = score_rollouts(outputs, [ground_truths[i] for i in share], tokenizer=tokenizer, pool=pool,
-                                fns=fns)
-        for j, rollouts in enumerate(outputs):
-            mine = [results[j * n:(j + 1) * n] for results in scored]
-            local.append({"samples": [[(r["acc"], r["pred"]) for r in results] for results in mine],
-                          "lengths": [len(r.response_ids) for r in rollouts],
-                          "truncated": sum(r.finish_reason == "length" for r in rollouts),
-                          "timeouts": sum(r.get("timed_out", False) for results in mine for r in results)})
-    problems = placement.gather(local)
+
+    def summarise(_: int, rollouts: list, scored: list[list[dict]]) -> dict:
+        return {"samples": [[(r["acc"], r["pred"]) for r in results] for results in scored],
+                "lengths": [len(r.response_ids) for r in rollouts],
+                "truncated": sum(r.finish_reason == "length" for r in rollouts),
+                "timeouts": sum(r.get("timed_out", False) for results in scored for r in results)}
+
+    problems = generate_scored(placement, prompt_ids, n, params, ground_truths=ground_truths, tokenizer=tokenizer,
+                               pool=pool, fns=fns, summarise=summarise)
     out = {}
     for k, suffix in enumerate(("", "_value")[:len(fns)]):
         summary, _ = eval_metrics([p["samples"][k] for p in problems])
         out |= {prefix + key + suffix: v for key, v in summary.items()}
-        out[prefix + "acc_mean" + suffix] = summary[f"avg@{n}"]  # mean accuracy over all samples (avg@n)
     num_responses = sum(len(p["lengths"]) for p in problems)
     preds = [pred for p in problems for _, pred in p["samples"][0]]
     out[prefix + "format_rate"] = sum(bool(_INTEGER.fullmatch(pred)) for pred in preds) / num_responses

@@ -1,7 +1,7 @@
 """The HF model dir a run reads (``model.hf_path``), checked at the door: everything it must hold
 is opened and checked in seconds, before a model is built, and each problem is one InputError
-naming the file and the fix (issue 28's campaign found each of them ending in a traceback, some
-after the model was built).
+naming the file and the fix, not a traceback after the model was built
+(benchmarks/bad_input_campaign.py tries each).
 
 What is read: config.json (a JSON object, an architecture the trainer implements), the tokenizer
 (it loads, its vocabulary fits the model's ``vocab_size``), generation_config.json's stop ids and,
@@ -67,7 +67,7 @@ def _read_json(file: Path, where: str) -> dict:
 
 
 def _check_architecture(config: dict, where: str) -> None:
-    from megatron_dapo.policy.model import hf_arch
+    from megatron_dapo.mcore.model import hf_arch
 
     try:
         hf_arch(config)

@@ -35,8 +35,8 @@ def model_shape(cfg: DAPOConfig, shape: str | None = None) -> tuple[dict, str]:
 def describe_layout(cfg: DAPOConfig, world_size: int, hf_config: dict, source: str, *, on_gpu: bool = True) -> str:
     """The layout's lines (see module docstring) for the model ``model_shape`` returned
     (``hf_config`` from ``source``); InputError when it cannot run at ``world_size``."""
-    from megatron_dapo.config_loading import ConfigError
-    from megatron_dapo.policy.parallel import check_training_layout, validate_parallel
+    from megatron_dapo.errors import ConfigError
+    from megatron_dapo.mcore.parallel import check_training_layout, validate_parallel
     from megatron_dapo.rollout.placement import replica_layout
 
     p, d, t = cfg.parallel, cfg.data, cfg.train
@@ -45,8 +45,8 @@ def describe_layout(cfg: DAPOConfig, world_size: int, hf_config: dict, source: s
                                   check_installed=False)
         check_training_layout(hf_config, p)
         _, replicas, _ = replica_layout(0, world_size, cfg.rollout.tensor_parallel_size)
-    except ValueError as e:  # ConfigError (a ValueError) included
-        raise ConfigError(f"at world size {world_size}: {e}") from None
+    except ConfigError as e:  # the checks' own errors; anything else is a bug and keeps its traceback
+        raise ConfigError(f"at world size {world_size}: {e}") from e
     dp = sizes["data_parallel_size"]
     if (t.mini_batch_prompts * cfg.rollout.n) % dp:
         raise ConfigError(f"train.mini_batch_prompts x rollout.n = {t.mini_batch_prompts} x {cfg.rollout.n} responses "

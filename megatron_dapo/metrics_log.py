@@ -38,9 +38,9 @@ logger = logging.getLogger(__name__)
 METRICS_FILE = "metrics.jsonl"
 WANDB_ID_FILE = "wandb_id.txt"
 
-# (metric key, short label) pairs for the console line; keys absent from a step are skipped.
+# (metric key, short label) pairs for the console line; keys absent from a step are skipped. The
+# held-out accuracy's key names eval.n (progress_keys).
 PROGRESS_KEYS: tuple[tuple[str, str], ...] = (
-    ("eval/acc_mean", "eval_acc"),
     ("reward/acc_mean", "acc"),
     ("reward/score_mean", "reward"),
     ("response_length/mean", "len"),
@@ -193,6 +193,11 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
         with contextlib.suppress(ValueError):
             records.append(json.loads(line))
     return records
+
+
+def progress_keys(eval_n: int) -> tuple[tuple[str, str], ...]:
+    """The console line's keys for a run evaluating ``eval_n`` samples per problem."""
+    return ((f"eval/avg@{eval_n}", "eval_acc"), *PROGRESS_KEYS)
 
 
 def format_progress(step: int, values: Mapping[str, float], *, total_steps: int,

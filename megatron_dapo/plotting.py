@@ -24,7 +24,7 @@ from pathlib import Path
 
 # (panel title, glob patterns). Names follow the metric names of the training loop.
 PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("Held-out accuracy", ("eval/acc*", "eval/pass*", "eval/avg@*", "eval/cons@*", "val*/acc*")),
+    ("Held-out accuracy", ("eval/avg@*", "eval/pass*", "eval/cons@*", "val*/acc*")),
     ("Train reward", ("reward/acc_mean", "reward/score_mean", "reward/overlong_penalty_mean")),
     ("Response length (tokens)",
      ("response_length/mean", "response_length/max", "eval/response_length_mean")),

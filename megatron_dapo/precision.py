@@ -1,4 +1,4 @@
-"""The one home of the training dtype rule, shared by the trainer (policy/model.py) and the rollout
+"""The one home of the training dtype rule, shared by the trainer (mcore/model.py) and the rollout
 engine (rollout/vllm_engine.py); a leaf module, so the engine does not import the config schema."""
 
 from typing import Literal

@@ -14,7 +14,7 @@ time left until the job's end for SIGUSR1 (none when the end is unknown). When t
 and a save cannot fit in it (from the measured step and save times, time_limit.StepClock), the
 step is abandoned at once; otherwise a watchdog abandons it just before the grace runs out. An
 abandoned step exits 0 naming the last checkpoint: every saved step stays as it was (saves are
-atomic, policy/checkpoint.py), only the unsaved steps are redone on resume. The watchdog learns
+atomic, mcore/checkpoint.py), only the unsaved steps are redone on resume. The watchdog learns
 of a signal from the interpreter's wakeup fd, so it acts even while the main thread sits in a
 long collective or kernel, where Python-level handlers cannot run.
 
@@ -32,6 +32,8 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+
+from megatron_dapo import ranks
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 # A second signal this soon after the first is the same request: Ctrl-C under torchrun reaches each
@@ -110,7 +112,7 @@ class StopRequest:
                   "last checkpoint", file=sys.stderr, flush=True)
             os._exit(128 + signum)
         self.signum, self.received_at = signum, time.monotonic()
-        if _rank() == 0:
+        if ranks.rank() == 0:
             print(f"megatron-dapo: {name} received: finishing this step, then saving a checkpoint "
                   f"(send {name} again to exit at once)", file=sys.stderr, flush=True)
 
@@ -154,7 +156,7 @@ class StopRequest:
                 "rerun the same command to resume from it")
         try:
             watch.on_abandon(line)
-            if _rank() == 0:
+            if ranks.rank() == 0:
                 print(line, file=sys.stderr, flush=True)
         finally:
             os._exit(0)
@@ -187,8 +189,3 @@ class StopRequest:
         return 0.0 if self.received_at is None else time.monotonic() - self.received_at
 
 
-def _rank() -> int:
-    dist = sys.modules.get("torch.distributed")  # not imported yet: not initialised either
-    if dist is not None and dist.is_available() and dist.is_initialized():
-        return dist.get_rank()
-    return int(os.environ.get("RANK", "0"))

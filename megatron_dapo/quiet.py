@@ -27,7 +27,7 @@ HARMLESS_LOGS = (
     ("megatron.core.models.gpt.gpt_model", "GPTModel IS DEPRECATED", "GPTModel is megatron-core 0.19's "
      "supported model for Qwen2; the migration it points to (HybridModel) is for hybrid SSM models"),
     ("megatron.core.dist_checkpointing.strategies.torch", "MCore's async save is deprecated", "printed on "
-     "every synchronous save too; we do not use async saves (policy/checkpoint.py)"),
+     "every synchronous save too; we do not use async saves (mcore/checkpoint.py)"),
 )
 
 

@@ -19,18 +19,20 @@ from pathlib import Path
 
 import torch
 
+from megatron_dapo import ranks
 from megatron_dapo.algo import DynamicSampler
-from megatron_dapo.collect import Group, generate_groups, rollout_metrics, to_samples
+from megatron_dapo.groups import generate_groups, rollout_metrics, to_samples
 from megatron_dapo.config import DAPOConfig
 from megatron_dapo.config_loading import dump_yaml, to_dict
 from megatron_dapo.eval import evaluate
-from megatron_dapo.metrics_log import MetricsLogger, format_progress, read_metrics
+from megatron_dapo.metrics_log import MetricsLogger, format_progress, progress_keys, read_metrics
 from megatron_dapo.preemption import TIME_LIMIT, StopRequest, Watch
 from megatron_dapo.reward import VALUE_REWARD_FN
-from megatron_dapo.rollout.engine import Rollout, eval_sampling_params, rollout_sampling_params
+from megatron_dapo.rollout.engine import eval_sampling_params, rollout_sampling_params
 from megatron_dapo.rollout.weight_sync import logprob_mismatch
-from megatron_dapo.setup import Run, setup_run
+from megatron_dapo.run import Run, build_run, prepare_run
 from megatron_dapo.time_limit import StepClock, job_end_time, write_status
+from megatron_dapo.trainer_state import TrainerState
 
 logger = logging.getLogger("megatron_dapo.train")
 
@@ -52,11 +54,14 @@ def train(cfg: DAPOConfig, stop: StopRequest | None = None) -> TrainResult:
     stop = StopRequest().install() if own else stop
     run = None
     try:
-        run = setup_run(cfg, done=lambda state: _finished(cfg, state["step"], state.get("responses_generated", 0)))
-        if run.actor is None:  # nothing was built: the checkpoint it would resume from ends the run
-            return TrainResult(final_eval=_last_eval(run.dir), step=run.state["step"], already_complete=True)
-        # From here on only run.cfg: the config as resolved by setup (the demo's data files and
-        # base filled in), which is what runs and what config.yaml and W&B record.
+        # From here on only the config as set-up resolved it (the demo's data files and base
+        # filled in): what runs, and what config.yaml and W&B record.
+        prep = prepare_run(cfg)
+        cfg = prep.cfg
+        if prep.resume is not None and _finished(cfg, prep.resume.step, prep.resume.responses_generated):
+            prep.release()  # nothing to build: the checkpoint it would resume from ends the run
+            return TrainResult(final_eval=_last_eval(prep.dir), step=prep.resume.step, already_complete=True)
+        run = build_run(prep)
         result = _train(run, stop)
         if run.rank == 0:  # for the launcher: requeue the job while the run is unfinished
             write_status("stopped" if result.stopped_by else "finished",
@@ -77,17 +82,18 @@ def _train(run: Run, stop: StopRequest) -> TrainResult:
                          enabled=cfg.algorithm.filter_groups.enable, surplus=cfg.algorithm.filter_groups.surplus)
     # Without dynamic sampling every group is kept: a generation batch is the step's prompts.
     gen_batch = cfg.data.gen_prompts_per_batch if dyn.enabled else cfg.data.prompts_per_step
-    start = run.state.get("step", 0)
-    if run.state:
-        run.sampler.load_state_dict(run.state["sampler"])
-        dyn.load_state_dict({"held": [_group_from_dict(g) for g in run.state["held_groups"]]})
+    resume = run.resume
+    start = resume.step if resume else 0
+    if resume:
+        run.sampler.load_state_dict(resume.sampler)
+        dyn.restore_held(resume.held_groups)
     # Records are numbered by completed steps; a checkpoint at step N already holds step N's
     # record, so a resume drops only what came after it (a fresh run drops everything).
     log = MetricsLogger(run.dir, tensorboard=cfg.logging.tensorboard, wandb=cfg.logging.wandb,
                         wandb_project=cfg.logging.wandb_project, config=to_dict(cfg), enabled=run.rank == 0,
                         start_step=start + 1 if start else 0)
     clock = StepClock()
-    clock.load_state_dict(run.state.get("clock", {}))
+    clock.load_state_dict(resume.clock if resume else {})
     end_time = job_end_time(scontrol=run.rank == 0)  # rank 0 asks SLURM; the stop all-reduce tells the rest
     # From the first step on, a signal whose grace cannot hold the step in flight abandons it.
     stop.watch(Watch(seconds_to_finish=clock.seconds_to_finish, last_checkpoint=lambda: str(_latest(run) or "none yet"),
@@ -111,7 +117,7 @@ def _loop(run: Run, stop: StopRequest, dyn: DynamicSampler, log: MetricsLogger, 
         final = _log(log, 0, _evaluate(run), cfg, start)
 
     done = saved = start  # completed steps; the step the newest checkpoint holds
-    generated = run.state.get("responses_generated", 0)  # every response generated so far, kept or not
+    generated = run.resume.responses_generated if run.resume else 0  # every response generated so far, kept or not
     finished = False  # at total_steps, or the generation budget spent
     for step in range(start, cfg.train.total_steps):
         if end_time is not None and not clock.next_step_fits(end_time, cfg.checkpoint.time_limit_margin_s):
@@ -186,11 +192,10 @@ def _record_ranks(run: Run) -> None:
 
 
 def _save(run: Run, dyn: DynamicSampler, step: int, generated: int, clock: StepClock) -> None:
-    held = [dataclasses.asdict(g) for g in dyn.state_dict()["held"]]
+    state = TrainerState(step=step, sampler=run.sampler.state_dict(), held_groups=dyn.held,
+                         responses_generated=generated, clock=clock.state_dict())
     started = time.monotonic()
-    run.actor.save_checkpoint(str(run.ckpt_dir), {"step": step, "sampler": run.sampler.state_dict(),
-                                                  "held_groups": held, "responses_generated": generated,
-                                                  "clock": clock.state_dict()})
+    run.actor.save_checkpoint(str(run.ckpt_dir), state.to_json())
     clock.record_save(time.monotonic() - started)
 
 
@@ -201,7 +206,7 @@ def _finished(cfg: DAPOConfig, steps: int, generated: int) -> bool:
 
 
 def _latest(run: Run) -> Path | None:
-    from megatron_dapo.policy.checkpoint import latest_checkpoint
+    from megatron_dapo.mcore.checkpoint import latest_checkpoint
 
     return latest_checkpoint(run.ckpt_dir)
 
@@ -214,8 +219,10 @@ def _last_eval(run_dir: Path) -> dict[str, float]:
 
 def _sync(run: Run) -> None:
     """Streams the trained weights into every rank's engine (so into every replica); every rank
-    runs the export's collectives."""
-    run.placement.sync(run.actor.export_hf_weights(), run.cfg.rollout.weight_sync_bucket_mb << 20)
+    runs the export's collectives. One bucket size for both halves: the export gathers a bucket of
+    full tensors at a time, and the engine loads the same buckets."""
+    bucket_bytes = run.cfg.rollout.weight_sync_bucket_mb << 20
+    run.placement.sync(run.actor.export_hf_weights(bucket_bytes=bucket_bytes), bucket_bytes)
 
 
 def _evaluate(run: Run) -> dict[str, float]:
@@ -229,7 +236,8 @@ def _evaluate(run: Run) -> dict[str, float]:
 def _log(log: MetricsLogger, step: int, metrics: dict, cfg: DAPOConfig, start: int) -> dict[str, float]:
     values = log.log(step, metrics)
     if log.enabled and cfg.logging.progress:
-        print(format_progress(step, values, total_steps=cfg.train.total_steps), flush=True)
+        print(format_progress(step, values, total_steps=cfg.train.total_steps, keys=progress_keys(cfg.eval.n)),
+              flush=True)
     return {k: v for k, v in values.items() if k.startswith("eval/")}
 
 
@@ -254,18 +262,14 @@ def _seed(cfg: DAPOConfig, step: int, dyn: DynamicSampler) -> int:
     return (cfg.seed * 1_000_003 + step) * 1_009 + dyn.num_gen_batches
 
 
-def _group_from_dict(d: dict) -> Group:
-    return Group(**{**d, "rollouts": [Rollout(**r) for r in d["rollouts"]]})
-
-
 def evaluate_run(cfg: DAPOConfig) -> dict[str, float]:
     """``megatron-dapo eval``: the run's latest checkpoint (or its starting weights) on data.val_files,
     with the eval settings; writes <logging.dir>/eval.json on rank 0. Reads a live run: it does
     not take the run directory's lock."""
-    run = setup_run(cfg, lock=False)
+    run = build_run(prepare_run(cfg, lock=False))
     try:
         _sync(run)
-        result = {"step": run.state.get("step", 0), **_evaluate(run)}
+        result = {"step": run.resume.step if run.resume else 0, **_evaluate(run)}
     finally:
         run.close()
     if run.rank == 0:
@@ -285,7 +289,7 @@ def main(cfg: DAPOConfig, stop: StopRequest | None = None) -> int:
 
     setup_logging()
     result = train(cfg, stop)
-    if int(os.environ.get("RANK", 0)) != 0:  # a finished run never starts torch.distributed
+    if ranks.rank() != 0:  # a finished run never starts torch.distributed
         return 0
     if result.already_complete:
         budget = f" or train.generation_budget={cfg.train.generation_budget}" if cfg.train.generation_budget else ""

@@ -1,7 +1,9 @@
 """Shared test set-up: GPU tests skip without CUDA; known-harmless third-party start-up messages
 filtered as at the CLI (megatron_dapo/quiet.py); megatron-core's CPU compatibility layer applied
-once for the session (policy/cpu_compat.py); paths to the repo's data files; the environment of a
-one-process torch.distributed world."""
+once for the session (mcore/cpu_compat.py); paths to the repo's data files; a one-process
+torch.distributed world; the CPU demo's toy task and warmed-up base, made once per session; and a
+summary line for every test outside the slow tier that took a slow test's time (tests/README.md).
+Shared helpers (not fixtures) are in tests/helpers/."""
 
 import socket
 from pathlib import Path
@@ -9,12 +11,17 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers.demo import make_demo_base
+
+# The slow marker's threshold (pyproject.toml): a test outside the slow tier that takes longer is
+# named in the summary, so that the fast tier does not grow unnoticed.
+SLOW_S = 10.0
 REPO_ROOT = Path(__file__).resolve().parent.parent
 AIME_PARQUET = REPO_ROOT / "data" / "aime-2024.parquet"
 
 
 def pytest_configure(config):
-    from megatron_dapo.policy.cpu_compat import apply_cpu_compat
+    from megatron_dapo.mcore.cpu_compat import apply_cpu_compat
     from megatron_dapo.quiet import quiet_start_up
 
     quiet_start_up()
@@ -28,6 +35,24 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+_durations: dict[str, float] = {}
+_unmarked_slow: set[str] = set()
+
+
+def pytest_runtest_logreport(report):
+    # setup counts too: a module fixture's training run is paid by the first test that asks for it
+    _durations[report.nodeid] = _durations.get(report.nodeid, 0.0) + report.duration
+    if report.when == "teardown" and "slow" not in report.keywords and _durations[report.nodeid] > SLOW_S:
+        _unmarked_slow.add(report.nodeid)
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _unmarked_slow:
+        terminalreporter.write_sep("=", f"not marked slow, over {SLOW_S:.0f} s (mark them slow: tests/README.md)")
+        for nodeid in sorted(_unmarked_slow, key=lambda n: -_durations[n]):
+            terminalreporter.write_line(f"{_durations[nodeid]:7.1f} s  {nodeid}")
 
 
 @pytest.fixture
@@ -45,3 +70,21 @@ def world_of_one_env(monkeypatch):
     for key, value in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0",
                            WORLD_SIZE="1").items():
         monkeypatch.setenv(key, value)
+
+
+@pytest.fixture
+def world_of_one(world_of_one_env):
+    """A world of one for code that starts torch.distributed itself (MegatronActor); megatron's
+    groups and the process group are torn down after the test."""
+    yield
+    from megatron_dapo.mcore import destroy_parallel
+
+    destroy_parallel()
+
+
+@pytest.fixture(scope="session")
+def demo_base(tmp_path_factory) -> Path:
+    """A run dir holding conf/cpu_tiny.yaml's toy task, warmed-up base and completion marker, made
+    once per session; tests.helpers.demo.copy_demo_base copies it into a test's run dir, where a run
+    with the default toy settings skips the warm-up (any other toy.* / seed is refused there)."""
+    return make_demo_base(tmp_path_factory.mktemp("demo_base"))

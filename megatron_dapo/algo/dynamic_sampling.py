@@ -79,10 +79,6 @@ class DynamicSampler:
         """Generation batches added since ``start_step``."""
         return self._counts.num_gen_batches
 
-    @property
-    def num_held(self) -> int:
-        return len(self._held)
-
     def keep_mask(self, acc: torch.Tensor) -> torch.Tensor:
         """[P, G] correctness -> [P] bool: the groups ``add`` would keep (mixed answers, or all
         when disabled). Lets a rollout replica filter its share before anything travels."""
@@ -158,12 +154,15 @@ class DynamicSampler:
         }
         return batch, metrics
 
-    def state_dict(self) -> dict[str, Any]:
-        """Held groups (only non-empty with surplus="carry") for checkpointing between steps."""
-        return {"held": list(self._held)}
+    @property
+    def held(self) -> tuple[Any, ...]:
+        """The groups held between steps (only non-empty with surplus="carry"): what a checkpoint
+        keeps (trainer_state.py)."""
+        return tuple(self._held)
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._held = list(state["held"])
+    def restore_held(self, groups: Sequence[Any]) -> None:
+        """On resume, before the first ``start_step``: the groups ``held`` returned at the save."""
+        self._held = list(groups)
 
     def _exhausted_message(self) -> str:
         c = self._counts

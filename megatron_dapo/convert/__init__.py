@@ -3,17 +3,17 @@
 * ``mapping.py`` / ``table.py`` / ``qwen2.py``: the declarative mapping table, pure torch.
 * ``safetensors_io.py``: one-tensor-at-a-time reads, size-bounded sharded writes.
 * ``export.py``: ``(hf_name, full tensor)`` from a live TP/PP-sharded model, in byte buckets.
-* ``plan.py``: per-rank shard sizes on meta tensors (dry run).
+* ``shard_plan.py``: per-rank shard sizes on meta tensors (dry run).
 
 Nothing here imports megatron.core (tests/unit/test_boundaries.py): the parts of conversion that
-need it live under policy/ (``policy/hf_conversion.py``: HF dir <-> Megatron dist checkpoint;
-``policy/logit_check.py``: HF vs Megatron logits), and they use this package's tables.
+need it live under mcore/ (``mcore/hf_conversion.py``: HF dir <-> Megatron dist checkpoint;
+``mcore/logit_check.py``: HF vs Megatron logits), and they use this package's tables.
 """
 
 from megatron_dapo.convert import qwen2 as _qwen2  # noqa: F401  (registers Qwen2ForCausalLM)
 from megatron_dapo.convert.export import export_hf_weights, load_hf_weights
 from megatron_dapo.convert.mapping import ConversionError, ModelDims
-from megatron_dapo.convert.plan import format_shard_plan, shard_plan
+from megatron_dapo.convert.shard_plan import format_shard_plan, shard_plan
 from megatron_dapo.convert.safetensors_io import (
     SafetensorsReader, ShardedSafetensorsWriter, copy_side_files, read_hf_config,
 )

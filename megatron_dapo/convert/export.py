@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from megatron_dapo import ranks
 from megatron_dapo.convert.mapping import ConversionError
 from megatron_dapo.convert.packing import pack_consecutive
 from megatron_dapo.convert.safetensors_io import SafetensorsReader
@@ -80,7 +81,7 @@ def _plan(table: ConversionTable, local: dict[int, tuple[str, Tensor]], tp_group
           wire_dtype: torch.dtype | None) -> list[_Item]:
     """Every rank of the PP group agrees on the same ordered list of tensors and owners."""
     tp = _size(tp_group)
-    me = dist.get_rank() if dist.is_initialized() else 0
+    me = ranks.rank()
     mine = [(i, me, name, tuple(p.shape), wire_dtype or p.dtype) for i, (name, p) in local.items()]
     gathered = [mine]
     if _size(pp_group) > 1:
@@ -128,7 +129,7 @@ def export_hf_weights(model_chunks: Sequence[nn.Module], table: ConversionTable,
     At TP = PP = 1 a yielded tensor may be the parameter itself: read it, do not modify it.
     """
     local = local_parameters(model_chunks, table)
-    me = dist.get_rank() if dist.is_initialized() else 0
+    me = ranks.rank()
     pp_size = _size(pp_group)
     param_device = next(iter(local.values()))[1].device
     for bucket in _buckets(_plan(table, local, tp_group, pp_group, dtype), bucket_bytes):

@@ -1,8 +1,8 @@
 """Exact values of short LaTeX arithmetic without sympy: integers, +, -, *, /, \\frac, ^, \\sqrt, \\binom, n!.
 
 math_dapo.answer_matches calls `integer_value` on answers that passed its screen
-(math_dapo._expression_is_safe) before it asks sympy. math-verify's parse costs 2-5 ms per answer;
-this costs tens of microseconds. Values are exact: Fractions, and sums of rational multiples of
+(math_dapo._expression_is_safe) before it asks sympy: math-verify's parse costs milliseconds per
+answer, this microseconds (docs/performance.md). Values are exact: Fractions, and sums of rational multiples of
 square roots of distinct squarefree integers (`Surd`). Such roots are linearly independent over
 the rationals, so a value with a nonzero root term is irrational and never equals an integer.
 

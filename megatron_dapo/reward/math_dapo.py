@@ -171,7 +171,7 @@ def extract_answer(response: str) -> str | None:
 
 
 def _last_answer_label(tail: str) -> re.Match | None:
-    """Last "Answer:" label in `tail`. rfind from the end is ~10x faster than scanning forward."""
+    """Last "Answer:" label in `tail`: rfind from the end, since a long response's label is near it."""
     lowered = tail.lower()
     if len(lowered) != len(tail):  # rare characters whose lower case is longer: scan slowly
         matches = list(_ANSWER_RE.finditer(tail))
@@ -388,7 +388,8 @@ def _expression_is_safe(expr: str) -> bool:
 
 
 def warm_up() -> None:
-    """Imports math-verify and runs its LaTeX parser once (about 1 s on first use)."""
+    """Imports math-verify and runs its LaTeX parser once: its first use is slow, so a worker pays
+    it before the first batch arrives."""
     if _sympy_value("2^{3}") != 8:
         raise RuntimeError("math-verify could not evaluate 2^{3}")
 

@@ -6,7 +6,7 @@ tokenizer and chat template live in data/, and rewards decode the ids themselves
 Log-prob contract (DESIGN "Numerics contract"). ``Rollout.logprobs[t]`` is the log-probability
 of the sampled token t under the model's distribution at the sampling temperature T, i.e.
 ``log_softmax(logits / T)[token]`` in fp32, NOT renormalised over the top-p / top-k support.
-That is the quantity the trainer computes (policy/logprobs.py divides the logits by the same T),
+That is the quantity the trainer computes (mcore/logprobs.py divides the logits by the same T),
 so the two can be compared token by token (``rollout/logprob_mismatch``) and, when exactly
 on-policy, used as the old log-probs of the PPO ratio. Truncation (top-p / top-k) changes which
 tokens can be drawn, not the reported numbers. With temperature 0 (greedy, evaluation only) the

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_dapo.errors import ConfigError
 from megatron_dapo.rollout.engine import Rollout, RolloutEngine, SamplingParams
 from megatron_dapo.rollout.weight_sync import sync_weights
 
@@ -39,7 +40,7 @@ def replica_layout(rank: int, world_size: int, tensor_parallel_size: int) -> tup
     Raises ValueError naming the sizes when rollout TP does not divide the world.
     """
     if tensor_parallel_size < 1 or world_size % tensor_parallel_size:
-        raise ValueError(f"rollout.tensor_parallel_size={tensor_parallel_size} does not divide the world size "
+        raise ConfigError(f"rollout.tensor_parallel_size={tensor_parallel_size} does not divide the world size "
                          f"{world_size}: every rank holds part of one replica; use a divisor of {world_size}")
     return rank // tensor_parallel_size, world_size // tensor_parallel_size, rank % tensor_parallel_size == 0
 

@@ -84,6 +84,7 @@ from typing import Any, Literal
 
 import torch
 
+from megatron_dapo.errors import ConfigError
 from megatron_dapo.rollout import vllm_colocation as _c
 from megatron_dapo.rollout.engine import Rollout, SamplingParams, check_prompts, sequence_seed
 from megatron_dapo.rollout.placement import replica_layout
@@ -140,7 +141,7 @@ def check_device_memory(fraction: float, free_bytes: int, total_bytes: int) -> N
     want = fraction * total_bytes
     if free_bytes < want:
         gib = 1 << 30
-        raise ValueError(
+        raise ConfigError(
             f"rollout.gpu_memory_utilization={fraction} asks for {want / gib:.2f} GiB of the device's "
             f"{total_bytes / gib:.2f} GiB, but only {free_bytes / gib:.2f} GiB is free now: lower it to "
             f"<= {free_bytes / total_bytes:.2f}, or set rollout.kv_cache_memory_mb")
@@ -149,7 +150,7 @@ def check_device_memory(fraction: float, free_bytes: int, total_bytes: int) -> N
 def check_cpu_kv_cache(kv_cache_memory_bytes: int | None) -> None:
     """On CPU the KV cache must be sized explicitly (rollout.kv_cache_memory_mb)."""
     if kv_cache_memory_bytes is None:
-        raise ValueError(
+        raise ConfigError(
             "vLLM on CPU needs an explicit KV-cache size: set rollout.kv_cache_memory_mb (e.g. 64 for the "
             "toy, as in conf/cpu_tiny_vllm.yaml; VLLMEngine(kv_cache_memory_bytes=...)): vLLM's CPU build "
             "counts this whole process, trainer included, against rollout.gpu_memory_utilization")
@@ -157,7 +158,7 @@ def check_cpu_kv_cache(kv_cache_memory_bytes: int | None) -> None:
 
 def check_cpu_head_dim(head_dim: int, model_path: str) -> None:
     if head_dim not in CPU_HEAD_SIZES:
-        raise ValueError(f"{model_path}: head_dim {head_dim} is not supported by vLLM's CPU attention "
+        raise ConfigError(f"{model_path}: head_dim {head_dim} is not supported by vLLM's CPU attention "
                          f"(supported: {list(CPU_HEAD_SIZES)}); use a model with one of those head sizes "
                          "(hidden_size / num_attention_heads), or rollout.engine=hf")
 
@@ -312,7 +313,7 @@ class VLLMEngine:
         import importlib.util
 
         if importlib.util.find_spec("vllm") is None:
-            raise ValueError(VLLM_MISSING)
+            raise ConfigError(VLLM_MISSING)
         if not torch.cuda.is_available():
             mb = cfg.rollout.kv_cache_memory_mb
             check_cpu_kv_cache(mb << 20 if mb > 0 else None)
@@ -449,7 +450,7 @@ def _rollout_kwargs(rollout: Any) -> dict[str, Any]:
     params = SamplingParams(temperature=rollout.temperature, top_p=rollout.top_p, top_k=rollout.top_k)
     mode = logprobs_mode_for(params)
     if mode is None and rollout.check_logprob_mismatch:
-        raise ValueError(
+        raise ConfigError(
             f"vLLM cannot report log_softmax(logits / T) with temperature={rollout.temperature} and "
             f"top_p={rollout.top_p} / top_k={rollout.top_k}: set rollout.check_logprob_mismatch=false and "
             "generate with SamplingParams(logprobs=False), or drop top-p/top-k, or use T = 1")

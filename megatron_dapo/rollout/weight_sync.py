@@ -16,6 +16,7 @@ from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 
+from megatron_dapo.convert.packing import iter_packed
 from megatron_dapo.rollout.engine import RolloutEngine
 
 Bucket = list[tuple[str, torch.Tensor]]
@@ -32,19 +33,7 @@ def bucketed(weights: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> 
     limit gets a bucket of its own (it cannot be split: engines load whole tensors). The input
     is consumed lazily, so at most one bucket is held at a time.
     """
-    if bucket_bytes < 1:
-        raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
-    bucket: Bucket = []
-    size = 0
-    for name, tensor in weights:
-        nbytes = tensor_bytes(tensor)
-        if bucket and size + nbytes > bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, tensor))
-        size += nbytes
-    if bucket:
-        yield bucket
+    return iter_packed(weights, lambda pair: tensor_bytes(pair[1]), bucket_bytes)
 
 
 def sync_weights(engine: RolloutEngine, weights: Iterable[tuple[str, torch.Tensor]],

@@ -1,4 +1,5 @@
-"""Shared pieces of the 2-process CPU tests: launcher, tiny Qwen2 config, weight sharding by hand.
+"""The 2-process CPU tests' harness: the gloo launcher and weight sharding by hand. The tiny Qwen2
+config and the other helpers shared beyond tests/distributed are in tests/helpers/.
 
 Weights move between layouts here without megatron_dapo.convert, so that the parallel model is
 checked against an independent statement of Megatron's layout (megatron-core 0.19.2):
@@ -7,7 +8,7 @@ checked against an independent statement of Megatron's layout (megatron-core 0.1
   * the gated ``linear_fc1`` holds ``[gate; up]`` at TP=1 but ``[gate_r; up_r]`` on rank r;
   * row-parallel params (``partition_dim == 1``: linear_proj, linear_fc2) are split along dim 1;
   * everything else (norms) is replicated;
-  * vocabulary padding rows (to a multiple of lcm(divisible_by, TP), policy.model) are zero.
+  * vocabulary padding rows (to a multiple of lcm(divisible_by, TP), mcore.model) are zero.
 """
 
 from __future__ import annotations
@@ -20,17 +21,7 @@ import traceback
 import torch
 import torch.multiprocessing as mp
 
-VOCAB = 120  # padded to 128 rows when make_vocab_size_divisible_by=16
-
-
-def tiny_hf_config(**overrides) -> dict:
-    """A Qwen2-shaped config.json: GQA (4 heads, 2 KV groups), RMSNorm, SwiGLU, RoPE 1e6."""
-    cfg = dict(model_type="qwen2", vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
-               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6,
-               rope_parameters={"rope_theta": 1e6, "rope_type": "default"}, tie_word_embeddings=False,
-               max_position_embeddings=256, hidden_act="silu", initializer_range=0.02)
-    cfg.update(overrides)
-    return cfg
+from tests.helpers.policy import VOCAB
 
 
 def _free_port() -> int:
@@ -50,10 +41,10 @@ def _entry(rank, fn, world_size, port, args):
     torch.set_num_threads(1)  # 2 ranks on 2 cores
     import torch.distributed as dist
 
-    from megatron_dapo.policy.cpu_compat import apply_cpu_compat
+    from megatron_dapo.mcore.cpu_compat import apply_cpu_compat
 
     apply_cpu_compat()  # a fresh interpreter: before anything imports megatron.core
-    from megatron_dapo.policy.parallel import destroy_parallel
+    from megatron_dapo.mcore.parallel import destroy_parallel
 
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:

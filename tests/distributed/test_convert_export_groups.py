@@ -25,8 +25,7 @@ def _free_port() -> int:
 
 
 def _worker(rank: int, world: int, tp: int, tied: bool, port: int):
-    from tests.unit.test_convert_export import stand_in_chunk
-    from tests.unit.test_convert_mapping import TINY
+    from tests.helpers.convert import TINY, stand_in_chunk
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     pp = world // tp
@@ -54,7 +53,7 @@ def _worker(rank: int, world: int, tp: int, tied: bool, port: int):
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("world,tp,tied", [(2, 2, False), (2, 1, True),
+@pytest.mark.parametrize("world,tp,tied", [(2, 2, False), pytest.param(2, 1, True, marks=pytest.mark.slow),
                                            pytest.param(4, 2, False, marks=pytest.mark.slow)])
 def test_export_over_tp_pp_groups_gives_every_rank_the_full_tensors(world, tp, tied):
     os.environ.setdefault("OMP_NUM_THREADS", "1")

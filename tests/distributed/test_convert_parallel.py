@@ -13,7 +13,7 @@ import torch
 
 from tests.distributed.harness import spawn
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[2]
 TOOLS = REPO / "tools" / "convert_ckpt"
 DIVISIBLE_BY = "64"  # vocab 100 -> 128 rows at TP 1 and 2 alike
@@ -29,7 +29,7 @@ def _run(*cmd, nproc=None):
 
 def _convert(root: Path, tied: bool, num_layers: int = 2, offline: bool = True):
     """(HF dir, Megatron checkpoint, offline HF export) of a random tiny Qwen2, via the CLIs."""
-    from tests.unit.test_convert_checkpoint import save_tiny_hf
+    from tests.helpers.convert import save_tiny_hf
 
     hf = save_tiny_hf(root / "hf", tied=tied, num_layers=num_layers)
     cmds = [["hf_to_megatron.py", "--hf-dir", hf, "--out", root / "ckpt", "--no-progress",
@@ -63,11 +63,11 @@ def test_verify_cli_at_tp2_prints_and_passes(converted):
 
 
 def _worker(rank, hf, ckpt, offline, tp, pp):
-    from megatron_dapo.policy.hf_conversion import load_megatron_checkpoint
+    from megatron_dapo.mcore.hf_conversion import load_megatron_checkpoint
     from megatron_dapo.convert.export import export_hf_weights
     from megatron_dapo.convert.safetensors_io import SafetensorsReader
-    from megatron_dapo.policy.logit_check import verify
-    from megatron_dapo.policy import destroy_parallel
+    from megatron_dapo.mcore.logit_check import verify
+    from megatron_dapo.mcore import destroy_parallel
 
     report = verify(hf, ckpt, tp=tp, pp=pp)
     assert report.max_logit_diff <= 1e-5, report.max_logit_diff
@@ -94,13 +94,12 @@ def test_tied_embeddings_at_pp2(converted_tied):
     spawn(_worker, *map(str, converted_tied), 1, 2, world_size=2)
 
 
-@pytest.mark.slow
 def test_tp2_pp2_on_four_processes(converted):
     spawn(_worker, *map(str, converted), 2, 2, world_size=4)
 
 
 def _vpp_worker(rank, hf, ckpt):
-    from megatron_dapo.policy.hf_conversion import load_megatron_checkpoint
+    from megatron_dapo.mcore.hf_conversion import load_megatron_checkpoint
     from megatron_dapo.convert.export import export_hf_weights
     from megatron_dapo.convert.safetensors_io import SafetensorsReader
 

@@ -1,4 +1,4 @@
-"""Checkpoints (policy/checkpoint.py): saved at TP=2, resumed at TP=1 x DP=2 and at PP=2.
+"""Checkpoints (mcore/checkpoint.py): saved at TP=2, resumed at TP=1 x DP=2 and at PP=2.
 
 The uninterrupted run (TP=2) takes update 1, saves, takes update 2 and records its loss, grad
 norm, lr and weights (full HF tensors via export_hf_weights). Each resumed run builds a freshly
@@ -17,31 +17,17 @@ unchanged; ``latest`` ignores a crashed save's ``.tmp`` directory; the next save
 and keeps only the newest ``checkpoint.keep_last`` (2) checkpoints.
 """
 
-import dataclasses
 import random
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.distributed.harness import assert_close, spawn, tiny_hf_config
-from tests.distributed.test_policy_train_step import make_samples, tiny_cfg
+from tests.distributed.harness import assert_close, spawn
+from tests.helpers.policy import hf_weights, make_samples, tiny_cfg, tiny_hf_config, with_actor_log_probs
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 SAMPLER = {"epoch": 0, "cursor": 8, "order_seed": 17}
-
-
-def with_actor_log_probs(actor, xs, seed, log_probs=None):
-    """Old log-probs from the actor itself, plus noise so that ratios spread over the clip range."""
-    g = torch.Generator().manual_seed(seed)
-    log_probs = actor.get_inference_log_probs(xs) if log_probs is None else log_probs
-    return [dataclasses.replace(x, old_log_probs=lp + 0.3 * torch.randn(lp.shape, generator=g))
-            for x, lp in zip(xs, log_probs)]
-
-
-def hf_weights(actor) -> dict:
-    """Copies: export_hf_weights may yield the parameters themselves (e.g. TP-replicated norms)."""
-    return {name: tensor.clone() for name, tensor in actor.export_hf_weights()}
 
 
 def check_update(actor, xs2, want, what):
@@ -54,9 +40,9 @@ def check_update(actor, xs2, want, what):
 
 
 def _worker(rank, root, dist_opt):
-    from megatron_dapo.policy import destroy_parallel
-    from megatron_dapo.policy.actor import MegatronActor
-    from megatron_dapo.policy.checkpoint import checkpoint_name, latest_checkpoint, load_checkpoint
+    from megatron_dapo.mcore import destroy_parallel
+    from megatron_dapo.mcore.actor import MegatronActor
+    from megatron_dapo.mcore.checkpoint import checkpoint_name, latest_checkpoint, load_checkpoint
 
     root = Path(root)
     hf = tiny_hf_config()

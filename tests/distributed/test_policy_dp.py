@@ -3,7 +3,7 @@
 Each of the 2 gloo ranks trains on its own part of an 8-sample mini-batch; rank 0 holds the two
 longest responses, rank 1 six shorter ones, so the ranks hold different numbers of valid tokens
 (37 and 44) and, under the token budget, of micro-batches (2 and 3: rank 0 pads with an empty one). The
-reference (each rank, redundantly) is the plain-torch update of test_policy_train_step.py on the
+reference (each rank, redundantly) is the plain-torch update of tests/helpers/reference.py on the
 whole batch: token-mean over all 8 samples, clip, AdamW. After one megatron step (DDP + finalize
 + optimizer, distributed optimizer on and off) the parameters equal the reference's.
 
@@ -14,22 +14,21 @@ count gives under DDP's averaging) makes a measurably different update, checked 
 import pytest
 import torch
 
-from megatron_dapo.policy.batching import make_micro_batches
-from tests.distributed.harness import assert_close, full_params, load_full, spawn, tiny_hf_config
-from tests.distributed.test_policy_train_step import (
-    LR, dapo_loss, make_samples, reference_update, tiny_cfg, unwrap, with_old_log_probs,
-)
+from megatron_dapo.batching import make_micro_batches
+from tests.distributed.harness import assert_close, full_params, load_full, spawn
+from tests.helpers.policy import LR, make_samples, tiny_cfg, tiny_hf_config, unwrap
+from tests.helpers.reference import dapo_loss, reference_update, with_old_log_probs
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 SHARDS = ([3, 6], [0, 1, 2, 4, 5, 7])  # sample indices per DP rank: the longest responses on rank 0
 
 
 def _worker(rank):
     from megatron.core import parallel_state as ps
 
-    from megatron_dapo.policy import build_model, destroy_parallel
-    from megatron_dapo.policy.actor import MegatronActor
-    from megatron_dapo.policy.train_step import train_step
+    from megatron_dapo.mcore import build_model, destroy_parallel
+    from megatron_dapo.mcore.actor import MegatronActor
+    from megatron_dapo.mcore.train_step import train_step
 
     hf = tiny_hf_config()
     for dist_opt in (True, False):

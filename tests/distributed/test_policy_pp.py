@@ -16,12 +16,11 @@ import torch
 
 from megatron_dapo.algo import compute_policy_loss
 from megatron_dapo.config import ModelConfig, ParallelConfig
-from megatron_dapo.policy import build_model, destroy_parallel, initialize_parallel, vocab_parallel_logprobs
-from tests.distributed.harness import (
-    VOCAB, assert_close, full_params, global_name, load_full, make_batch, spawn, tiny_hf_config,
-)
+from megatron_dapo.mcore import build_model, destroy_parallel, initialize_parallel, vocab_parallel_logprobs
+from tests.distributed.harness import assert_close, full_params, global_name, load_full, make_batch, spawn
+from tests.helpers.policy import VOCAB, tiny_hf_config
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 MODEL = ModelConfig(make_vocab_size_divisible_by=16)  # 120 -> 128 rows at TP=1 and TP=2
 NUM_MICRO, EMBED = 4, "embedding.word_embeddings.weight"
 

@@ -55,7 +55,7 @@ def _same_rollouts(got, want):
 
 def _check(rank, rollout_tp):
     from megatron_dapo.algo import DynamicSampler
-    from megatron_dapo.collect import generate_groups
+    from megatron_dapo.groups import generate_groups
     from megatron_dapo.config import DAPOConfig, OverlongBufferConfig, RewardConfig, RolloutConfig
     from megatron_dapo.eval import evaluate
     from megatron_dapo.rollout import SamplingParams
@@ -133,7 +133,7 @@ class CountingEngine:
 def _shares(rank, world):
     import torch.distributed as dist
 
-    from megatron_dapo.collect import generate_groups
+    from megatron_dapo.groups import generate_groups
     from megatron_dapo.config import DAPOConfig, OverlongBufferConfig, RewardConfig, RolloutConfig
     from megatron_dapo.eval import evaluate
     from megatron_dapo.rollout import SamplingParams

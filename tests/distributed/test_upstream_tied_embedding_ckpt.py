@@ -1,4 +1,4 @@
-"""A megatron-core 0.19.2 bug the trainer refuses to run into (policy/parallel.check_training_layout).
+"""A megatron-core 0.19.2 bug the trainer refuses to run into (mcore/parallel.check_training_layout).
 
 With tied embeddings at TP > 1 x PP > 1, the distributed optimizer's checkpoint holds the embedding's
 optimizer state (fp32 param, Adam moments) one row off within each TP shard, with zeros in the last
@@ -17,17 +17,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.distributed.harness import spawn, tiny_hf_config
-from tests.distributed.test_policy_ckpt import hf_weights, with_actor_log_probs
-from tests.distributed.test_policy_train_step import make_samples, tiny_cfg
+from tests.distributed.harness import spawn
+from tests.helpers.policy import hf_weights, make_samples, tiny_cfg, tiny_hf_config, with_actor_log_probs
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 
 def _worker(rank, root, tied, tp, pp, out):
-    from megatron_dapo.policy import destroy_parallel
-    from megatron_dapo.policy.actor import MegatronActor
-    from megatron_dapo.policy.checkpoint import load_checkpoint
+    from megatron_dapo.mcore import destroy_parallel
+    from megatron_dapo.mcore.actor import MegatronActor
+    from megatron_dapo.mcore.checkpoint import load_checkpoint
 
     hf = tiny_hf_config(tie_word_embeddings=tied)
     cfg = tiny_cfg(tp=tp, pp=pp, dist_opt=True)
@@ -62,7 +61,7 @@ def test_tied_embedding_at_tp_x_pp_resumes_shifted_in_megatron_0_19_2():
     assert got["weights_only_equal"], "the model part of the checkpoint is right"
     assert set(got["names"]) - set(got["equal"]) == {"model.embed_tokens.weight"} and got["shifted"], (
         "megatron-core no longer shifts the tied embedding's optimizer state at TP x PP: lift the refusal in "
-        "policy/parallel.check_training_layout (and its line in docs/DESIGN.md)")
+        "mcore/parallel.check_training_layout (and its line in docs/DESIGN.md)")
 
 
 @pytest.mark.parametrize("tied,tp,pp", [(True, 2, 1), (True, 1, 2), (False, 2, 2)])

@@ -28,7 +28,8 @@ from megatron_dapo.config import (
     DAPOConfig, DataConfig, OptimConfig, OverlongBufferConfig, ParallelConfig, RewardConfig, RolloutConfig,
     TrainConfig,
 )
-from tests.distributed.harness import spawn, tiny_hf_config
+from tests.distributed.harness import spawn
+from tests.helpers.policy import tiny_hf_config
 
 pytestmark = [
     pytest.mark.distributed, pytest.mark.slow,
@@ -79,7 +80,7 @@ def all_rollouts(engine, params):
 
 
 def samples_of(rollouts, advantages=None, old=None):
-    from megatron_dapo.policy.batching import Sample
+    from megatron_dapo.batching import Sample
 
     return [Sample(prompt_ids=torch.tensor(r.prompt_ids), response_ids=torch.tensor(r.response_ids),
                    advantages=0.0 if advantages is None else advantages[i],
@@ -104,8 +105,8 @@ def max_diff(a, b) -> float:
 
 
 def _worker(rank, config_dirs, rollout_tp):
-    from megatron_dapo.policy.actor import MegatronActor
-    from megatron_dapo.policy.parallel import destroy_parallel
+    from megatron_dapo.mcore.actor import MegatronActor
+    from megatron_dapo.mcore.parallel import destroy_parallel
     from megatron_dapo.rollout import SamplingParams, sync_weights
     from megatron_dapo.rollout.vllm_engine import VLLMEngine
 

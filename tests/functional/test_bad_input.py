@@ -125,6 +125,7 @@ def test_score_responses_names_the_bad_line(tmp_path, capsys):
     assert rc == 2 and f"megatron-dapo: error: {path}: line 2: not JSON" in err, err
 
 
+@pytest.mark.slow
 def test_a_fresh_process_prints_one_error_line(inputs, tmp_path):
     """As a user sees it: a fresh process prints one error line and no traceback."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT", "MASTER_ADDR")}
@@ -137,6 +138,7 @@ def test_a_fresh_process_prints_one_error_line(inputs, tmp_path):
     assert "Traceback" not in out.stderr and not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 def test_a_converted_checkpoint_of_another_shape_is_one_line(inputs, tmp_path, capsys):
     """issue 28: model.checkpoint converted from a wider model ended in a 71-line CheckpointingException
     from megatron's loader; its hf/config.json is now checked against model.hf_path up front."""

@@ -2,7 +2,7 @@
 run of the real trainer, or is refused up front (tests/unit/test_config_keys.py only checks that each
 leaf key is read somewhere).
 
-Every leaf of ``DAPOConfig`` (``_leaves``) is in exactly one table (``test_every_key_is_classified``,
+Every leaf of ``DAPOConfig`` (``leaves``) is in exactly one table (``test_every_key_is_classified``,
 so a new key fails until someone classifies it):
 
 (a) ``CASES``: ``megatron-dapo train --config conf/cpu_tiny.yaml`` with ``BASE`` (one step, tiny
@@ -51,8 +51,8 @@ import torch
 
 from megatron_dapo import cli
 from megatron_dapo.config import DAPOConfig
-from megatron_dapo.policy.parallel import destroy_parallel
-from tests.unit.test_config_keys import _leaves
+from megatron_dapo.mcore.parallel import destroy_parallel
+from tests.helpers.config_fields import leaves
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = str(ROOT / "conf" / "cpu_tiny.yaml")
@@ -101,7 +101,7 @@ class Result:
                 if p.is_file() and not str(p.relative_to(self.dir)).startswith(skip)} if self.dir.exists() else set()
 
     def ckpt(self, name: str = "checkpoint.json") -> dict:
-        from megatron_dapo.policy.checkpoint import latest_checkpoint
+        from megatron_dapo.mcore.checkpoint import latest_checkpoint
 
         latest = latest_checkpoint(self.dir / "checkpoints")
         return json.loads((latest / name).read_text()) if latest else {}
@@ -362,7 +362,7 @@ def runs(tmp_path_factory) -> Runs:
 DRIVER = """
 import contextlib, io, json, logging, os, sys
 from megatron_dapo import cli
-from megatron_dapo.policy.parallel import destroy_parallel
+from megatron_dapo.mcore.parallel import destroy_parallel
 import megatron_dapo.plotting
 megatron_dapo.plotting.plot_run = lambda d: None
 logger = logging.getLogger("megatron_dapo")
@@ -481,7 +481,7 @@ def test_a_refused_value_is_one_line_and_touches_nothing(runs, key):
 
 
 def test_every_key_is_classified():
-    keys = [k for k, _, _ in _leaves(DAPOConfig)]
+    keys = [k for k, _, _ in leaves(DAPOConfig)]
     tables = {"CASES": CASES, "REFUSED": REFUSED, "GPU_ONLY": GPU_ONLY, "NO_EFFECT_ON_CPU": NO_EFFECT_ON_CPU}
     seen = [k for t in tables.values() for k in t]
     assert not [k for k in seen if k not in keys], "classified keys that are not in the schema"

@@ -9,7 +9,6 @@ checks that rerunning the same command resumes from it.
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -17,6 +16,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from tests.helpers.demo import copy_demo_base
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
@@ -32,8 +33,8 @@ def _records(run_dir: Path) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def learned_run(tmp_path_factory) -> Path:
-    run_dir = tmp_path_factory.mktemp("cpu_tiny")
+def learned_run(demo_base, tmp_path_factory) -> Path:
+    run_dir = copy_demo_base(demo_base, tmp_path_factory.mktemp("cpu_tiny"))  # the default toy: skip the warm-up
     out = subprocess.run(_cmd(run_dir, "train.total_steps=30", "eval.every=30", "checkpoint.save_every=0"),
                          cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
@@ -57,7 +58,9 @@ def test_engine_and_trainer_logprobs_agree_after_every_sync(learned_run):
 
 
 def test_dynamic_sampling_counts_add_up(learned_run):
-    for r in (r for r in _records(learned_run) if r["step"] > 0):
+    steps = [r for r in _records(learned_run) if r["step"] > 0]
+    assert len(steps) == 30  # every step's record is checked, not an empty list
+    for r in steps:
         kept, gen = r["dynamic_sampling/num_groups_kept"], r["dynamic_sampling/num_groups_generated"]
         dropped = r["dynamic_sampling/num_dropped_all_correct"] + r["dynamic_sampling/num_dropped_all_wrong"]
         assert kept + dropped == gen, r
@@ -78,11 +81,8 @@ def test_eval_command_reproduces_the_final_evaluation(learned_run):
     assert result["eval/pass@4"] == pytest.approx(final["eval/pass@4"], abs=1e-9)
 
 
-def test_killed_run_resumes_from_its_last_checkpoint(learned_run, tmp_path):
-    run_dir = tmp_path / "resume"
-    run_dir.mkdir()
-    for name in ("toy", "toy_data", "toy_base"):
-        shutil.copytree(learned_run / name, run_dir / name)  # reuse the base: skip the warm-up
+def test_killed_run_resumes_from_its_last_checkpoint(demo_base, tmp_path):
+    run_dir = copy_demo_base(demo_base, tmp_path / "resume")
     cmd = _cmd(run_dir, "train.total_steps=6", "checkpoint.save_every=2", "eval.every=0", "eval.before_train=false")
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     latest = run_dir / "checkpoints" / "latest"

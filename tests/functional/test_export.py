@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers.demo import copy_demo_base
+
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 ENV = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "MASTER_ADDR")}
@@ -26,11 +28,10 @@ def _ok(cmd: list[str]) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory) -> Path:
-    run_dir = tmp_path_factory.mktemp("export") / "run"
+def run(demo_base, tmp_path_factory) -> Path:
+    run_dir = copy_demo_base(demo_base, tmp_path_factory.mktemp("export") / "run")
     _ok([*CLI, "train", "--config", str(ROOT / "conf" / "cpu_tiny.yaml"), f"logging.dir={run_dir}",
-         "train.total_steps=3", "eval.every=0", "eval.before_train=false", "logging.tensorboard=false",
-         "toy.warmup_steps=20"])
+         "train.total_steps=3", "eval.every=0", "eval.before_train=false", "logging.tensorboard=false"])
     return run_dir
 
 
@@ -39,21 +40,21 @@ def _megatron_logits(run: Path, ids: torch.Tensor, out: Path) -> torch.Tensor:
     code = f"""
 import torch
 from pathlib import Path
-from megatron_dapo.policy.cpu_compat import apply_cpu_compat
+from megatron_dapo.mcore.cpu_compat import apply_cpu_compat
 apply_cpu_compat()
 from megatron_dapo.config_loading import load_config
 from megatron_dapo.convert.safetensors_io import read_hf_config
-from megatron_dapo.policy.checkpoint import latest_checkpoint, load_checkpoint
-from megatron_dapo.policy.logit_check import megatron_logits
-from megatron_dapo.policy.model import build_model
-from megatron_dapo.policy.parallel import initialize_parallel
+from megatron_dapo.mcore.checkpoint import latest_checkpoint, load_checkpoint
+from megatron_dapo.mcore.logit_check import megatron_logits
+from megatron_dapo.mcore.model import build_model
+from megatron_dapo.mcore.parallel import initialize_parallel
 cfg = load_config("{run / 'config.yaml'}")
 hf = read_hf_config("{run / 'toy_base'}")
 initialize_parallel(hf, parallel=cfg.parallel, model=cfg.model, seed=0)
 chunks = build_model(hf, model=cfg.model, parallel=cfg.parallel)
 load_checkpoint(latest_checkpoint("{run / 'checkpoints'}"), model=chunks, load_rng=False)
 torch.save(megatron_logits(chunks, torch.load("{out}.ids"), None), "{out}")
-from megatron_dapo.policy.parallel import destroy_parallel
+from megatron_dapo.mcore.parallel import destroy_parallel
 destroy_parallel()  # gloo left alive can abort the interpreter at exit
 """
     torch.save(ids, f"{out}.ids")

@@ -19,6 +19,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from tests.helpers.demo import copy_demo_base
+
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 STEPS = 10
@@ -70,12 +72,6 @@ def _assert_same_as_reference(run_dir: Path, reference: Path) -> None:
     assert _values(got) == _values(want)  # bitwise: floats compared with ==
 
 
-def _copy_toy(reference: Path, run_dir: Path) -> Path:
-    for name in ("toy", "toy_data", "toy_base"):  # the same task and base, without the warm-up
-        shutil.copytree(reference / name, run_dir / name)
-    return run_dir
-
-
 def _wait_for(predicate, proc: subprocess.Popen, what: str, timeout: float = 300, poll: float = 0.05) -> None:
     deadline = time.time() + timeout
     while not predicate():
@@ -89,15 +85,16 @@ def _logged(run_dir: Path, step: int):
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> Path:
-    run_dir = tmp_path_factory.mktemp("reference")
+def reference(demo_base, tmp_path_factory) -> Path:
+    # the session's demo base: the reference and every run copied from it skip the warm-up
+    run_dir = copy_demo_base(demo_base, tmp_path_factory.mktemp("reference"))
     out = _run(run_dir)
     assert out.returncode == 0, out.stderr[-5000:]
     return run_dir
 
 
 def test_kills_at_random_moments_leave_no_process_and_resume_exactly(reference, tmp_path):
-    run_dir = _copy_toy(reference, tmp_path / "run")
+    run_dir = copy_demo_base(reference, tmp_path / "run")
     rng = random.Random(0)
     kills = []
     for attempt in range(3):
@@ -125,7 +122,7 @@ def test_kills_at_random_moments_leave_no_process_and_resume_exactly(reference, 
 
 
 def test_signals_stop_after_the_step_with_a_checkpoint_and_resume_exactly(reference, tmp_path):
-    run_dir = _copy_toy(reference, tmp_path / "run")
+    run_dir = copy_demo_base(reference, tmp_path / "run")
     for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
         proc = _start(run_dir)
         done = max([r["step"] for r in _records(run_dir)], default=0)
@@ -145,7 +142,7 @@ def test_signals_stop_after_the_step_with_a_checkpoint_and_resume_exactly(refere
 
 
 def test_a_second_trainer_on_the_same_directory_is_refused(reference, tmp_path):
-    run_dir = _copy_toy(reference, tmp_path / "run")
+    run_dir = copy_demo_base(reference, tmp_path / "run")
     first = _start(run_dir)
     _wait_for(_logged(run_dir, 1), first, "the first trainer's first step")
     os.kill(first.pid, signal.SIGSTOP)  # mid-run for as long as the second one needs, on any machine
@@ -172,7 +169,7 @@ def test_eval_reads_a_run_whose_trainer_holds_the_lock(reference):
 
 
 def test_a_damaged_latest_checkpoint_falls_back_to_the_previous_one(reference, tmp_path):
-    run_dir = _copy_toy(reference, tmp_path / "run")
+    run_dir = copy_demo_base(reference, tmp_path / "run")
     shutil.copytree(reference / "checkpoints", run_dir / "checkpoints")
     shutil.copy(reference / "metrics.jsonl", run_dir / "metrics.jsonl")
     latest = run_dir / "checkpoints" / f"step_{STEPS:08d}"
@@ -213,7 +210,7 @@ def test_rerunning_a_finished_run_says_so(reference):
 def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step(reference, tmp_path):
     """torchrun, 2 ranks (DP=2): SIGTERM to rank 1 alone; rank 0 learns of it through the per-step
     all-reduce, both save the same step, every process exits 0; the rerun completes the run."""
-    run_dir = _copy_toy(reference, tmp_path / "run")
+    run_dir = copy_demo_base(reference, tmp_path / "run")
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
     cmd = launcher + _cmd(run_dir)[1:]
     with open(tmp_path / "out.txt", "w+") as out:
@@ -245,7 +242,7 @@ def test_a_generation_budget_ends_the_run_like_its_last_step(reference, tmp_path
     counted = [sum(ref[s]["dynamic_sampling/num_groups_generated"] * 8 for s in range(1, t + 1)) for t in range(1, STEPS + 1)]
     assert totals == counted  # every generation batch counted, kept or dropped
     budget = int(totals[2]) - 1  # spent during step 3
-    run_dir = _copy_toy(reference, tmp_path / "run")
+    run_dir = copy_demo_base(reference, tmp_path / "run")
     out = _run(run_dir, f"train.generation_budget={budget}")
     assert out.returncode == 0, out.stderr[-3000:]
     got = _records(run_dir)
@@ -262,7 +259,7 @@ def test_a_step_that_cannot_finish_within_the_grace_is_abandoned_with_exit_0(ref
     """checkpoint.stop_grace_s=0: no step fits, so the step in flight is abandoned at the signal
     (what a 20-minute step under torchrun's 30 s or SLURM's KillWait gets); the saved steps stay,
     the rerun redoes the rest and ends equal to the uninterrupted run."""
-    run_dir = _copy_toy(reference, tmp_path / "run")
+    run_dir = copy_demo_base(reference, tmp_path / "run")
     proc = _start(run_dir, "checkpoint.stop_grace_s=0")
     _wait_for(_logged(run_dir, 3), proc, "step 3")  # a checkpoint at step 2 exists
     proc.send_signal(signal.SIGTERM)
@@ -281,7 +278,7 @@ def test_a_step_that_cannot_finish_within_the_grace_is_abandoned_with_exit_0(ref
 def test_the_jobs_end_stops_the_run_before_it_with_a_checkpoint(reference, tmp_path):
     """MEGATRON_DAPO_END_TIME (what recipes/lib/launch.sh exports from SLURM): the run stops when the
     next step and its save would end past it, saves, exits 0; the rerun completes it exactly."""
-    run_dir = _copy_toy(reference, tmp_path / "run")
+    run_dir = copy_demo_base(reference, tmp_path / "run")
     end = time.time() + 9  # start-up takes ~5 s here, 10 steps another ~10 s
     out = subprocess.run(_cmd(run_dir, "checkpoint.time_limit_margin_s=0"), cwd=ROOT, capture_output=True, text=True,
                          timeout=600, env={**ENV, "MEGATRON_DAPO_END_TIME": f"{end:.0f}"})
@@ -298,7 +295,7 @@ def test_the_jobs_end_stops_the_run_before_it_with_a_checkpoint(reference, tmp_p
 
 
 def test_a_run_whose_checkpoints_are_all_damaged_is_refused_and_left_as_it_is(reference, tmp_path):
-    run_dir = _copy_toy(reference, tmp_path / "run")
+    run_dir = copy_demo_base(reference, tmp_path / "run")
     shutil.copytree(reference / "checkpoints", run_dir / "checkpoints")
     shutil.copy(reference / "metrics.jsonl", run_dir / "metrics.jsonl")
     victims = []

@@ -10,38 +10,24 @@ machine (CPU here: gloo); the Transformer Engine cases need CUDA and TE (tools/g
 them; ``test_fp8_update_on_odd_lengths`` is its fp8-step).
 """
 
-import dataclasses
 import importlib.util
 
 import pytest
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from megatron_dapo.algo import compute_policy_loss
-from megatron_dapo.config import ModelConfig
-from megatron_dapo.policy.batching import Sample
-from tests.distributed.harness import tiny_hf_config
-from tests.distributed.test_policy_train_step import make_samples, tiny_cfg
+from megatron_dapo.batching import Sample
+from tests.helpers.policy import ODD, bf16_actor, bf16_hf_dir, make_samples, with_actor_log_probs
 
-# Odd lengths: no sample and no sum of them is a multiple of 16, so FP8 needs the padding rule.
-ODD = [(7, 13), (5, 22), (11, 9), (3, 30), (9, 17), (13, 5), (4, 19), (6, 11)]
 # FP8 vs bf16 log-probs, same weights and batch: tests/gpu/test_policy_gpu.py's bound (emulated
 # FP8 gave mean differences of 0.06-0.07; broken GEMMs 0.49-0.75).
 FP8_LOGPROBS_MEAN_ATOL = 0.2
 
 
 @pytest.fixture
-def world_of_one(world_of_one_env):
-    yield
-    from megatron_dapo.policy import destroy_parallel
-
-    destroy_parallel()
-
-
-@pytest.fixture
 def loss_probe(monkeypatch):
     """Records, for every real call of the policy loss in the train step, the dtypes in and out."""
-    import megatron_dapo.policy.train_step as ts
+    import megatron_dapo.mcore.train_step as ts
 
     seen, real = [], ts.get_policy_loss_fn
 
@@ -59,39 +45,6 @@ def loss_probe(monkeypatch):
 
     monkeypatch.setattr(ts, "get_policy_loss_fn", wrapped)
     return seen
-
-
-def hf_dir(path) -> str:
-    """tiny_hf_config's model in transformers, weights N(0, 0.1) rounded to bf16 (so a bf16 model
-    holds exactly these), saved as safetensors for ``MegatronActor.load_hf_weights``."""
-    hf = tiny_hf_config()
-    kwargs = {k: v for k, v in hf.items() if k not in ("model_type", "rope_parameters")}
-    model = Qwen2ForCausalLM(Qwen2Config(**kwargs, rope_theta=hf["rope_parameters"]["rope_theta"]))
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            norm = name.endswith("norm.weight")
-            p.copy_(((1.0 if norm else 0.0) + 0.1 * torch.randn(p.shape, generator=g)).bfloat16().float())
-    model.save_pretrained(path)
-    return str(path)
-
-
-def make_actor(weights: str, dist_opt: bool = True, **model):
-    from megatron_dapo.policy.actor import MegatronActor
-
-    cfg = tiny_cfg(budget=64, micro_batch_size=8, dist_opt=dist_opt)
-    cfg = dataclasses.replace(cfg, model=ModelConfig(make_vocab_size_divisible_by=64, dtype="bf16", **model))
-    actor = MegatronActor(cfg, tiny_hf_config())
-    assert actor.load_hf_weights(weights) > 0
-    return actor
-
-
-def with_old(actor, xs: list[Sample]) -> list[Sample]:
-    """Old log-probs = the actor's own plus noise, so the ratios spread over the clip range."""
-    lps = actor.get_inference_log_probs(xs)
-    g = torch.Generator().manual_seed(1)
-    return [dataclasses.replace(x, old_log_probs=lp + 0.3 * torch.randn(lp.shape, generator=g))
-            for x, lp in zip(xs, lps)]
 
 
 def by_hand(actor, xs: list[Sample]) -> float:
@@ -128,13 +81,13 @@ def update_and_check(actor, xs: list[Sample], seen: list) -> dict:
 def test_bf16_update_keeps_loss_math_fp32(world_of_one, loss_probe, tmp_path, dist_opt):
     """Also: every parameter on the compute device (without the distributed optimizer no buffer
     re-homes the params; the first GPU run found the local spec's norms left on the CPU)."""
-    from megatron_dapo.policy.train_step import compute_device
+    from megatron_dapo.mcore.train_step import compute_device
 
-    actor = make_actor(hf_dir(tmp_path), transformer_impl="local", dist_opt=dist_opt)
+    actor = bf16_actor(bf16_hf_dir(tmp_path), transformer_impl="local", dist_opt=dist_opt)
     params = dict(actor.model[0].named_parameters())
     assert all(p.dtype == torch.bfloat16 for p in params.values())  # the layers really are bf16
     assert all(p.device.type == compute_device().type for p in params.values())
-    xs = with_old(actor, make_samples(0, shapes=ODD))
+    xs = with_actor_log_probs(actor, make_samples(0, shapes=ODD), seed=1)
     update_and_check(actor, xs, loss_probe)
 
 
@@ -145,8 +98,8 @@ requires_te = pytest.mark.skipif(importlib.util.find_spec("transformer_engine") 
 @pytest.mark.gpu
 @requires_te
 def test_te_bf16_update_keeps_loss_math_fp32(world_of_one, loss_probe, tmp_path):
-    actor = make_actor(hf_dir(tmp_path), transformer_impl="transformer_engine")
-    update_and_check(actor, with_old(actor, make_samples(0, shapes=ODD)), loss_probe)
+    actor = bf16_actor(bf16_hf_dir(tmp_path), transformer_impl="transformer_engine")
+    update_and_check(actor, with_actor_log_probs(actor, make_samples(0, shapes=ODD), seed=1), loss_probe)
 
 
 @pytest.mark.gpu
@@ -155,16 +108,16 @@ def test_te_bf16_update_keeps_loss_math_fp32(world_of_one, loss_probe, tmp_path)
                     reason="FP8 needs Ada / Hopper or newer")
 def test_fp8_update_on_odd_lengths(world_of_one, loss_probe, tmp_path):
     """tools/gpu_smoke.sh's fp8-step: FP8 (hybrid, delayed scaling) on lengths that TE's FP8 GEMMs
-    reject unless padded (policy/batching.pad_multiple); the FP8 log-probs are near the bf16 TE
+    reject unless padded (batching.pad_multiple); the FP8 log-probs are near the bf16 TE
     model's on the same weights, and not equal to them (FP8 really ran)."""
-    from megatron_dapo.policy import destroy_parallel
+    from megatron_dapo.mcore import destroy_parallel
 
-    weights, xs = hf_dir(tmp_path), make_samples(0, shapes=ODD)
-    actor = make_actor(weights, transformer_impl="transformer_engine", fp8="hybrid")
+    weights, xs = bf16_hf_dir(tmp_path), make_samples(0, shapes=ODD)
+    actor = bf16_actor(weights, transformer_impl="transformer_engine", fp8="hybrid")
     assert actor.settings.pad_multiple % 16 == 0
     fp8_lps = torch.cat(actor.get_inference_log_probs(xs))
-    update_and_check(actor, with_old(actor, xs), loss_probe)
+    update_and_check(actor, with_actor_log_probs(actor, xs, seed=1), loss_probe)
     destroy_parallel()
-    bf16 = make_actor(weights, transformer_impl="transformer_engine")
+    bf16 = bf16_actor(weights, transformer_impl="transformer_engine")
     diff = (fp8_lps - torch.cat(bf16.get_inference_log_probs(xs))).abs().mean().item()
     assert 1e-4 < diff < FP8_LOGPROBS_MEAN_ATOL, diff

@@ -15,13 +15,13 @@ x 1 process, DP=2).
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.helpers.demo import copy_demo_base
 from tests.helpers.records import assert_same_record, assert_same_records, records
 from tests.helpers.slurm_cluster import SlurmCluster, slurm_available
 
@@ -39,9 +39,10 @@ ENV = {**{k: v for k, v in os.environ.items()
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> Path:
-    """The same run uninterrupted, one node with 2 processes; its toy task and base serve every job."""
-    run_dir = tmp_path_factory.mktemp("slurm_ref") / "run"
+def reference(demo_base, tmp_path_factory) -> Path:
+    """The same run uninterrupted, one node with 2 processes, on the session's demo base, which every
+    job copies too."""
+    run_dir = copy_demo_base(demo_base, tmp_path_factory.mktemp("slurm_ref") / "run")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
            "megatron_dapo.cli", "train", "--config", str(ROOT / "conf" / "cpu_tiny.yaml"), f"logging.dir={run_dir}",
            *ARGS]
@@ -56,12 +57,6 @@ def cluster(tmp_path):
     with SlurmCluster(tmp_path / "slurm", cred_expire_s=10, kill_wait_s=10) as c:
         yield c
     assert c.leftovers() == []
-
-
-def _copy_toy(reference: Path, run_dir: Path) -> Path:
-    for name in ("toy", "toy_data", "toy_base"):
-        shutil.copytree(reference / name, run_dir / name)
-    return run_dir
 
 
 def _sbatch(c: SlurmCluster, out: Path, *args: str, time_min: int, timeout: float,
@@ -84,7 +79,7 @@ def _same_records(run_dir: Path, reference: Path) -> None:
 
 
 def test_a_job_at_its_time_limit_stops_requeues_and_resumes_to_the_same_records(reference, cluster, tmp_path):
-    run_dir = _copy_toy(reference, tmp_path / "run")
+    run_dir = copy_demo_base(reference, tmp_path / "run")
     out = tmp_path / "job.out"
     rc = _sbatch(cluster, out, f"logging.dir={run_dir}", *ARGS, time_min=1, timeout=900)  # no warning signal
     text = out.read_text()
@@ -103,7 +98,7 @@ def test_the_warning_signal_reaches_the_trainers_through_torchrun(reference, clu
     """--signal=USR1@50 goes to every process of the step: torchrun ignores it (launch.sh), the
     trainers finish their step, save and exit 0. Not requeued (REQUEUE=0; the resume is the test
     above's): the records so far are the uninterrupted run's, and the last step is saved."""
-    run_dir = _copy_toy(reference, tmp_path / "run")
+    run_dir = copy_demo_base(reference, tmp_path / "run")
     out = tmp_path / "job.out"
     rc = _sbatch(cluster, out, f"logging.dir={run_dir}", *ARGS, time_min=1, timeout=600, signal_lead=50,
                  env={"REQUEUE": "0"})

@@ -1,5 +1,5 @@
-"""The fused output layer's gradients come from the forward in a real DAPO update (policy/logprobs.py,
-``GradHint``; policy/train_step.py, ``_loss_grad_hint``): for the token-mean loss the hint holds and
+"""The fused output layer's gradients come from the forward in a real DAPO update (mcore/logprobs.py,
+``GradHint``; mcore/train_step.py, ``_loss_grad_hint``): for the token-mean loss the hint holds and
 backward recomputes no chunk of logits; for a seq-mean mode (no hint) it recomputes. The values of
 the hinted update are checked against HF by tests/distributed/test_policy_train_step.py; here,
 that the saving really happens, and that both paths give the same update."""
@@ -9,14 +9,12 @@ import dataclasses
 import pytest
 import torch
 
-from tests.distributed.test_policy_train_step import make_samples
-from tests.functional.test_loss_precision import ODD, hf_dir, make_actor, with_old
-from tests.functional.test_loss_precision import world_of_one  # noqa: F401  (the fixture)
+from tests.helpers.policy import ODD, bf16_actor, bf16_hf_dir, make_samples, with_actor_log_probs
 
 
 @pytest.fixture
 def recomputed(monkeypatch):
-    from megatron_dapo.policy import logprobs
+    from megatron_dapo.mcore import logprobs
 
     calls, real = [], logprobs._chunk_backward
     monkeypatch.setattr(logprobs, "_chunk_backward", lambda *a: calls.append(1) or real(*a))
@@ -24,10 +22,10 @@ def recomputed(monkeypatch):
 
 
 def test_token_mean_update_recomputes_nothing(world_of_one, recomputed, tmp_path, monkeypatch):
-    from megatron_dapo.policy import train_step
+    from megatron_dapo.mcore import train_step
 
-    actor = make_actor(hf_dir(tmp_path), transformer_impl="local")
-    xs = with_old(actor, make_samples(0, shapes=ODD))
+    actor = bf16_actor(bf16_hf_dir(tmp_path), transformer_impl="local")
+    xs = with_actor_log_probs(actor, make_samples(0, shapes=ODD), seed=1)
     state = {n: p.detach().clone() for n, p in actor.model[0].named_parameters()}
     hinted = actor.get_loss_and_metrics(xs)
     assert not recomputed
@@ -46,8 +44,8 @@ def test_token_mean_update_recomputes_nothing(world_of_one, recomputed, tmp_path
 
 
 def test_seq_mean_update_recomputes(world_of_one, recomputed, tmp_path):
-    actor = make_actor(hf_dir(tmp_path), transformer_impl="local")
+    actor = bf16_actor(bf16_hf_dir(tmp_path), transformer_impl="local")
     actor.settings = dataclasses.replace(actor.settings, loss_agg_mode="seq-mean-token-mean")
-    xs = with_old(actor, make_samples(0, shapes=ODD))
+    xs = with_actor_log_probs(actor, make_samples(0, shapes=ODD), seed=1)
     actor.get_loss_and_metrics(xs)
     assert recomputed

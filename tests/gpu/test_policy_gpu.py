@@ -6,7 +6,7 @@ CI. One process, NCCL world of one. The TE spec fuses the pre-attention / pre-ML
 names, which is what ``LOCAL_TO_TE`` states.
 
 Value references: the same weights in transformers' Qwen2ForCausalLM in fp32 (``hf_twin``, loaded
-through the tests' own HF -> megatron map, tests/unit/test_policy_model.hf_to_megatron, not through
+through the tests' own HF -> megatron map, tests/helpers/convert.hf_to_megatron_by_hand, not through
 megatron_dapo.convert); FP8 against the bf16 TE model with those weights; recompute against no
 recompute. Tolerances were sized on CPU (HF Qwen2 with these weights, bf16 vs fp32; FP8 emulated as
 per-tensor e4m3 rounding of every transformer-layer GEMM's input and weight, scale 1 as delayed
@@ -20,15 +20,15 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from megatron_dapo.config import ModelConfig, ParallelConfig
-from megatron_dapo.policy import (
+from megatron_dapo.mcore import (
     build_model,
     destroy_parallel,
     hf_arch,
     initialize_parallel,
     vocab_parallel_logprobs,
 )
-from tests.distributed.harness import VOCAB, tiny_hf_config
-from tests.unit.test_policy_model import hf_to_megatron
+from tests.helpers.convert import hf_to_megatron_by_hand
+from tests.helpers.policy import VOCAB, tiny_hf_config
 
 pytestmark = pytest.mark.gpu
 requires_te = pytest.mark.skipif(importlib.util.find_spec("transformer_engine") is None,
@@ -90,7 +90,7 @@ def hf_twin(hf: dict, seed: int = 0) -> Qwen2ForCausalLM:
 
 def te_layout(hf: dict, tensors: dict) -> dict:
     """HF-named tensors (weights or their grads) -> TE-spec megatron names and layout."""
-    return {_te_name(k): v for k, v in hf_to_megatron(tensors, hf_arch(hf)).items()}
+    return {_te_name(k): v for k, v in hf_to_megatron_by_hand(tensors, hf_arch(hf)).items()}
 
 
 def load_twin(model, twin, hf: dict) -> None:
@@ -221,7 +221,7 @@ def test_local_spec_bf16_on_cuda_matches_the_hf_twin(world_of_one):
     assert model.config.bf16 and all(p.is_cuda and (p.dtype == torch.bfloat16 or p.dim() == 1)
                                      for p in model.parameters())
     twin = hf_twin(hf)
-    state = hf_to_megatron({n: p.detach() for n, p in twin.named_parameters()}, hf_arch(hf))
+    state = hf_to_megatron_by_hand({n: p.detach() for n, p in twin.named_parameters()}, hf_arch(hf))
     params = dict(model.named_parameters())
     assert set(params) == set(state), set(params) ^ set(state)
     with torch.no_grad():
@@ -236,7 +236,7 @@ def test_local_spec_bf16_on_cuda_matches_the_hf_twin(world_of_one):
     torch.testing.assert_close(lp.detach(), ref_lp.detach(), rtol=0, atol=BF16_LOGPROBS_ATOL)
     lp.mean().backward()
     ref_lp.mean().backward()
-    reference = hf_to_megatron({n: p.grad for n, p in twin.named_parameters()}, hf_arch(hf))
+    reference = hf_to_megatron_by_hand({n: p.grad for n, p in twin.named_parameters()}, hf_arch(hf))
     errors = grad_errors(model, reference)
     assert max(errors.values()) < BF16_GRAD_RTOL, errors
 

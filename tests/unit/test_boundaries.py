@@ -1,11 +1,11 @@
-"""The package's import rules, enforced (docs/DESIGN.md "Target layout"):
+"""The package's import rules, enforced (docs/DESIGN.md "Layout"):
 
 * a fresh interpreter that imports the megatron-free parts has neither megatron nor vllm loaded;
-* megatron is imported only under policy/, vllm only by the vLLM engine's two modules;
+* megatron is imported only under mcore/, vllm only by the vLLM engine's two modules;
 * no import cycle between the package's units (its subpackages and top-level modules), counting
   imports inside functions too (a lazy import is still a dependency);
 * benchmarks/ and the package import nothing from tests/;
-* the CPU demo (toy/) is off the main path: only setup.py imports it, and importing the main path's
+* the CPU demo (toy/) is off the main path: only run.py imports it, and importing the main path's
   modules does not load it.
 """
 
@@ -16,13 +16,13 @@ import sys
 from pathlib import Path
 
 PKG = Path(__file__).resolve().parents[2] / "megatron_dapo"
-FREE = ["algo", "reward", "data", "collect", "rollout", "rollout.engine", "rollout.placement", "rollout.hf_engine",
+FREE = ["algo", "reward", "data", "groups", "trainer_state", "batching", "rollout", "rollout.engine", "rollout.placement", "rollout.hf_engine",
         "rollout.vllm_engine", "rollout.weight_sync", "convert", "eval", "eval_metrics", "config",
-        "config_loading", "metrics_log", "errors", "run_lock", "preemption", "quiet", "plotting", "toy", "plan", "layout",
-        "data.prepare", "policy.run_export",
+        "config_loading", "metrics_log", "errors", "run_lock", "preemption", "quiet", "plotting", "toy", "memory_plan", "layout", "ranks", "worked_example",
+        "data.prepare", "mcore.run_export",
         "toy.task", "toy.tokenizer", "toy.base", "toy.bootstrap"]
-MAIN_PATH = ["cli", "setup", "train", "eval", "collect", "policy.actor", "policy.checkpoint", "rollout.placement"]
-DEMO_GATES = {"setup.py"}  # the one module that reaches the demo (under toy.enable)
+MAIN_PATH = ["cli", "run", "train", "eval", "groups", "mcore.actor", "mcore.checkpoint", "rollout.placement"]
+DEMO_GATES = {"run.py"}  # the one module that reaches the demo (under toy.enable)
 VLLM_HOMES = {"rollout/vllm_engine.py", "rollout/vllm_colocation.py"}
 
 
@@ -37,7 +37,7 @@ def _imports(path: Path):
 
 
 def _unit(module: str) -> str:
-    """megatron_dapo.policy.actor -> policy; megatron_dapo.train -> train."""
+    """megatron_dapo.mcore.actor -> mcore; megatron_dapo.train -> train."""
     return module.split(".")[1]
 
 
@@ -55,14 +55,14 @@ def test_megatron_free_parts_load_neither_megatron_nor_vllm():
     assert _loaded_after_importing(FREE, "sorted({m.split('.')[0] for m in mods} & {'megatron', 'vllm'})") == "[]"
 
 
-def test_megatron_only_under_policy_and_vllm_only_in_its_engine():
+def test_megatron_only_under_mcore_and_vllm_only_in_its_engine():
     bad = []
     for path in sorted(PKG.rglob("*.py")):
         rel = path.relative_to(PKG).as_posix()
         for line, module in _imports(path):
             top = module.split(".")[0]
-            if top == "megatron" and not rel.startswith("policy/"):
-                bad.append(f"{rel}:{line} imports {module} (megatron belongs under policy/)")
+            if top == "megatron" and not rel.startswith("mcore/"):
+                bad.append(f"{rel}:{line} imports {module} (megatron belongs under mcore/)")
             if top == "vllm" and rel not in VLLM_HOMES:
                 bad.append(f"{rel}:{line} imports {module} (vllm belongs in {sorted(VLLM_HOMES)})")
             if top == "tests":

@@ -105,11 +105,31 @@ def test_bad_values_fail_early_with_the_fix(override, message):
 def test_cross_field_errors_need_two_overrides():
     with pytest.raises(ConfigError, match="model.fp8 needs Transformer Engine"):
         load_config(None, ["model.fp8=e4m3", "model.transformer_impl=local"])
-    # Without dynamic sampling a generation batch is the step's prompts: gen_prompts_per_batch is unused.
-    load_config(None, ["algorithm.filter_groups.enable=false", "data.gen_prompts_per_batch=8",
-                       "data.prompts_per_step=16", "train.mini_batch_prompts=4"])
     with pytest.raises(ConfigError, match="needs a value >= 2 and pipeline_model_parallel_size > 1"):
         load_config(None, ["parallel.virtual_pipeline_model_parallel_size=2"])
+
+
+def test_gen_prompts_per_batch_is_unused_without_dynamic_sampling():
+    """Without dynamic sampling a generation batch is the step's prompts: a gen_prompts_per_batch
+    below prompts_per_step is accepted, and what the run is planned to generate (the layout's
+    batch line, the plan's step time) is the same for any value. With dynamic sampling on the
+    same probes do see the key, so they can tell."""
+    from megatron_dapo.layout import describe_layout, model_shape
+    from megatron_dapo.memory_plan import plan
+
+    def planned(enable: bool, gen: int) -> tuple[str, float]:
+        cfg = load_config(None, [f"algorithm.filter_groups.enable={str(enable).lower()}",
+                                 f"data.gen_prompts_per_batch={gen}", "data.prompts_per_step=16",
+                                 "train.mini_batch_prompts=4"])
+        assert cfg.data.gen_prompts_per_batch == gen  # loaded as given, not rewritten
+        hf, source = model_shape(cfg, "0.5B")
+        return describe_layout(cfg, 1, hf, source, on_gpu=False), plan(cfg, hf, 1).step_s
+
+    off = planned(False, 8)
+    assert planned(False, 64) == off
+    assert "generation batches of 16 prompts" in off[0]  # data.prompts_per_step
+    on_small, on_large = planned(True, 8), planned(True, 64)
+    assert "generation batches of 8 prompts" in on_small[0] and on_small[1] < on_large[1]
 
 
 def test_world_size_divisibility():

@@ -14,28 +14,17 @@ reads at all, which is what a phantom setting is.
 """
 
 import ast
-import dataclasses
 import re
 from pathlib import Path
 
 from megatron_dapo.config import DAPOConfig
+from tests.helpers.config_fields import leaves
 
 PACKAGE = Path(__file__).resolve().parents[2] / "megatron_dapo"
 NOT_READERS = {"config.py", "config_loading.py"}
 
 # Keys read only indirectly, not as ``.name``; each with the reason. Keep this short.
 ALLOWLIST: dict[str, str] = {}
-
-
-def _leaves(cls: type, path: tuple[str, ...] = ()) -> list[tuple[str, str, str]]:
-    """(dotted key, section attribute or "" at the top, section class name) of every leaf field."""
-    out = []
-    for f in dataclasses.fields(cls):
-        if dataclasses.is_dataclass(f.type):
-            out += _leaves(f.type, (*path, f.name))
-        else:
-            out.append((".".join((*path, f.name)), path[-1] if path else "", cls.__name__))
-    return out
 
 
 def _scan(path: Path) -> tuple[set[str], str]:
@@ -60,7 +49,7 @@ def _modules() -> dict[str, tuple[set[str], str]]:
 def unread_keys() -> list[str]:
     modules = _modules()
     unread = []
-    for key, section, cls_name in _leaves(DAPOConfig):
+    for key, section, cls_name in leaves(DAPOConfig):
         name = key.rsplit(".", 1)[-1]
         refers = re.compile(rf"\b{cls_name}\b" + (rf"|\.{section}\b" if section else ""))
         if not any(name in read and refers.search(source) for read, source in modules.values()):
@@ -69,7 +58,7 @@ def unread_keys() -> list[str]:
 
 
 def test_schema_walk_sees_every_leaf():
-    keys = [k for k, _, _ in _leaves(DAPOConfig)]
+    keys = [k for k, _, _ in leaves(DAPOConfig)]
     assert {"seed", "rollout.n", "algorithm.filter_groups.enable", "reward.overlong_buffer.len"} <= set(keys)
     assert len(keys) == len(set(keys))
 
@@ -82,7 +71,7 @@ def test_every_config_key_is_read():
 
 
 def test_allowlist_is_not_stale():
-    keys = {k for k, _, _ in _leaves(DAPOConfig)}
+    keys = {k for k, _, _ in leaves(DAPOConfig)}
     unread = set(unread_keys())
     stale = [k for k in ALLOWLIST if k not in keys or k not in unread]
     assert not stale, f"allowlisted keys that no longer exist or are now read directly; drop them: {stale}"

@@ -1,9 +1,8 @@
 """container/: the Dockerfile passes hadolint, never reinstalls the base's CUDA stack, builds vLLM
 against the base's torch, and names the same versions as container/requirements.txt, README and
-install.sh; container/requirements.txt is pinned and covers this package; and (slow, needs PyPI)
-the pinned set resolves for the image's interpreter and platform (container/resolve_check.py)."""
+install.sh; container/requirements.txt is pinned and covers this package. That the pinned set
+resolves for the image (needs PyPI) is tests/functional/test_container_resolve.py."""
 
-import importlib.util
 import os
 import re
 import shutil
@@ -14,21 +13,9 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-DOCKERFILE = ROOT / "container" / "Dockerfile"
-REQUIREMENTS = ROOT / "container" / "requirements.txt"
-README = ROOT / "container" / "README.md"
-CHECK = ROOT / "container" / "resolve_check.py"
+from tests.helpers.container import DOCKERFILE, README, REQUIREMENTS, ROOT, resolve_check
 
-
-def _check_module():
-    spec = importlib.util.spec_from_file_location("resolve_check", CHECK)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-rc = _check_module()
+rc = resolve_check()
 ARGS = rc.dockerfile_args(DOCKERFILE)
 
 
@@ -137,13 +124,3 @@ def test_requirements_cover_this_package():
               *project["optional-dependencies"]["test"]]
     missing = sorted({_name(spec) for spec in wanted} - set(pins) - set(rc.BASE_STACK))
     assert not missing, f"refresh container/requirements.txt (its header says how): {missing}"
-
-
-@pytest.mark.slow
-def test_requirements_resolve_for_the_image():
-    out = subprocess.run([sys.executable, str(CHECK)], capture_output=True, text=True, timeout=900,
-                         check=False)
-    if out.returncode == rc.SKIP:
-        pytest.skip(next(line for line in out.stdout.splitlines() if line.startswith("SKIP")))
-    assert out.returncode == 0, out.stdout[-6000:] + out.stderr[-2000:]
-    assert out.stdout.rstrip().endswith("OK")

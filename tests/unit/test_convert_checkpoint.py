@@ -9,36 +9,20 @@ import json
 import pytest
 import torch
 
-from megatron_dapo.policy.hf_conversion import hf_to_megatron, megatron_to_hf  # noqa: I001  (before policy)
+from megatron_dapo.mcore.hf_conversion import hf_to_megatron, megatron_to_hf  # noqa: I001  (before policy)
 from megatron_dapo.convert import ConversionError, SafetensorsReader
 from megatron_dapo.convert.synthetic import QWEN25_CONFIGS
-from megatron_dapo.policy.logit_check import verify
+from megatron_dapo.mcore.logit_check import verify
+from tests.helpers.convert import save_tiny_hf
 from tools.convert_ckpt import hf_to_megatron as hf_to_megatron_cli
 
 DIVISIBLE_BY = 64  # vocab 100 -> 128 rows at TP 1 and 2 alike, so one checkpoint serves both
 
 
-def save_tiny_hf(path, *, tied=False, dtype=torch.float32, seed=0, num_layers=2):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(seed)
-    config = Qwen2Config(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
-                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied,
-                         rope_parameters={"rope_theta": 1e6, "rope_type": "default"})
-    model = Qwen2ForCausalLM(config).to(dtype)
-    with torch.no_grad():  # HF initialises norms to exactly 1: make them random so a mix-up shows
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.add_(torch.randn_like(p) * 0.1)
-    model.save_pretrained(path, max_shard_size="60KB")
-    (path / "tokenizer_config.json").write_text("{}\n")  # side files must travel along
-    return path
-
-
 @pytest.fixture(scope="module", autouse=True)
 def _parallel_state_torn_down():
     yield
-    from megatron_dapo.policy import destroy_parallel
+    from megatron_dapo.mcore import destroy_parallel
     destroy_parallel()
 
 

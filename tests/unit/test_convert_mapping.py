@@ -8,23 +8,7 @@ from megatron_dapo.convert import (
     shard_plan, split_tp, supported_architectures,
 )
 from megatron_dapo.convert.synthetic import QWEN25_CONFIGS
-
-TINY = dict(vocab_size=100, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, architectures=["Qwen2ForCausalLM"])
-
-
-def hf_state_dict(**overrides) -> tuple[dict, dict[str, torch.Tensor]]:
-    """A random tiny Qwen2 (GQA 4 heads / 2 groups, q/k/v bias): its config dict and saved tensors."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM  # here: spawned test workers skip the import
-
-    torch.manual_seed(0)
-    config = Qwen2Config(**{**TINY, **overrides})
-    model = Qwen2ForCausalLM(config)
-    sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    if config.tie_word_embeddings:
-        sd.pop("lm_head.weight", None)  # save_pretrained stores a tied head once, as embed_tokens
-    return config.to_dict(), sd
-
+from tests.helpers.convert import TINY, hf_state_dict
 
 @pytest.mark.parametrize("tied", [False, True])
 def test_every_hf_key_mapped_exactly_once(tied):

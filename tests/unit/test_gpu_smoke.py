@@ -61,6 +61,7 @@ def test_bad_arguments_exit_2_naming_the_value(args, message):
     assert out.returncode == 2 and message in out.stderr, (out.returncode, out.stderr)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the no-GPU behaviour")
 def test_without_cuda_every_gpu_step_skips(tmp_path):
     out = smoke("--out", tmp_path)
@@ -77,6 +78,7 @@ def test_without_cuda_every_gpu_step_skips(tmp_path):
         assert out.returncode == 1 and lines(out)["versions"].startswith("FAIL"), out.stdout
 
 
+@pytest.mark.slow
 def test_exit_status_maps_to_pass_fail_skip(tmp_path):
     checks = fake_checks(tmp_path, (
         "if step == 'versions':\n    print('all here'); sys.exit(0)\n"
@@ -94,6 +96,7 @@ def test_exit_status_maps_to_pass_fail_skip(tmp_path):
     assert out.returncode == 1 and lines(out)["versions"].endswith("exit 1: broken: the ABI"), out.stdout
 
 
+@pytest.mark.slow
 def test_an_overrunning_step_is_killed_with_its_children_and_the_run_goes_on(tmp_path):
     pidfile = tmp_path / "grandchild.pid"
     checks = fake_checks(tmp_path, (
@@ -112,6 +115,7 @@ def test_an_overrunning_step_is_killed_with_its_children_and_the_run_goes_on(tmp
         "the step's child process outlived its time box"
 
 
+@pytest.mark.slow
 def test_the_budget_cuts_the_boxes(tmp_path):
     checks = fake_checks(tmp_path, "time.sleep(60)\n")
     out = smoke("--out", tmp_path / "o", "--only", "versions", "--budget", "6", checks=checks)
@@ -132,7 +136,7 @@ def _step(step, **over):
 
 
 def test_loop_metrics_check(tmp_path):
-    good = [{"step": 0, "eval/acc_mean": 0.1}, _step(1), _step(2)]
+    good = [{"step": 0, "eval/avg@4": 0.1}, _step(1), _step(2)]
     assert gpu_smoke.check_loop_metrics(_metrics(tmp_path, good), steps=2) == []
     assert gpu_smoke.check_loop_metrics(tmp_path / "absent.jsonl", steps=2) == [f"{tmp_path}/absent.jsonl was not written"]
     bad = {

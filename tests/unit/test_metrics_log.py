@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from megatron_dapo.metrics_log import MetricsLogger, format_progress, read_metrics, to_floats
+from megatron_dapo.metrics_log import MetricsLogger, format_progress, progress_keys, read_metrics, to_floats
 
 
 def make_logger(run_dir, *, start_step=0, tensorboard=False, enabled=True, wandb=False):
@@ -106,9 +106,9 @@ def test_wandb_missing_is_a_warning_not_a_crash(tmp_path, monkeypatch, caplog):
 
 
 def test_progress_line_is_compact_and_skips_missing_keys():
-    line = format_progress(7, {"reward/acc_mean": 0.53125, "timing_s/step": 1.4321, "eval/acc_mean": 0.8},
-                           total_steps=120)
-    assert line == "step   7/120 | eval_acc 0.800 | acc 0.531 | s 1.432"
+    values = {"reward/acc_mean": 0.53125, "timing_s/step": 1.4321, "eval/avg@4": 0.8, "eval/avg@2": 0.1}
+    line = format_progress(7, values, total_steps=120, keys=progress_keys(4))
+    assert line == "step   7/120 | eval_acc 0.800 | acc 0.531 | s 1.432"  # avg@4: the run's eval.n
     assert "nan" in format_progress(1, {"reward/acc_mean": math.nan}, total_steps=1)
 
 

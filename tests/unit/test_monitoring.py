@@ -1,5 +1,5 @@
 """The paper's monitoring set: all-wrong / all-correct group fractions (DynamicSampler) and the
-mean generation probability of sampled tokens (collect.rollout_metrics), against hand-computed values."""
+mean generation probability of sampled tokens (groups.rollout_metrics), against hand-computed values."""
 
 import math
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from megatron_dapo.algo import DynamicSampler
-from megatron_dapo.collect import Group, rollout_metrics
+from megatron_dapo.groups import Group, rollout_metrics
 from megatron_dapo.rollout.engine import Rollout
 
 

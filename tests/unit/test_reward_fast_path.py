@@ -50,6 +50,7 @@ def _outcome(expr: str):
         return type(e)
 
 
+@pytest.mark.slow
 @settings(max_examples=250, deadline=None, suppress_health_check=_SLOW)
 @given(expr=_expressions)
 def test_exact_value_is_sympys_value(expr):

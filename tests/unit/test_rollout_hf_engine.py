@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from megatron_dapo.rollout import (
     Rollout,
@@ -13,25 +12,9 @@ from megatron_dapo.rollout import (
     sequence_seed,
 )
 from megatron_dapo.rollout.hf_engine import HFEngine, sample_next, truncate_logits
+from tests.helpers.rollout import VOCAB, tiny_qwen2
 
-VOCAB = 200
 PROMPTS = [[5, 17, 42], [7], [100, 101, 102, 103, 104, 105, 106], [3, 3]]
-
-
-def tiny_qwen2(seed: int, tie: bool = False) -> Qwen2ForCausalLM:
-    """vocab 200, 2 layers, hidden 32: random weights from ``seed``."""
-    cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                      tie_word_embeddings=tie, eos_token_id=None)
-    torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(cfg)
-    # The default init (std 0.02) gives near-uniform next-token distributions; larger weights make
-    # them peaked, so top-p/top-k truncate something and greedy runs do not loop on one token.
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0.0, 0.3)
-    return model.eval()
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -69,6 +52,7 @@ def test_same_seed_same_outputs_and_new_seed_new_outputs(engine):
     again = engine.generate(PROMPTS, n=3, params=params)
     other = engine.generate(PROMPTS, n=3, params=SamplingParams(temperature=1.0, max_tokens=12, seed=124))
     assert [len(group) for group in first] == [3] * len(PROMPTS)
+    assert len(again) == len(first)
     for g1, g2 in zip(first, again):
         assert_same(g1, g2, atol=0.0)
     flat = lambda groups: [r.response_ids for g in groups for r in g]  # noqa: E731
@@ -83,8 +67,14 @@ def test_global_seed_pins_unseeded_generation(engine):
     a = engine.generate(PROMPTS[:2], n=2, params=params)
     torch.manual_seed(7)
     b = engine.generate(PROMPTS[:2], n=2, params=params)
+    torch.manual_seed(8)
+    c = engine.generate(PROMPTS[:2], n=2, params=params)
+    assert [len(g) for g in a] == [len(g) for g in b] == [2, 2]  # the loop below has groups to compare
     for g1, g2 in zip(a, b):
         assert_same(g1, g2, atol=0.0)
+    # The global seed is what pins them: another one samples other responses.
+    flat = lambda groups: [r.response_ids for g in groups for r in g]  # noqa: E731
+    assert flat(c) != flat(a)
 
 
 @pytest.mark.parametrize("top_p,top_k", [(1.0, -1), (0.8, 20)])
@@ -110,6 +100,7 @@ def test_logprobs_are_unmodified_distribution_at_temperature(engine, temperature
     rollouts = [r for g in engine.generate(PROMPTS, n=2, params=params) for r in g]
     forced = score_logprobs(engine.model, [r.prompt_ids for r in rollouts],
                             [r.response_ids for r in rollouts], temperature)
+    assert len(rollouts) == len(forced) == 2 * len(PROMPTS)
     for r, ref in zip(rollouts, forced):
         torch.testing.assert_close(torch.tensor(r.logprobs), torch.tensor(ref), atol=1e-5, rtol=0)
     if top_p < 1 or top_k != -1:
@@ -178,6 +169,7 @@ def test_update_weights_matches_a_model_built_with_those_weights():
     eng.update_weights(target.state_dict().items())
     after = eng.generate(PROMPTS, n=2, params=params)
     reference = HFEngine(target, eos_token_ids=()).generate(PROMPTS, n=2, params=params)
+    assert len(after) == len(reference) == len(PROMPTS)
     for g1, g2 in zip(after, reference):
         assert_same(g1, g2, atol=1e-6)
     assert [r.response_ids for g in before for r in g] != [r.response_ids for g in after for r in g]

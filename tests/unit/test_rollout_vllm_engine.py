@@ -156,6 +156,7 @@ def max_diff(model, rollouts, temperature) -> float:
     return max(abs(a - b) for r, f in zip(rollouts, forced) for a, b in zip(r.logprobs, f, strict=True))
 
 
+@pytest.mark.slow
 @needs_vllm
 def test_cpu_head_sizes_match_vllm():
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
@@ -163,6 +164,7 @@ def test_cpu_head_sizes_match_vllm():
     assert tuple(CPUAttentionBackend.get_supported_head_sizes()) == ve.CPU_HEAD_SIZES
 
 
+@pytest.mark.slow
 @needs_vllm
 def test_from_config_settings(engines):
     eng, cfg = engines[True], tiny_cfg(temperature=0.7)
@@ -176,6 +178,7 @@ def test_from_config_settings(engines):
     assert torch.set_num_threads is SET_NUM_THREADS
 
 
+@pytest.mark.slow
 @needs_vllm
 @pytest.mark.parametrize("top_p", [1.0, 0.7])
 def test_generate_matches_teacher_forced_hf(engines, models, top_p):
@@ -193,6 +196,7 @@ def test_generate_matches_teacher_forced_hf(engines, models, top_p):
     assert max_diff(models[False][1], flat(out), 1.0) < TOL
 
 
+@pytest.mark.slow
 @needs_vllm
 def test_processed_logprobs_at_another_temperature(engines, models):
     eng = engines[True]
@@ -204,6 +208,7 @@ def test_processed_logprobs_at_another_temperature(engines, models):
                  params=SamplingParams(temperature=0.7, top_p=0.9, max_tokens=2, logprobs=False))
 
 
+@pytest.mark.slow
 @needs_vllm
 def test_stop_tokens_end_the_response_and_are_kept(engines):
     """Replay: the same seeds with a token of the free run as a stop id (then as the engine's EOS)
@@ -235,6 +240,7 @@ def test_stop_tokens_end_the_response_and_are_kept(engines):
         eng.eos_token_ids = eos
 
 
+@pytest.mark.slow
 @needs_vllm
 def test_per_response_seeds(engines):
     eng = engines[False]
@@ -256,6 +262,7 @@ def test_per_response_seeds(engines):
     assert len(eng.generate(batch[:1], n=2, params=dataclasses.replace(params, seed=None))[0]) == 2
 
 
+@pytest.mark.slow
 @needs_vllm
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 def test_update_weights_makes_the_engine_the_new_model(engines, models, tied):
@@ -285,6 +292,7 @@ def test_update_weights_makes_the_engine_the_new_model(engines, models, tied):
     assert max_diff(old, flat(eng.generate(PROMPTS, n=1, params=params)), temperature) < TOL
 
 
+@pytest.mark.slow
 @needs_vllm
 def test_bad_inputs_fail_clearly(engines, models, tmp_path):
     eng, (_, model) = engines[False], models[False]

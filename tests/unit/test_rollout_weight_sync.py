@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from megatron_dapo.rollout import bucketed, logprob_mismatch, score_logprobs, sync_weights
 from megatron_dapo.rollout.hf_engine import HFEngine
 from megatron_dapo.rollout.weight_sync import tensor_bytes
-from tests.unit.test_rollout_hf_engine import tiny_qwen2
+from tests.helpers.rollout import tiny_qwen2
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -38,7 +38,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def dry_run(args) -> None:
     from megatron_dapo.config import ModelConfig
-    from megatron_dapo.policy import padded_vocab_size  # arithmetic only: megatron is not imported
+    from megatron_dapo.mcore import padded_vocab_size  # arithmetic only: megatron is not imported
 
     config = read_hf_config(args.hf_dir)
     divisible_by = args.make_vocab_size_divisible_by or ModelConfig().make_vocab_size_divisible_by
@@ -55,7 +55,7 @@ def main(argv=None) -> int:
         if args.dry_run:
             dry_run(args)
             return 0
-        from megatron_dapo.policy.hf_conversion import hf_to_megatron
+        from megatron_dapo.mcore.hf_conversion import hf_to_megatron
 
         meta = hf_to_megatron(args.hf_dir, args.out, dtype=args.dtype, tp=args.tp, pp=args.pp,
                               force=args.force, progress=not args.no_progress,
@@ -80,7 +80,7 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":  # the converter may start torch.distributed and child processes: never on import
     code = main()
-    from megatron_dapo.policy.parallel import shutdown_distributed
+    from megatron_dapo.mcore.parallel import shutdown_distributed
 
     shutdown_distributed()  # gloo left alive can abort the interpreter at exit
     sys.exit(code)

@@ -29,7 +29,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
-        from megatron_dapo.policy.hf_conversion import megatron_to_hf
+        from megatron_dapo.mcore.hf_conversion import megatron_to_hf
 
         files = megatron_to_hf(args.ckpt, args.out, dtype=args.dtype, tp=args.tp, pp=args.pp,
                                force=args.force, max_shard_bytes=int(args.max_shard_size * 1e9),
@@ -44,7 +44,7 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     code = main()
-    from megatron_dapo.policy.parallel import shutdown_distributed
+    from megatron_dapo.mcore.parallel import shutdown_distributed
 
     shutdown_distributed()  # gloo left alive can abort the interpreter at exit
     sys.exit(code)

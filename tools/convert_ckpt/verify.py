@@ -29,7 +29,7 @@ def main(argv=None) -> int:
     try:
         import torch.distributed as dist
 
-        from megatron_dapo.policy.logit_check import verify
+        from megatron_dapo.mcore.logit_check import verify
 
         report = verify(args.hf_dir, args.ckpt, tp=args.tp, pp=args.pp, atol=args.atol, seq_len=args.seq_len)
     except ConversionError as e:
@@ -42,7 +42,7 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     code = main()
-    from megatron_dapo.policy.parallel import shutdown_distributed
+    from megatron_dapo.mcore.parallel import shutdown_distributed
 
     shutdown_distributed()  # gloo left alive can abort the interpreter at exit
     sys.exit(code)

@@ -421,7 +421,7 @@ def apply_cpu_compat(skip: Iterable[str] = ()) -> bool:
         return True
     if "megatron.core" in sys.modules:
         raise RuntimeError("megatron.core was imported before the CPU compatibility layer was applied; "
-                           "call megatron_dapo.policy.cpu_compat.apply_cpu_compat() before importing it")
+                           "call megatron_dapo.mcore.cpu_compat.apply_cpu_compat() before importing it")
     skip = set(skip)
     unknown = skip - PATCHES.keys()
     if unknown:
@@ -442,6 +442,6 @@ def require_cpu_compat() -> None:
     """Raises unless megatron can run here: CUDA is present or ``apply_cpu_compat`` has run."""
     if not _applied and not torch.cuda.is_available():
         raise RuntimeError("megatron-core on a machine without CUDA needs the CPU compatibility layer: call "
-                           "megatron_dapo.policy.cpu_compat.apply_cpu_compat() once, before megatron.core "
+                           "megatron_dapo.mcore.cpu_compat.apply_cpu_compat() once, before megatron.core "
                            "is imported (the CLI, setup_run and the converter do)")
 

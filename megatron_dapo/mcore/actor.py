@@ -19,12 +19,12 @@ from typing import Iterator
 import torch
 
 from megatron_dapo.config import DAPOConfig
-from megatron_dapo.policy import checkpoint
-from megatron_dapo.policy.batching import Sample, split_for_data_parallel
-from megatron_dapo.policy.model import build_model, conversion_table_for, hf_arch
-from megatron_dapo.policy.optimizer import build_optimizer, build_scheduler, wrap_model
-from megatron_dapo.policy.parallel import all_gather_rows, initialize_parallel
-from megatron_dapo.policy.train_step import StepSettings, compute_device, compute_log_probs, train_step
+from megatron_dapo.mcore import checkpoint
+from megatron_dapo.batching import Sample, split_for_data_parallel
+from megatron_dapo.mcore.model import build_model, conversion_table_for, hf_arch
+from megatron_dapo.mcore.optimizer import build_optimizer, build_scheduler, wrap_model
+from megatron_dapo.mcore.parallel import all_gather_rows, initialize_parallel
+from megatron_dapo.mcore.train_step import StepSettings, compute_device, compute_log_probs, train_step
 
 
 class MegatronActor:
@@ -46,9 +46,6 @@ class MegatronActor:
     def prepare_for_training(self) -> None:
         for chunk in self.model:
             chunk.train()
-
-    def finish_training(self) -> None:
-        """NeMo-Aligner's counterpart of prepare_for_training; nothing to release here."""
 
     def get_loss_and_metrics(self, batch: list[Sample], forward_only: bool = False) -> dict[str, float]:
         """One optimizer update on the mini-batch (or, ``forward_only``, its loss and metrics
@@ -115,8 +112,9 @@ class MegatronActor:
         return conversion_table_for(self.hf_config, model=self.cfg.model, tp=self.cfg.parallel.tensor_model_parallel_size)
 
     def save_checkpoint(self, dir: str, trainer_state: dict) -> str:
-        """Save under the checkpoint root ``dir`` as step ``trainer_state["step"]``; collective."""
-        if not isinstance(trainer_state.get("step"), int):
+        """Save under the checkpoint root ``dir`` as step ``trainer_state["step"]``; collective.
+        ``trainer_state``: any JSON object with the step (the loop's is TrainerState.to_json())."""
+        if not isinstance(trainer_state, dict) or not isinstance(trainer_state.get("step"), int):
             raise ValueError("trainer_state must hold the rollout step as an int under 'step'")
         path = checkpoint.save_checkpoint(dir, trainer_state["step"], model=self.model,
                                           optimizer=self.optimizer, scheduler=self.scheduler,

@@ -1,6 +1,6 @@
 """HF model dir <-> Megatron dist checkpoint (torch_dist), streaming one tensor / bucket at a time.
 
-Lives under policy/ (the only importer of megatron.core); the pure mapping it applies is
+Lives under mcore/ (the only importer of megatron.core); the pure mapping it applies is
 megatron_dapo.convert. Checkpoint layout written by ``hf_to_megatron`` (read by ``megatron_to_hf``,
 logit_check.py, the trainer):
     <ckpt>/                 megatron.core.dist_checkpointing files (metadata.json, .metadata, *.distcp)
@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from megatron_dapo import ranks
 from megatron_dapo.convert.export import (
     DEFAULT_BUCKET_BYTES,
     check_hf_checkpoint,
@@ -52,7 +53,7 @@ from megatron_dapo.convert.safetensors_io import (
     read_hf_config,
 )
 from megatron_dapo.convert.table import ConversionTable, conversion_table
-from megatron_dapo.policy.cpu_compat import apply_cpu_compat
+from megatron_dapo.mcore.cpu_compat import apply_cpu_compat
 
 HF_SUBDIR = "hf"
 META_NAME = "convert.json"
@@ -76,8 +77,8 @@ def build_parallel_model(hf_config: dict[str, Any], *, dtype: str, tp: int = 1, 
     from megatron.core import parallel_state as ps
 
     from megatron_dapo.config import ModelConfig, ParallelConfig
-    from megatron_dapo.policy.model import build_model, padded_vocab_size
-    from megatron_dapo.policy.parallel import initialize_parallel
+    from megatron_dapo.mcore.model import build_model, padded_vocab_size
+    from megatron_dapo.mcore.parallel import initialize_parallel
 
     table = conversion_table(hf_config)  # unsupported architecture: fail before any heavy work
     padding = {} if make_vocab_size_divisible_by is None else {
@@ -94,10 +95,6 @@ def build_parallel_model(hf_config: dict[str, Any], *, dtype: str, tp: int = 1, 
     return chunks, table, ps.get_tensor_model_parallel_group(), ps.get_pipeline_model_parallel_group()
 
 
-def _rank() -> int:
-    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-
-
 def _check_out(out_dir: Path, force: bool) -> bool:
     """True when ``out_dir`` has content that ``force`` allows to replace."""
     if out_dir.exists() and any(out_dir.iterdir()):
@@ -111,7 +108,7 @@ def _prepare_out(out_dir: Path, force: bool) -> None:
     replace = _check_out(out_dir, force)
     if torch.distributed.is_initialized():
         torch.distributed.barrier()  # every rank has looked before rank 0 deletes
-    if _rank() == 0:
+    if ranks.rank() == 0:
         if replace:
             shutil.rmtree(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -131,7 +128,7 @@ def hf_to_megatron(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dty
     from megatron.core import dist_checkpointing
     from tqdm import tqdm
 
-    from megatron_dapo.policy.checkpoint import in_process_write_results
+    from megatron_dapo.mcore.checkpoint import in_process_write_results
 
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
     config = read_hf_config(hf_dir)
@@ -152,7 +149,7 @@ def hf_to_megatron(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dty
         _prepare_out(out_dir, force)
         targets = hf_targets(chunks, table)
         with tqdm(total=len(targets), desc="HF -> Megatron", unit="tensor",
-                  disable=not progress or _rank() != 0) as bar:
+                  disable=not progress or ranks.rank() != 0) as bar:
             values = _HFValues(table, targets, reader, tp_group=tp_group, progress=bar.update)
             in_process_write_results()  # no writer Manager process to outlive a killed conversion
             try:
@@ -166,7 +163,7 @@ def hf_to_megatron(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dty
             "vocab_size": table.dims.vocab_size, "padded_vocab_size": table.dims.padded_vocab_size,
             "make_vocab_size_divisible_by": _divisible_by(make_vocab_size_divisible_by),
             "source": str(hf_dir)}
-    if _rank() == 0:
+    if ranks.rank() == 0:
         copy_side_files(hf_dir, out_dir / HF_SUBDIR)
         (out_dir / META_NAME).write_text(json.dumps(meta, indent=2) + "\n")
     if torch.distributed.is_initialized():
@@ -383,7 +380,7 @@ def write_hf_checkpoint(chunks, table: ConversionTable, out_dir: str | os.PathLi
 
     out_dir = Path(out_dir)
     writer = None
-    if _rank() == 0:
+    if ranks.rank() == 0:
         writer = (ShardedSafetensorsWriter(out_dir, max_shard_bytes=max_shard_bytes) if dtype is None
                   else StreamingSafetensorsWriter(out_dir, _hf_layout(table, dtype),
                                                   max_shard_bytes=max_shard_bytes))
@@ -391,7 +388,7 @@ def write_hf_checkpoint(chunks, table: ConversionTable, out_dir: str | os.PathLi
     stream = export_hf_weights(chunks, table, tp_group=tp_group, pp_group=pp_group,
                                bucket_bytes=bucket_bytes, device="cpu", dtype=dtype)
     for name, tensor in tqdm(stream, total=len(table.hf_names()), desc="Megatron -> HF", unit="tensor",
-                             disable=not progress or _rank() != 0):
+                             disable=not progress or ranks.rank() != 0):
         if writer is not None:
             writer.add(name, tensor)
             written = written or tensor.dtype

@@ -34,7 +34,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from megatron_dapo.config import DAPOConfig
-from megatron_dapo.config_loading import ConfigError
+from megatron_dapo.errors import ConfigError
 
 GB = 1e9
 SLEEP_RESIDUE_GB = 1.0  # CUDA context and allocator state vLLM keeps while asleep
@@ -101,8 +101,8 @@ class Plan:
 def plan(cfg: DAPOConfig, hf: dict, world_size: int, *, capacity_gb: float = 80.0, mfu: float = 0.3,
          peak_tflops: float = 989.0, mean_response_fraction: float = 0.5, on_gpu: bool = True) -> Plan:
     """The plan of ``cfg`` at ``world_size``; ``peak_tflops``: dense bf16 of one GPU (H100/H200: 989)."""
-    from megatron_dapo.policy.logprobs import DEFAULT_CHUNK_BYTES
-    from megatron_dapo.policy.model import padded_vocab_size, resolve_runtime
+    from megatron_dapo.mcore.logprobs import DEFAULT_CHUNK_BYTES
+    from megatron_dapo.mcore.model import padded_vocab_size, resolve_runtime
 
     p, t, r = cfg.parallel, cfg.train, cfg.rollout
     tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size

@@ -4,8 +4,8 @@ it, with the error its ``expect`` names) and together they are ENOUGH (every pro
 Patches act on the whole process and two of them on ``import megatron.core`` itself, so each check
 runs in a fresh interpreter (tests/unit/test_policy_cpu_compat.py starts them):
 
-    python -m megatron_dapo.policy.cpu_compat_check --all         # ENOUGH, then NEEDED per run-time patch
-    python -m megatron_dapo.policy.cpu_compat_check triton_stub   # NEEDED for one import-time patch
+    python -m megatron_dapo.mcore.cpu_compat_check --all         # ENOUGH, then NEEDED per run-time patch
+    python -m megatron_dapo.mcore.cpu_compat_check triton_stub   # NEEDED for one import-time patch
 
 Importing the package applies nothing, so the interpreter starts unpatched.
 """
@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import sys
 
-from megatron_dapo.policy.cpu_compat import _IMPORT_TIME, PATCHES, Patch, _apply, _undo, apply_cpu_compat
+from megatron_dapo.mcore.cpu_compat import _IMPORT_TIME, PATCHES, Patch, _apply, _undo, apply_cpu_compat
 
 
 def _expect_failure(patch: Patch) -> str:

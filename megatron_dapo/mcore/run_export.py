@@ -17,14 +17,14 @@ from pathlib import Path
 
 from megatron_dapo.config import DAPOConfig
 from megatron_dapo.errors import InputError
-from megatron_dapo.policy.cpu_compat import apply_cpu_compat
+from megatron_dapo.mcore.cpu_compat import apply_cpu_compat
 
 EXPORT_META = "export.json"
 
 
 def run_checkpoint(cfg: DAPOConfig, step: int | None = None) -> Path:
     """The run's newest intact checkpoint, or the one of ``step``; InputError naming what exists."""
-    from megatron_dapo.policy.checkpoint import checkpoint_name, damage, latest_checkpoint, list_checkpoints
+    from megatron_dapo.mcore.checkpoint import checkpoint_name, damage, latest_checkpoint, list_checkpoints
 
     root = cfg.checkpoint_root
     if step is None:
@@ -58,7 +58,7 @@ def export_run(cfg: DAPOConfig, out_dir: str | os.PathLike, *, step: int | None 
     import torch.distributed as dist
 
     from megatron_dapo.convert.safetensors_io import read_hf_config
-    from megatron_dapo.policy.hf_conversion import DTYPES, _check_out, _prepare_out, write_hf_checkpoint
+    from megatron_dapo.mcore.hf_conversion import DTYPES, _check_out, _prepare_out, write_hf_checkpoint
 
     out_dir = Path(out_dir)
     ckpt, src = run_checkpoint(cfg, step), hf_source(cfg)
@@ -66,9 +66,9 @@ def export_run(cfg: DAPOConfig, out_dir: str | os.PathLike, *, step: int | None 
     apply_cpu_compat()  # an entry point: before megatron.core is imported
     from megatron.core import parallel_state as ps
 
-    from megatron_dapo.policy.checkpoint import load_checkpoint
-    from megatron_dapo.policy.model import build_model, conversion_table_for
-    from megatron_dapo.policy.parallel import destroy_parallel, initialize_parallel
+    from megatron_dapo.mcore.checkpoint import load_checkpoint
+    from megatron_dapo.mcore.model import build_model, conversion_table_for
+    from megatron_dapo.mcore.parallel import destroy_parallel, initialize_parallel
 
     hf_config = read_hf_config(src)
     own = not ps.model_parallel_is_initialized()  # then this call also tears it down

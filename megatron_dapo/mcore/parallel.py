@@ -8,14 +8,15 @@ then starts the process group (gloo on CPU, NCCL on GPU) and ``initialize_model_
 from __future__ import annotations
 
 import datetime
-import os
 
 import torch
 import torch.distributed as dist
 
+from megatron_dapo.errors import ConfigError
+from megatron_dapo import ranks
 from megatron_dapo.config import ModelConfig, ParallelConfig
-from megatron_dapo.policy.cpu_compat import require_cpu_compat
-from megatron_dapo.policy.model import hf_arch, padded_vocab_size, resolve_runtime
+from megatron_dapo.mcore.cpu_compat import require_cpu_compat
+from megatron_dapo.mcore.model import hf_arch, padded_vocab_size, resolve_runtime
 
 
 def validate_parallel(hf_config, *, parallel: ParallelConfig, model: ModelConfig, world_size: int,
@@ -30,23 +31,23 @@ def validate_parallel(hf_config, *, parallel: ParallelConfig, model: ModelConfig
     dp = parallel.data_parallel_size(world_size)  # raises with the numbers when TP x PP x CP does not divide
     heads, groups = arch.num_attention_heads, arch.num_query_groups
     if heads % tp:
-        raise ValueError(f"num_attention_heads={heads} is not divisible by tensor_model_parallel_size={tp}; "
+        raise ConfigError(f"num_attention_heads={heads} is not divisible by tensor_model_parallel_size={tp}; "
                          f"use a TP that divides it ({_divisors(heads)})")
     # megatron-core 0.19.2 shards KV groups when TP divides them and replicates them when they
     # divide TP (attention.py: num_query_groups < world_size gathers the QKV output).
     if groups % tp and tp % groups:
-        raise ValueError(f"num_key_value_heads={groups} and tensor_model_parallel_size={tp}: one must "
+        raise ConfigError(f"num_key_value_heads={groups} and tensor_model_parallel_size={tp}: one must "
                          f"divide the other; use a TP that divides {groups} or is a multiple of it")
     if arch.num_layers % (pp * vpp):
-        raise ValueError(f"num_hidden_layers={arch.num_layers} is not divisible by pipeline_model_parallel"
+        raise ConfigError(f"num_hidden_layers={arch.num_layers} is not divisible by pipeline_model_parallel"
                          f"_size x virtual_pipeline_model_parallel_size = {pp} x {vpp}; pick sizes whose "
                          f"product divides {arch.num_layers} ({_divisors(arch.num_layers)})")
     if arch.hidden_size % tp or arch.ffn_hidden_size % tp:
-        raise ValueError(f"hidden_size={arch.hidden_size} and intermediate_size={arch.ffn_hidden_size} "
+        raise ConfigError(f"hidden_size={arch.hidden_size} and intermediate_size={arch.ffn_hidden_size} "
                          f"must be divisible by tensor_model_parallel_size={tp}")
     runtime = resolve_runtime(model, on_gpu, check_installed=check_installed)
     if parallel.context_parallel_size > 1 and runtime.transformer_impl != "transformer_engine":
-        raise ValueError(f"context_parallel_size={parallel.context_parallel_size} needs the Transformer "
+        raise ConfigError(f"context_parallel_size={parallel.context_parallel_size} needs the Transformer "
                          "Engine spec (megatron's local DotProductAttention has no CP); set it to 1 on CPU")
     return dict(data_parallel_size=dp,
                 padded_vocab_size=padded_vocab_size(arch.vocab_size, model.make_vocab_size_divisible_by, tp),
@@ -61,7 +62,7 @@ def check_training_layout(hf_config, parallel: ParallelConfig) -> None:
         # megatron-core 0.19.2 saves this layout's optimizer state of the tied embedding one row
         # off (zeros at the end of each TP shard; its own "param range exceeds unpadded buffer"
         # warning), and a resume copies it into the weights: docs/DESIGN.md "Known upstream bugs".
-        raise ValueError("tie_word_embeddings with tensor_model_parallel_size > 1 and pipeline_model_parallel_size > 1 "
+        raise ConfigError("tie_word_embeddings with tensor_model_parallel_size > 1 and pipeline_model_parallel_size > 1 "
                          "and the distributed optimizer: megatron-core 0.19.2 checkpoints the tied embedding's "
                          "optimizer state shifted by a row, and a resumed run trains a corrupted embedding; set "
                          "parallel.use_distributed_optimizer=false, or TP=1, or PP=1")
@@ -84,13 +85,13 @@ def initialize_parallel(hf_config, *, parallel: ParallelConfig, model: ModelConf
     from megatron.core import parallel_state, tensor_parallel
 
     on_gpu = torch.cuda.is_available()
-    world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    world_size = ranks.world_size()
     sizes = validate_parallel(hf_config, parallel=parallel, model=model, world_size=world_size, on_gpu=on_gpu)
     if not dist.is_initialized():
         if on_gpu:
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(ranks.local_rank())
         backend, timeout = "nccl" if on_gpu else "gloo", datetime.timedelta(minutes=timeout_minutes)
-        if "RANK" in os.environ:
+        if ranks.launched():
             dist.init_process_group(backend, timeout=timeout)
         else:  # plain `python ...`: no launcher, no rendezvous address needed
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)

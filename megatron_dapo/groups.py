@@ -6,15 +6,20 @@ free of megatron: a generation batch, split over the rollout replicas, becomes `
 of groups becomes the trainer's ``Sample`` list with GRPO advantages.
 """
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
 from megatron_dapo.algo import get_advantage_fn, overlong_filter_mask, overlong_penalty
+from megatron_dapo.batching import Sample
 from megatron_dapo.config import DAPOConfig
 from megatron_dapo.rollout.engine import Rollout, SamplingParams
 from megatron_dapo.rollout.placement import RolloutPlacement
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -26,6 +31,14 @@ class Group:
     acc: list[bool]
     scores: list[float]  # +-1 correctness
     rewards: list[float]  # score + overlong penalty: what the advantages see
+
+    def to_json(self) -> dict:
+        """Plain JSON (a held group travels in the trainer state of a checkpoint)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> "Group":
+        return cls(**{**data, "rollouts": [Rollout(**r) for r in data["rollouts"]]})
 
 
 def score_rollouts(outputs: list[list[Rollout]], truths: list[str], *, tokenizer, pool,
@@ -62,31 +75,47 @@ def shape_groups(indices: list[int], outputs: list[list[Rollout]], results: list
     return groups
 
 
+def generate_scored(placement: RolloutPlacement, prompt_ids: list[list[int]], n: int, params: SamplingParams, *,
+                    ground_truths: list[str], tokenizer, pool, fns: tuple[str | None, ...] = (None,),
+                    summarise: Callable[[int, list[Rollout], list[list[dict]]], T]) -> list[T]:
+    """Generate -> score -> gather, the one protocol of training and evaluation.
+
+    Every replica generates its share of ``prompt_ids`` (``n`` responses each; ``ground_truths``
+    aligned with them); its leader scores the share with each reward fn of ``fns`` and summarises
+    each prompt: ``summarise(position in prompt_ids, its n rollouts, per fn its n reward dicts)``.
+    Only the summaries travel; returns one per prompt, in prompt order, on every rank.
+    """
+    share, outputs = placement.generate(prompt_ids, n, params)
+    local: list[T] = []
+    if placement.is_leader and share:
+        scored = score_rollouts(outputs, [ground_truths[p] for p in share], tokenizer=tokenizer, pool=pool, fns=fns)
+        for j, (p, rollouts) in enumerate(zip(share, outputs)):
+            local.append(summarise(p, rollouts, [results[j * n:(j + 1) * n] for results in scored]))
+    return placement.gather(local)
+
+
 def generate_groups(placement: RolloutPlacement, prompt_ids: list[list[int]], indices: list[int], *,
                     ground_truths: list[str], tokenizer, params: SamplingParams, pool, cfg: DAPOConfig,
                     keep: Callable[[torch.Tensor], torch.Tensor]) -> tuple[list[Group | None], torch.Tensor]:
     """One generation batch (the prompts ``indices``), split over the rollout replicas.
 
-    Each replica generates its share; its leader scores and shapes it and applies ``keep`` (dynamic
-    sampling's filter: [P, G] acc -> [P] bool); only kept groups travel in the gather. Returns, on
-    every rank and in batch order, the groups (None where dropped) and the [P, G] bool correctness.
+    Each replica's leader scores and shapes its share and applies ``keep`` (dynamic sampling's
+    filter: [P, G] acc -> [P] bool); only kept groups travel. Returns, on every rank and in batch
+    order, the groups (None where dropped) and the [P, G] bool correctness.
     """
-    share, outputs = placement.generate([prompt_ids[i] for i in indices], cfg.rollout.n, params)
-    local: list[tuple[list[bool], Group | None]] = []
-    if placement.is_leader and share:
-        mine = [indices[p] for p in share]
-        results, = score_rollouts(outputs, [ground_truths[i] for i in mine], tokenizer=tokenizer, pool=pool)
-        groups = shape_groups(mine, outputs, results, cfg)
-        kept = keep(torch.tensor([g.acc for g in groups], dtype=torch.bool)).tolist()
-        local = [(g.acc, g if k else None) for g, k in zip(groups, kept)]
-    gathered = placement.gather(local)
+    def summarise(p: int, rollouts: list[Rollout], scored: list[list[dict]]) -> tuple[list[bool], Group | None]:
+        group, = shape_groups([indices[p]], [rollouts], scored[0], cfg)
+        kept = bool(keep(torch.tensor([group.acc], dtype=torch.bool))[0])
+        return group.acc, group if kept else None
+
+    gathered = generate_scored(placement, [prompt_ids[i] for i in indices], cfg.rollout.n, params,
+                               ground_truths=[ground_truths[i] for i in indices], tokenizer=tokenizer, pool=pool,
+                               summarise=summarise)
     return [g for _, g in gathered], torch.tensor([acc for acc, _ in gathered], dtype=torch.bool)
 
 
 def to_samples(groups: list[Group], cfg: DAPOConfig):
     """Kept groups -> trainer samples with GRPO advantages (per response) and loss masks."""
-    from megatron_dapo.policy.batching import Sample
-
     rewards = torch.tensor([g.rewards for g in groups], dtype=torch.float32)  # [P, G]
     advantages = get_advantage_fn(cfg.algorithm.adv_estimator)(rewards, eps=cfg.algorithm.adv_eps)
     samples = []

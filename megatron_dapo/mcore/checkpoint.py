@@ -37,7 +37,7 @@ from a ``multiprocessing.Manager`` (a server process, ~270 MB, spawned on the fi
 only an asynchronous save needs, since there the writing runs in another process. Our saves are
 synchronous (a sync ``dist_checkpointing.save`` always writes in this process, with threads), so
 an in-process queue does the same job, and a killed trainer leaves no writer (nor the
-multiprocessing resource tracker the Manager kept alive) behind: issue 14, measured in README.
+multiprocessing resource tracker the Manager kept alive) behind (tests/functional/test_faults.py).
 """
 
 from __future__ import annotations

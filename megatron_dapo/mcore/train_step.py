@@ -48,16 +48,16 @@ import torch.distributed as dist
 
 from megatron_dapo.algo import get_policy_loss_fn
 from megatron_dapo.config import DAPOConfig
-from megatron_dapo.policy.batching import (
+from megatron_dapo.batching import (
     MicroBatch,
     Sample,
     make_micro_batches,
     pad_multiple,
     unpack_responses,
 )
-from megatron_dapo.policy.logprobs import GradHint, logprobs_output_processor
-from megatron_dapo.policy.optimizer import current_lr
-from megatron_dapo.policy.parallel import all_gather_rows
+from megatron_dapo.mcore.logprobs import GradHint, logprobs_output_processor
+from megatron_dapo.mcore.optimizer import current_lr
+from megatron_dapo.mcore.parallel import all_gather_rows
 
 
 @dataclass(frozen=True)

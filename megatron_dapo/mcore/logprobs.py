@@ -219,8 +219,8 @@ def _chunk_forward(logits, target, shard, buffers):
                 else torch.zeros_like(m))
     # One all-reduce for the three partial sums: sum exp, the target's shifted logit (only its
     # owner has it), and sum exp * shifted logit, multiplied into x's buffer (x is not needed after
-    # this; no [C, V] temporary). A batched dot product (bmm [C, 1, V] x [C, V, 1]) did the same
-    # 2-2.5x slower on CPU: ~8% of a whole update at V = 152064 (benchmarks/train_step.py).
+    # this; no [C, V] temporary). A batched dot product (bmm [C, 1, V] x [C, V, 1]) does the same
+    # more slowly on CPU (docs/performance.md, benchmarks/train_step.py).
     stats = torch.stack([exp.sum(-1), target_x, x.mul_(exp).sum(-1)])
     if shard.group is not None:
         dist.all_reduce(stats, group=shard.group)

@@ -27,9 +27,10 @@ from typing import Any, Mapping
 import torch
 import torch.nn.functional as F
 
+from megatron_dapo.errors import ConfigError
 from megatron_dapo.config import ModelConfig, ParallelConfig
 from megatron_dapo.convert.mapping import hf_sizes
-from megatron_dapo.policy.cpu_compat import require_cpu_compat
+from megatron_dapo.mcore.cpu_compat import require_cpu_compat
 from megatron_dapo.precision import resolve_dtype
 
 
@@ -131,13 +132,13 @@ def resolve_runtime(model: ModelConfig, on_gpu: bool, *, check_installed: bool =
     if impl == "auto":
         impl = "transformer_engine" if on_gpu else "local"
     if impl == "transformer_engine" and not on_gpu:
-        raise ValueError("model.transformer_impl=transformer_engine needs CUDA; use local (or auto) on CPU")
+        raise ConfigError("model.transformer_impl=transformer_engine needs CUDA; use local (or auto) on CPU")
     if check_installed and impl == "transformer_engine" and importlib.util.find_spec("transformer_engine") is None:
-        raise ValueError("model.transformer_impl=transformer_engine (the GPU default) needs Transformer "
+        raise ConfigError("model.transformer_impl=transformer_engine (the GPU default) needs Transformer "
                          "Engine: use the NGC container (container/Dockerfile) or set "
                          "model.transformer_impl=local")
     if model.fp8 is not None and impl != "transformer_engine":
-        raise ValueError(f"model.fp8={model.fp8!r} needs the Transformer Engine spec (a GPU); "
+        raise ConfigError(f"model.fp8={model.fp8!r} needs the Transformer Engine spec (a GPU); "
                          "set model.fp8=null")
     dtype = resolve_dtype(model.dtype, on_gpu)
     return Runtime(impl, torch.bfloat16 if dtype == "bf16" else torch.float32)
@@ -221,7 +222,7 @@ def layer_spec(config):
         get_gpt_layer_with_transformer_engine_spec,
     )
 
-    from megatron_dapo.policy.sdpa_attention import SDPAttention
+    from megatron_dapo.mcore.sdpa_attention import SDPAttention
 
     if config.transformer_impl == "transformer_engine":
         return get_gpt_layer_with_transformer_engine_spec()
@@ -279,7 +280,7 @@ def build_model(hf_config, *, model: ModelConfig, parallel: ParallelConfig,
 def _check_parallel_state(parallel: ParallelConfig) -> None:
     from megatron.core import parallel_state as ps
     if not ps.model_parallel_is_initialized():
-        raise RuntimeError("call megatron_dapo.policy.parallel.initialize_parallel(...) before build_model")
+        raise RuntimeError("call megatron_dapo.mcore.parallel.initialize_parallel(...) before build_model")
     have = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
             ps.get_virtual_pipeline_model_parallel_world_size(), ps.get_context_parallel_world_size())
     want = (parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size,

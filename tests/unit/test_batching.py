@@ -1,4 +1,4 @@
-"""Micro-batching of rollout samples (policy/batching.py): pure torch, no model.
+"""Micro-batching of rollout samples (batching.py): pure torch, no model.
 
 Checked against the samples themselves: every token lands once, in its row; the label of
 position t is input t + 1; the loss mask selects exactly the response tokens (and carries a
@@ -12,7 +12,7 @@ import random
 import pytest
 import torch
 
-from megatron_dapo.policy.batching import (
+from megatron_dapo.batching import (
     Sample,
     build_micro_batch,
     make_micro_batches,
@@ -128,7 +128,7 @@ def test_unpack_responses_inverts_the_layout():
     xs = samples(3, 11)
     mbs = make_micro_batches(xs, max_tokens=40, micro_batch_size=1, min_count=6)
     back = unpack_responses([m.labels.float() for m in mbs], mbs, len(xs))
-    assert all(torch.equal(v, x.response_ids.float()) for v, x in zip(back, xs))
+    assert len(back) == len(xs) and all(torch.equal(v, x.response_ids.float()) for v, x in zip(back, xs))
     with pytest.raises(ValueError, match="in none of the micro-batches"):
         unpack_responses([m.labels for m in mbs[:1]], mbs[:1], len(xs))
 
@@ -169,7 +169,7 @@ def test_rollout_log_probs_follow_the_old_ones():
         check_rows(xs, mbs)
         assert all(torch.equal(m.rollout_log_probs, m.old_log_probs) for m in mbs)
         back = unpack_responses([m.rollout_log_probs for m in mbs], mbs, len(xs))
-        assert all(torch.equal(v, x.rollout_log_probs) for v, x in zip(back, xs))
+        assert len(back) == len(xs) and all(torch.equal(v, x.rollout_log_probs) for v, x in zip(back, xs))
 
 
 @pytest.mark.parametrize("tp,sp,cp", [(1, False, 1), (2, True, 1), (4, True, 1), (8, True, 1), (4, False, 1), (2, True, 2)])

@@ -1,4 +1,6 @@
-"""Everything a training run needs before its first step, in one place.
+"""Everything a training run needs before its first step, in one place, in two calls:
+``prepare_run`` (steps 1 to 3, and the trainer state of the checkpoint the run resumes from:
+enough for the caller to decide whether anything is left to do) and ``build_run`` (steps 4, 5).
 
 Order matters. (1) Cheap checks first, so that bad input fails in seconds as one line
 (errors.InputError) and leaves the run directory untouched: the rollout layout and engine, the HF
@@ -14,17 +16,17 @@ share of a replica, rollout/placement.py) and, on replica leaders, a reward pool
 """
 
 import dataclasses
-import json
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
+from megatron_dapo import ranks
 from megatron_dapo.config import DAPOConfig
 from megatron_dapo.errors import InputError
+from megatron_dapo.trainer_state import TrainerState
 
-logger = logging.getLogger("megatron_dapo.setup")
+logger = logging.getLogger("megatron_dapo.run")
 
 
 @dataclass
@@ -42,6 +44,26 @@ class Inputs:
 
 
 @dataclass
+class Prepared:
+    """A run whose inputs are checked and whose directory is held, before anything is built:
+    enough to decide whether there is anything left to do."""
+
+    cfg: DAPOConfig  # as resolved: with toy.enable, the demo's data files and base filled in
+    rank: int
+    world_size: int
+    dir: Path
+    ckpt_dir: Path
+    inputs: Inputs
+    resume: TrainerState | None  # the state of the checkpoint the run resumes from, None for a fresh start
+    lock: Any = None  # run_lock.RunDirLock on rank 0 of a trainer
+
+    def release(self) -> None:
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
+
+
+@dataclass
 class Run(Inputs):
     cfg: DAPOConfig
     rank: int
@@ -52,8 +74,8 @@ class Run(Inputs):
     placement: Any  # rollout.placement.RolloutPlacement: this rank's engine and the replica layout
     pool: Any  # replica leaders only (None elsewhere)
     sampler: Any
-    state: dict
-    lock: Any = None  # run_lock.RunDirLock on rank 0 of a trainer
+    resume: TrainerState | None
+    lock: Any = None
 
     def close(self) -> None:
         """Ends the reward workers and releases the run directory."""
@@ -65,18 +87,17 @@ class Run(Inputs):
             self.lock = None
 
 
-def setup_run(cfg: DAPOConfig, *, lock: bool = True, done: Callable[[dict], bool] | None = None) -> Run:
-    """``lock``: take the run directory (training); evaluation reads a live run without it.
-    ``done``: given the trainer state of the checkpoint the run would resume from, says whether
-    the run is finished; then nothing is built (``Run.actor`` is None) and only ``state`` is set."""
-    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+def prepare_run(cfg: DAPOConfig, *, lock: bool = True) -> Prepared:
+    """Steps (1) to (3) of the module docstring, and the resume point's trainer state. ``lock``:
+    take the run directory (training); evaluation reads a live run without it."""
+    rank, world = ranks.rank(), ranks.world_size()
     check_rollout(cfg, world)
     check_model(cfg)
     if cfg.num_threads:
         import torch
 
-        # Tiny CPU matmuls gain nothing from threads, and with several processes on 2 cores OpenMP
-        # barriers made the toy warm-up 10-20x slower (262 s vs 13-18 s measured at 1 thread).
+        # Tiny CPU matmuls gain nothing from threads, and several processes on few cores spend
+        # their time in OpenMP barriers (docs/cpu_compat.md).
         torch.set_num_threads(cfg.num_threads)
     run_dir = Path(cfg.logging.dir)
     ckpt_dir = cfg.checkpoint_root
@@ -104,17 +125,28 @@ def setup_run(cfg: DAPOConfig, *, lock: bool = True, done: Callable[[dict], bool
             check_layout(cfg, inputs.hf_config, world)
             if lock:
                 check_disk(cfg, inputs.hf_config)
-        if done is not None and inputs.resume_from is not None:
-            from megatron_dapo.policy.checkpoint import read_trainer_state
+        resume = None
+        if inputs.resume_from is not None:
+            from megatron_dapo.mcore.checkpoint import TRAINER_STATE, read_trainer_state
 
-            state = read_trainer_state(inputs.resume_from)
-            if done(state):
-                return Run(**_fields(inputs), cfg=cfg, rank=rank, world_size=world, dir=run_dir, ckpt_dir=ckpt_dir,
-                           actor=None, placement=None, pool=None, sampler=None, state=state, lock=run_lock)
-        return _build(cfg, rank, world, run_dir, ckpt_dir, inputs, run_lock)
+            resume = TrainerState.from_json(read_trainer_state(inputs.resume_from),
+                                            str(inputs.resume_from / TRAINER_STATE))
     except BaseException:
         if run_lock is not None:
             run_lock.release()
+        raise
+    return Prepared(cfg=cfg, rank=rank, world_size=world, dir=run_dir, ckpt_dir=ckpt_dir, inputs=inputs,
+                    resume=resume, lock=run_lock)
+
+
+def build_run(prep: Prepared) -> Run:
+    """Steps (4) and (5): the actor (from the resume point, model.checkpoint or the HF weights),
+    this rank's engine and, on replica leaders, the reward pool. The run directory's lock passes
+    to the Run (released on failure)."""
+    try:
+        return _build(prep)
+    except BaseException:
+        prep.release()
         raise
 
 
@@ -142,7 +174,7 @@ def _load_inputs(cfg: DAPOConfig, ckpt_dir: Path) -> Inputs:
 def _resume_point(ckpt_dir: Path, hf_config: dict) -> Path | None:
     """The run's latest intact checkpoint (found once: the actor loads this one), refused before
     any model is built when it holds another architecture."""
-    from megatron_dapo.policy.checkpoint import latest_checkpoint, read_meta
+    from megatron_dapo.mcore.checkpoint import latest_checkpoint, read_meta
 
     path = latest_checkpoint(ckpt_dir)
     if path is not None:
@@ -154,7 +186,7 @@ def _resume_point(ckpt_dir: Path, hf_config: dict) -> Path | None:
 def check_checkpoints(ckpt_dir: Path) -> None:
     """InputError when the run has saved checkpoints and none is intact, before anything (the lock
     file included) is written: starting over would silently drop every metrics record of the run."""
-    from megatron_dapo.policy.checkpoint import why_none_usable
+    from megatron_dapo.mcore.checkpoint import why_none_usable
 
     if why := why_none_usable(ckpt_dir):
         raise InputError(f"{ckpt_dir}: no intact checkpoint to resume from ({why}); nothing was changed. Restore "
@@ -166,7 +198,7 @@ def _check_start_checkpoint(path: Path, hf_config: dict) -> None:
     """model.checkpoint must hold weights of model.hf_path's shape: a typo would otherwise start
     from random weights, another model would fail deep in megatron's loader."""
     from megatron_dapo.hf_dir import read_config
-    from megatron_dapo.policy.checkpoint import latest_checkpoint, read_meta
+    from megatron_dapo.mcore.checkpoint import latest_checkpoint, read_meta
 
     fix = "point model.checkpoint at a conversion of model.hf_path (tools/convert_ckpt/hf_to_megatron.py)"
     if (path / "metadata.json").is_file():
@@ -184,59 +216,57 @@ def _check_start_checkpoint(path: Path, hf_config: dict) -> None:
 
 
 def _shape(hf_config: dict) -> dict:
-    from megatron_dapo.policy.checkpoint import SHAPE_FIELDS
-    from megatron_dapo.policy.model import hf_arch
+    from megatron_dapo.mcore.checkpoint import SHAPE_FIELDS
+    from megatron_dapo.mcore.model import hf_arch
 
     arch = hf_arch(hf_config)
     return {k: getattr(arch, k) for k in SHAPE_FIELDS}
 
 
 def _check_shape(path: Path, meta: dict, hf_config: dict, fix: str) -> None:
-    from megatron_dapo.policy.checkpoint import check_model_shape
+    from megatron_dapo.mcore.checkpoint import check_model_shape
 
     check_model_shape(path, meta, _shape(hf_config), fix=fix)
 
 
-def _build(cfg: DAPOConfig, rank: int, world: int, run_dir: Path, ckpt_dir: Path, inputs: Inputs,
-           run_lock) -> Run:
-    from megatron_dapo.policy.cpu_compat import apply_cpu_compat
+def _build(prep: Prepared) -> Run:
+    from megatron_dapo.mcore.cpu_compat import apply_cpu_compat
 
     apply_cpu_compat()  # on a CPU machine, before anything imports megatron.core
-    from megatron_dapo.config_loading import ConfigError
     from megatron_dapo.data import PromptSampler
-    from megatron_dapo.policy.actor import MegatronActor
+    from megatron_dapo.mcore.actor import MegatronActor
     from megatron_dapo.rollout.engine import get_engine_cls
     from megatron_dapo.rollout.placement import RolloutPlacement
 
+    cfg, inputs = prep.cfg, prep.inputs
     hf_path = Path(cfg.model.hf_path)
     actor = MegatronActor(cfg, inputs.hf_config)
-    state = actor.load_checkpoint(str(inputs.resume_from)) if inputs.resume_from else None
-    if state:
-        logger.info("resumed from %s at step %d", ckpt_dir, state["step"])
+    if inputs.resume_from is not None:  # its trainer state was read by prepare_run
+        actor.load_checkpoint(str(inputs.resume_from))
+        logger.info("resumed from %s at step %d", prep.ckpt_dir, prep.resume.step)
     elif cfg.model.checkpoint:
-        state = {}
         actor.load_checkpoint(cfg.model.checkpoint)
         logger.info("starting weights from %s", cfg.model.checkpoint)
     else:
-        state = {}
         actor.load_hf_weights(str(hf_path))
         logger.info("starting weights from %s (HF, each rank reading its shard)", hf_path)
 
     sampler = PromptSampler(len(inputs.train_ids), seed=cfg.seed, shuffle=cfg.data.shuffle)
     # Every rank builds its engine at the same point: vLLM's external launcher forms its groups
     # over the whole world. Weights arrive with the loop's first sync.
-    try:
-        engine = get_engine_cls(cfg.rollout.engine).from_config(str(hf_path), cfg)
-    except ValueError as e:  # the engine's own checks (memory, head size) run before it builds anything
-        raise ConfigError(str(e)) from None
+    # The engine's own checks of the settings (memory, head size) raise ConfigError before it
+    # builds anything; any other error from building it is a bug and keeps its traceback.
+    engine = get_engine_cls(cfg.rollout.engine).from_config(str(hf_path), cfg)
     placement = RolloutPlacement(engine, tensor_parallel_size=cfg.rollout.tensor_parallel_size)
     pool = make_reward_pool(cfg) if placement.is_leader else None
-    logger.info("rank %d: rollout replica %d of %d (%s engine, rollout TP %d)%s", rank, placement.replica,
+    logger.info("rank %d: rollout replica %d of %d (%s engine, rollout TP %d)%s", prep.rank, placement.replica,
                 placement.num_replicas, cfg.rollout.engine, cfg.rollout.tensor_parallel_size,
                 ", scoring" if placement.is_leader else "")
-    return Run(**_fields(inputs), cfg=cfg, rank=rank,
-               world_size=world, dir=run_dir, ckpt_dir=ckpt_dir, actor=actor, placement=placement, pool=pool,
-               sampler=sampler, state=state, lock=run_lock)
+    run = Run(**_fields(inputs), cfg=cfg, rank=prep.rank, world_size=prep.world_size, dir=prep.dir,
+              ckpt_dir=prep.ckpt_dir, actor=actor, placement=placement, pool=pool, sampler=sampler,
+              resume=prep.resume, lock=prep.lock)
+    prep.lock = None  # the Run holds it now
+    return run
 
 
 def _fields(inputs: Inputs) -> dict:
@@ -248,13 +278,9 @@ def check_model(cfg: DAPOConfig) -> None:
     anything is written; a ConfigError, which the CLI prints as one line."""
     import torch
 
-    from megatron_dapo.config_loading import ConfigError
-    from megatron_dapo.policy.model import resolve_runtime
+    from megatron_dapo.mcore.model import resolve_runtime
 
-    try:
-        resolve_runtime(cfg.model, torch.cuda.is_available())
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+    resolve_runtime(cfg.model, torch.cuda.is_available())
 
 
 def check_layout(cfg: DAPOConfig, hf_config: dict, world_size: int) -> None:
@@ -262,15 +288,11 @@ def check_layout(cfg: DAPOConfig, hf_config: dict, world_size: int) -> None:
     before any model is built; a ConfigError, which the CLI prints as one line."""
     import torch
 
-    from megatron_dapo.config_loading import ConfigError
-    from megatron_dapo.policy.parallel import check_training_layout, validate_parallel
+    from megatron_dapo.mcore.parallel import check_training_layout, validate_parallel
 
-    try:
-        validate_parallel(hf_config, parallel=cfg.parallel, model=cfg.model, world_size=world_size,
-                          on_gpu=torch.cuda.is_available())
-        check_training_layout(hf_config, cfg.parallel)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+    validate_parallel(hf_config, parallel=cfg.parallel, model=cfg.model, world_size=world_size,
+                      on_gpu=torch.cuda.is_available())
+    check_training_layout(hf_config, cfg.parallel)
 
 
 def check_disk(cfg: DAPOConfig, hf_config: dict) -> None:
@@ -281,7 +303,7 @@ def check_disk(cfg: DAPOConfig, hf_config: dict) -> None:
 
     import torch
 
-    from megatron_dapo.plan import count_parameters
+    from megatron_dapo.memory_plan import count_parameters
     from megatron_dapo.precision import resolve_dtype
 
     root = cfg.checkpoint_root
@@ -312,15 +334,11 @@ def _size(n: float) -> str:
 def check_rollout(cfg: DAPOConfig, world_size: int) -> None:
     """The rollout settings that need the world size or the installed packages, before heavy work
     (the engine's own ``preflight``); a ConfigError, which the CLI prints as one line."""
-    from megatron_dapo.config_loading import ConfigError
     from megatron_dapo.rollout.engine import get_engine_cls  # imports the engine module, not vllm
     from megatron_dapo.rollout.placement import replica_layout
 
-    try:
-        replica_layout(0, world_size, cfg.rollout.tensor_parallel_size)
-        get_engine_cls(cfg.rollout.engine).preflight(cfg)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+    replica_layout(0, world_size, cfg.rollout.tensor_parallel_size)
+    get_engine_cls(cfg.rollout.engine).preflight(cfg)
 
 
 def make_reward_pool(cfg: DAPOConfig):

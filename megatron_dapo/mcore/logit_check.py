@@ -18,8 +18,8 @@ import torch.distributed as dist
 
 from megatron_dapo.convert.export import export_hf_weights
 from megatron_dapo.convert.safetensors_io import SafetensorsReader
-from megatron_dapo.policy.cpu_compat import apply_cpu_compat
-from megatron_dapo.policy.hf_conversion import load_megatron_checkpoint
+from megatron_dapo.mcore.cpu_compat import apply_cpu_compat
+from megatron_dapo.mcore.hf_conversion import load_megatron_checkpoint
 
 DEFAULT_ATOL = {"fp32": 1e-5, "bf16": 5e-2}
 

@@ -7,15 +7,15 @@ children), and the two doors into megatron (``initialize_parallel``, ``transform
 refuse to run without it, naming the call. See docs/cpu_compat.md.
 """
 
-from megatron_dapo.policy.cpu_compat import apply_cpu_compat
-from megatron_dapo.policy.logprobs import vocab_parallel_logprobs
-from megatron_dapo.policy.model import (
+from megatron_dapo.mcore.cpu_compat import apply_cpu_compat
+from megatron_dapo.mcore.logprobs import vocab_parallel_logprobs
+from megatron_dapo.mcore.model import (
     build_model,
     hf_arch,
     padded_vocab_size,
     transformer_config_from_hf,
 )
-from megatron_dapo.policy.parallel import (
+from megatron_dapo.mcore.parallel import (
     destroy_parallel,
     initialize_parallel,
     validate_parallel,

@@ -1,0 +1,45 @@
+"""Where a run is, between two steps: what a checkpoint holds besides the weights and the optimizer.
+
+One typed object, written by the loop at a save (``trainer_state.json`` beside the dist checkpoint,
+plain JSON so that set-up reads it before any model is built) and read back by set-up on resume.
+Each component keeps its own state format (the prompt sampler's, the step clock's); the held prompt
+groups of ``filter_groups.surplus=carry`` are serialised by ``Group`` itself (groups.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from megatron_dapo.errors import InputError
+from megatron_dapo.groups import Group
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainerState:
+    step: int
+    """Completed rollout steps: the checkpoint at step N already holds step N's metrics record."""
+    sampler: dict
+    """``PromptSampler.state_dict()``: the position in the shuffled training prompts."""
+    held_groups: tuple[Group, ...] = ()
+    """Kept prompt groups beyond the step's batch, carried into the next step (surplus=carry)."""
+    responses_generated: int = 0
+    """Every response generated so far, kept or not (train.generation_budget counts these)."""
+    clock: dict = field(default_factory=dict)
+    """``StepClock.state_dict()``: recent step and save durations, for the job's time limit."""
+
+    def to_json(self) -> dict:
+        return {"step": self.step, "sampler": self.sampler, "held_groups": [g.to_json() for g in self.held_groups],
+                "responses_generated": self.responses_generated, "clock": self.clock}
+
+    @classmethod
+    def from_json(cls, data: dict, where: str) -> "TrainerState":
+        """The state ``to_json`` wrote; InputError naming ``where`` (the file) when a key is missing
+        or unknown (a checkpoint of another version of this code)."""
+        keys = {"step", "sampler", "held_groups", "responses_generated", "clock"}
+        if not isinstance(data, dict) or set(data) != keys:
+            got = sorted(data) if isinstance(data, dict) else type(data).__name__
+            raise InputError(f"{where}: trainer state with keys {got}, expected {sorted(keys)}: a checkpoint of "
+                             "another version of megatron-dapo; resume it with that version, or start a new logging.dir")
+        return cls(step=int(data["step"]), sampler=data["sampler"],
+                   held_groups=tuple(Group.from_json(g) for g in data["held_groups"]),
+                   responses_generated=int(data["responses_generated"]), clock=data["clock"])
