@@ -347,7 +347,7 @@ def checkpoint_cases(fx: Fixtures) -> list[Case]:
     extra = ("train.total_steps=3",)
     for name, change, names, valid in (
             ("resume: latest missing a file", lambda p: next((p / step2).glob("*.distcp")).unlink(), "", "falls back "
-             "to the intact step 1 (README Reliability), with a warning"),
+             "to the intact step 1 (docs/reliability.md), with a warning"),
             ("resume: every checkpoint truncated", both_broken(truncate_distcp), "step_00000002", ""),
             ("resume: every checkpoint.json missing", both_broken(lambda c: (c / "checkpoint.json").unlink()),
              "step_00000002", ""),

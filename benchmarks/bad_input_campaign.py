@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _bad_input_cases import CLASSES, ROOT, Case, Fixtures, make_fixtures  # noqa: E402
 
 TIME_BOUND_S = 60.0  # a fresh interpreter imports torch and transformers: ~5 s of it on 2 cores
-LATE = ("starting weights from", "resumed from")  # logged once the model is built (setup._build)
+LATE = ("starting weights from", "resumed from")  # logged once the model is built (run.build_run)
 MARKER = "MEGATRON_DAPO_BAD_INPUT_CASE"
 ENV = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT",
                                                         "MASTER_ADDR")}

@@ -1,4 +1,4 @@
-"""Run every benchmark at one size and write its figures as JSON and as the markdown table README shows.
+"""Run every benchmark at one size and write its figures as JSON and as the markdown tables of docs/performance.md.
 
 A benchmark is a module in benchmarks/ with a ``run(quick: bool) -> dict`` returning
     {"name": str, "markdown": str, "details": any (optional),
@@ -12,7 +12,7 @@ date) and the load average before and after each benchmark; the markdown has one
 figure with its baseline, ratio, target and met / not met, then each benchmark's own markdown.
 
     python benchmarks/run_all.py --quick                 # small sizes: a few minutes on 2 cores
-    python benchmarks/run_all.py                         # full sizes: the numbers README shows
+    python benchmarks/run_all.py                         # full sizes: the numbers docs/performance.md shows
     python benchmarks/run_all.py --quick --only logprobs,convert --out /tmp/r.json --markdown /tmp/r.md
 
 Exit status 1 if any benchmark failed or timed out (the others still run and are written).

@@ -30,7 +30,7 @@ generation, so that row takes fewer steps within the budget.
 ``run(quick)`` (benchmarks/run_all.py) gives each row's final accuracy against GRPO's as figures,
 for 1 seed at 640 responses (quick) or the defaults, in a temporary directory.
 
-Writes <out>/table1.json (every run's final numbers and curve), <out>/table1.md (the table README
+Writes <out>/table1.json (every run's final numbers and curve), <out>/table1.md (the table docs/table1.md
 shows) and <out>/table1.png (held-out accuracy, entropy and response length against generated
 responses, mean over seeds).
 """
@@ -204,7 +204,7 @@ def plot(results: list[dict], path: Path) -> None:
 # Quick: one seed and 5 GRPO steps' worth of responses. The seed's toy base (~50 s, made before any
 # row can start) and each run's start-up and final evaluation dominate, not the steps.
 QUICK = dict(seeds=1, budget=640, jobs=2)
-# Full: the CLI's defaults; README's run of them took 7.4 min on the 2 cores, far inside run_all's hour.
+# Full: the CLI's defaults; their run (docs/table1.md) fits well inside run_all's hour on 2 cores.
 FULL = dict(seeds=3, budget=10240, jobs=2)
 
 
@@ -227,7 +227,7 @@ def markdown(result: dict) -> str:
 def figures(result: dict) -> list[dict]:
     """Each row's final held-out avg@k by the paper's rule (mean over seeds), against the GRPO row's
     from the same run (ratio > 1: the row beats GRPO). No targets: at this scale neighbouring rows
-    differ within the seeds' spread (README)."""
+    differ within the seeds' spread (docs/table1.md)."""
     runs = result["runs"]
     mean = {name: statistics.fmean(r["avg_at_k"] for r in runs if r["row"] == name) for name, _ in STEPS}
     grpo, k, seeds = STEPS[0][0], runs[0]["k"], len({r["seed"] for r in runs})

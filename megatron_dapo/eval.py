@@ -6,7 +6,7 @@ times; the loader always merges the copies and ``eval.n`` draws the samples inst
 
 Each response is scored twice: by ``reward_fn`` (eval.reward_fn, default the paper's rule, so
 ``eval/avg@32`` is the number to set beside the paper's) and by ``value_fn`` (our value scorer,
-reported with the suffix ``_value``, e.g. ``eval/avg@32_value``). README "The reward" explains
+reported with the suffix ``_value``, e.g. ``eval/avg@32_value``). docs/reward.md explains
 where the two disagree.
 
 The problems are split over the rollout replicas like a generation batch (rollout/placement.py):

@@ -2,7 +2,7 @@
 test suite's conftest), so that the first screen of a run shows what the run is doing.
 
 Each entry names why it is harmless. Only these exact messages are filtered; any other warning
-from the same libraries still prints. The list (README "Quiet start-up"):
+from the same libraries still prints. The list (docs/reliability.md, "Quiet start-up"):
 """
 
 import logging

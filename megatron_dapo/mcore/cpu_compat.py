@@ -1,6 +1,6 @@
 """Run megatron-core 0.19.2 on a machine without CUDA: the few CUDA-only calls it makes, patched.
 
-Applied explicitly, once, by whatever starts megatron work (``setup._build``, the converter's
+Applied explicitly, once, by whatever starts megatron work (``run.build_run``, the converter's
 ``build_parallel_model``, ``tests/conftest.py``, spawned test children), before anything imports
 ``megatron.core``, and only when ``torch.cuda.is_available()`` is False (on a GPU nothing here
 runs). Importing a package patches nothing; ``require_cpu_compat`` (called by
@@ -443,5 +443,5 @@ def require_cpu_compat() -> None:
     if not _applied and not torch.cuda.is_available():
         raise RuntimeError("megatron-core on a machine without CUDA needs the CPU compatibility layer: call "
                            "megatron_dapo.mcore.cpu_compat.apply_cpu_compat() once, before megatron.core "
-                           "is imported (the CLI, setup_run and the converter do)")
+                           "is imported (the CLI, build_run and the converter do)")
 

@@ -1,6 +1,6 @@
 """Rule-based rewards: scorers by name, and a process pool that bounds their time.
 
-Two scorers are registered (README "The reward"):
+Two scorers are registered (docs/reward.md):
 - "dapo_math" (VALUE_REWARD_FN, math_dapo.py): ours, compares the VALUE of the answer with the
   integer ground truth; the training default.
 - "math_dapo_paper" (PAPER_REWARD_FN, paper_rule.py): the paper's / verl's rule, exact string match

@@ -239,7 +239,7 @@ HARMLESS_AFTER = ["", " is the answer", ".", " is the number of ways", " is the 
 # Both scorers on one table: (response, ground_truth, paper_rule_acc, ours_acc, label). The paper-rule
 # column is the documented behaviour of the original (verl math_dapo, docs/reference/dapo.md 2.4): last
 # "Answer:" match in the last 300 characters, normalised, exact string equality. Rows where the two
-# columns differ are the labelled differences listed in README "The reward".
+# columns differ are the labelled differences listed in docs/reward.md.
 _TAIL_TEXT = "\n" + "We double-check the arithmetic once more. " * 10  # 421 characters: > 300, < 1000
 SCORER_CASES = [
     # --- both correct ---

@@ -2,7 +2,7 @@
 
 This is the metric behind the paper's AIME avg@32 and verl's reproduction numbers (reference
 docs/reference/dapo.md 2.4). Use it to compare with them; our own scorer (math_dapo.py, compares values) is
-more lenient in some places and stricter in others (README "The reward" lists the differences).
+more lenient in some places and stricter in others (docs/reward.md lists the differences).
 
 The rule, step by step:
 1. Only the last PAPER_TAIL_CHARS = 300 characters of the response are read.

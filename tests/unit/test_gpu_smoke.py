@@ -1,7 +1,7 @@
 """tools/gpu_smoke.sh's CPU-runnable parts: argument parsing, the time boxes (a step that overruns
 is killed with its children and reported, the next step still runs), PASS / FAIL / SKIP from the
 checks' exit status, skipping without a GPU, and tools/gpu_smoke.py's reading of the loop's
-metrics. The GPU steps themselves ran on an H200 (README, "GPU smoke run")."""
+metrics. The GPU steps themselves ran on an H200 (docs/gpu.md)."""
 
 import json
 import math

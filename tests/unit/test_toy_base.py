@@ -12,7 +12,7 @@ from megatron_dapo.toy import task as toy_task
 from megatron_dapo.toy import tokenizer as toy_tokenizer
 
 # A reduced warm-up (one narrow layer, 60 steps: ~3 s on one core) with the same recipe as the
-# default; the default's own numbers are in README ("Measured").
+# default; the default's own numbers are in docs/training.md.
 SMALL = dataclasses.replace(toy_base.ToyConfig(), hidden_size=32, intermediate_size=64, num_layers=1,
                             warmup_steps=60, warmup_batch_size=32, warmup_lr=1e-2)
 
