@@ -34,7 +34,7 @@ from megatron_dapo.toy.bootstrap import materialise
 
 run_dir = Path(sys.argv[2])
 cfg = load_config(sys.argv[1], [f"logging.dir={run_dir}", *sys.argv[3:]])
-if cfg.num_threads:  # as setup_run does before it materialises
+if cfg.num_threads:  # as prepare_run does before it materialises
     torch.set_num_threads(cfg.num_threads)
 materialise(cfg, run_dir, rank=0)
 """
