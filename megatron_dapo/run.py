@@ -63,28 +63,21 @@ class Prepared:
             self.lock = None
 
 
-@dataclass
-class Run(Inputs):
-    cfg: DAPOConfig
-    rank: int
-    world_size: int
-    dir: Path
-    ckpt_dir: Path
+@dataclass(kw_only=True)
+class Run(Prepared):
+    """A prepared run with what build_run made for it."""
+
     actor: Any
     placement: Any  # rollout.placement.RolloutPlacement: this rank's engine and the replica layout
     pool: Any  # replica leaders only (None elsewhere)
     sampler: Any
-    resume: TrainerState | None
-    lock: Any = None
 
     def close(self) -> None:
         """Ends the reward workers and releases the run directory."""
         if self.pool is not None:
             self.pool.close()
             self.pool = None
-        if self.lock is not None:
-            self.lock.release()
-            self.lock = None
+        self.release()
 
 
 def prepare_run(cfg: DAPOConfig, *, lock: bool = True) -> Prepared:
@@ -262,15 +255,10 @@ def _build(prep: Prepared) -> Run:
     logger.info("rank %d: rollout replica %d of %d (%s engine, rollout TP %d)%s", prep.rank, placement.replica,
                 placement.num_replicas, cfg.rollout.engine, cfg.rollout.tensor_parallel_size,
                 ", scoring" if placement.is_leader else "")
-    run = Run(**_fields(inputs), cfg=cfg, rank=prep.rank, world_size=prep.world_size, dir=prep.dir,
-              ckpt_dir=prep.ckpt_dir, actor=actor, placement=placement, pool=pool, sampler=sampler,
-              resume=prep.resume, lock=prep.lock)
+    run = Run(**{f.name: getattr(prep, f.name) for f in dataclasses.fields(Prepared)}, actor=actor,
+              placement=placement, pool=pool, sampler=sampler)
     prep.lock = None  # the Run holds it now
     return run
-
-
-def _fields(inputs: Inputs) -> dict:
-    return {f.name: getattr(inputs, f.name) for f in dataclasses.fields(Inputs)}
 
 
 def check_model(cfg: DAPOConfig) -> None:

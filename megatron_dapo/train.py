@@ -107,7 +107,7 @@ def _train(run: Run, stop: StopRequest) -> TrainResult:
 
 def _loop(run: Run, stop: StopRequest, dyn: DynamicSampler, log: MetricsLogger, start: int,
           gen_batch: int, clock: StepClock, end_time: float | None) -> TrainResult:
-    cfg, actor, placement = run.cfg, run.actor, run.placement
+    cfg, actor, placement, inputs = run.cfg, run.actor, run.placement, run.inputs
     _record_ranks(run)
     if run.rank == 0:
         (run.dir / "config.yaml").write_text(dump_yaml(cfg))
@@ -131,9 +131,9 @@ def _loop(run: Run, stop: StopRequest, dyn: DynamicSampler, log: MetricsLogger, 
             dyn.start_step()
             while not dyn.is_full:  # dynamic sampling: draw generation batches until the batch is full
                 indices = run.sampler.next_indices(gen_batch)
-                params = rollout_sampling_params(cfg.rollout, seed=_seed(cfg, step, dyn), stop_token_ids=run.stops)
-                groups, acc = generate_groups(placement, run.train_ids, indices, ground_truths=run.train_truths,
-                                              tokenizer=run.tokenizer, params=params, pool=run.pool, cfg=cfg,
+                params = rollout_sampling_params(cfg.rollout, seed=_seed(cfg, step, dyn), stop_token_ids=inputs.stops)
+                groups, acc = generate_groups(placement, inputs.train_ids, indices, ground_truths=inputs.train_truths,
+                                              tokenizer=inputs.tokenizer, params=params, pool=run.pool, cfg=cfg,
                                               keep=dyn.keep_mask)
                 dyn.add(groups, acc)
             groups, ds_metrics = dyn.pop()
@@ -228,8 +228,9 @@ def _sync(run: Run) -> None:
 def _evaluate(run: Run) -> dict[str, float]:
     cfg = run.cfg
     params = eval_sampling_params(cfg.eval, max_tokens=cfg.eval_max_response_length, seed=cfg.seed,
-                                  stop_token_ids=run.stops)
-    return evaluate(run.placement, run.val_ids, run.val_truths, tokenizer=run.tokenizer, params=params,
+                                  stop_token_ids=run.inputs.stops)
+    inputs = run.inputs
+    return evaluate(run.placement, inputs.val_ids, inputs.val_truths, tokenizer=inputs.tokenizer, params=params,
                     n=cfg.eval.n, pool=run.pool, reward_fn=cfg.eval.reward_fn, value_fn=VALUE_REWARD_FN)
 
 

@@ -86,12 +86,9 @@ def run_example(cfg: DAPOConfig, prompt_index: int = 0) -> Example:
 def _loss_shares(rollouts: list[Rollout], advantages: torch.Tensor, cfg: DAPOConfig) -> tuple[list[float], float, int]:
     """(each response's share, the group's loss, its valid tokens); ratio 1: log pi = log pi_old."""
     loss_fn = get_policy_loss_fn(cfg.loss.policy_loss)
-    lengths = [len(r.response_ids) for r in rollouts]
-    width = max(lengths)
-    logp = torch.zeros(len(rollouts), width)
-    for k, r in enumerate(rollouts):
-        logp[k, :len(r.logprobs)] = torch.tensor(r.logprobs)
-    mask = torch.tensor([[1.0] * n + [0.0] * (width - n) for n in lengths])
+    pad = torch.nn.utils.rnn.pad_sequence
+    logp = pad([torch.tensor(r.logprobs) for r in rollouts], batch_first=True)  # [G, R_max]
+    mask = pad([torch.ones(len(r.response_ids)) for r in rollouts], batch_first=True)
     if cfg.reward.overlong_filter:
         mask[[r.finish_reason == "length" for r in rollouts]] = 0.0
     kw = dict(clip_ratio_low=cfg.loss.clip_ratio_low, clip_ratio_high=cfg.loss.clip_ratio_high,
