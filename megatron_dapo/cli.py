@@ -140,6 +140,29 @@ def cmd_prepare_data(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_samples(args: argparse.Namespace) -> int:
+    """A run's sample dumps in the terminal, filtered (observe/samples_cli.py; docs/observability.md)."""
+    from megatron_dapo.observe.samples_cli import main as samples_main
+
+    return samples_main(args)
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    """Writes the run's report.html from what its run dir holds (observe/report.py) and prints its path."""
+    from pathlib import Path
+
+    from megatron_dapo.observe.report import write_report
+
+    run_dir = Path(args.run_dir)
+    if not run_dir.is_dir():
+        raise InputError(f"no run directory {run_dir} (the run's logging.dir)")
+    path = write_report(run_dir)
+    if path is None:  # the run dir could not be written; write_report printed why
+        return 1
+    print(path, flush=True)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megatron-dapo", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -195,6 +218,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--responses", help="JSONL with 'response' and 'ground_truth' per line")
     p.add_argument("--out", help="with --responses: write each row with its score here")
     p.set_defaults(func=cmd_score)
+
+    p = sub.add_parser("samples", help="read a run's sample dumps (samples/*.jsonl), filtered")
+    p.add_argument("run_dir", help="the run's directory (logging.dir)")
+    p.add_argument("--step", help="a step number, or 'all'; default: the latest step with a dump")
+    p.add_argument("--where", metavar="EXPR", help="comma-separated terms, all must hold: wrong, correct, truncated, "
+                   "kept, dropped, flagged, eval, train, disagree ('!' negates), or field=value, !=, >, <")
+    p.add_argument("--disagree", action="store_true", help="only responses the two scorers judge differently")
+    p.add_argument("--phase", choices=["train", "eval"], help="only training or evaluation responses")
+    p.add_argument("--alarm", metavar="NAME", help="read the dumps of this alarm (alarm_N_NAME.jsonl) instead")
+    p.add_argument("--n", type=_number(int, 0), default=10, help="show at most this many responses (default 10)")
+    p.add_argument("--color", choices=["auto", "always", "never"], default="auto",
+                   help="highlight the answer line with ANSI colour; auto: when stdout is a terminal")
+    p.set_defaults(func=cmd_samples)
+
+    p = sub.add_parser("report", help="write a run's report.html and print its path")
+    p.add_argument("run_dir", help="the run's directory (logging.dir)")
+    p.set_defaults(func=cmd_report)
     return parser
 
 

@@ -116,10 +116,13 @@ class DataConfig:
     prompts_per_step: int = _f(512, "prompt groups in one training (rollout) step")
     gen_prompts_per_batch: int = _f(1536, "prompts per generation batch with dynamic sampling (verl gen_batch_size: "
                                     "3 x 512); without it a generation batch is prompts_per_step")
+    skip_solved_after: int = _f(0, "curation: skip a prompt once every response to it was correct this many times in a "
+                                "row (the pass-rate ledger, counted and logged); 0 = never skip")
 
     def __post_init__(self):
         one = _at_least(1)
-        _require("data", self, max_prompt_length=one, prompts_per_step=one, gen_prompts_per_batch=one)
+        _require("data", self, max_prompt_length=one, prompts_per_step=one, gen_prompts_per_batch=one,
+                 skip_solved_after=_at_least(0))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -300,6 +303,47 @@ class LoggingConfig:
     wandb: bool = _f(False, "log to Weights & Biases (when installed)")
     wandb_project: str = _f("megatron-dapo", "W&B project")
     progress: bool = _f(True, "live progress display on rank 0")
+    samples_every: int = _f(1, "write <dir>/samples/step_N.jsonl every N steps (read: megatron-dapo samples); 0 = never")
+    samples_per_step: int = _f(64, "responses per dump, whole prompt groups (and as many of an evaluation's)")
+    samples_max_chars: int = _f(8000, "a longer response is cut in its middle in a dump (the answer line kept)")
+
+    def __post_init__(self):
+        zero = _at_least(0)
+        _require("logging", self, samples_every=zero, samples_per_step=zero, samples_max_chars=_at_least(200))
+
+
+@dataclass(frozen=True, kw_only=True)
+class AlarmsConfig:
+    enable: bool = _f(True, "alarm metrics every step (alarm/*), a warning line when one crosses its threshold")
+    audit_fn: str = _f("auto", "second scorer of every training response (scorer disagreement); auto = "
+                       "eval.reward_fn, or dapo_math when that is reward.fn; none = off")
+    scorer_disagreement: float = _f(0.1, "fraction of responses the two scorers judge differently")
+    repeated_answer_label: float = _f(0.05, "fraction of responses whose answer line repeats 'Answer' "
+                                      "(Answer: Answer: 5)")
+    no_answer_line: float = _f(0.5, "fraction of responses with no 'Answer:' line")
+    identical_groups: float = _f(0.5, "fraction of prompt groups whose responses are all the same text")
+    entropy_min: float = _f(0.02, "actor/entropy below this: entropy collapse")
+    mismatch_max: float = _f(1.05, "rollout/logprob_mismatch above this (mean exp|engine - trainer log-prob|; 1 = equal)")
+    all_correct: float = _f(0.9, "fraction of generated groups all correct (dynamic sampling saturates)")
+    shortcut_fallbacks: float = _f(0.0, "output-layer gradient shortcuts that fell back to recompute, per step")
+    max_samples: int = _f(16, "offending responses written per raised alarm and step (samples/alarm_*.jsonl)")
+
+    def __post_init__(self):
+        frac = ((lambda v: 0 <= v <= 1), "in [0, 1]")
+        _require("alarms", self, scorer_disagreement=frac, repeated_answer_label=frac, no_answer_line=frac,
+                 identical_groups=frac, all_correct=frac, entropy_min=_at_least(0), mismatch_max=_at_least(1),
+                 shortcut_fallbacks=_at_least(0), max_samples=_at_least(0))
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProfileConfig:
+    steps: tuple[int, ...] = _f((), "[a, b]: a torch profiler trace of steps a..b (1-based, inclusive) under "
+                                "<logging.dir>/profile/ (chrome trace; NVTX ranges on CUDA); [] = off")
+    with_stack: bool = _f(False, "record Python stacks in the trace (slower, larger)")
+
+    def __post_init__(self):
+        if self.steps and not (len(self.steps) == 2 and 1 <= self.steps[0] <= self.steps[1]):
+            _fail(f"profile.steps must be [a, b] with 1 <= a <= b (steps to trace), or [] (off); got {list(self.steps)}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -350,7 +394,9 @@ class DAPOConfig:
     train: TrainConfig = _sub(TrainConfig, "update schedule")
     eval: EvalConfig = _sub(EvalConfig, "evaluation")
     checkpoint: CheckpointConfig = _sub(CheckpointConfig, "checkpoints and resume")
-    logging: LoggingConfig = _sub(LoggingConfig, "metrics and progress")
+    logging: LoggingConfig = _sub(LoggingConfig, "metrics, progress and sample dumps")
+    alarms: AlarmsConfig = _sub(AlarmsConfig, "warnings for reward hacking, collapse and drift")
+    profile: ProfileConfig = _sub(ProfileConfig, "torch profiler traces of chosen steps")
     toy: ToyConfig = _sub(ToyConfig, "the synthetic task and tiny base of the CPU demo")
 
     def __post_init__(self):
@@ -427,7 +473,9 @@ def _validate_cross_section(cfg: DAPOConfig) -> None:
                                   ("algorithm.adv_estimator", ADVANTAGE_ESTIMATORS, cfg.algorithm.adv_estimator),
                                   ("rollout.engine", ENGINES, cfg.rollout.engine),
                                   ("reward.fn", REWARD_FNS, cfg.reward.fn),
-                                  ("eval.reward_fn", REWARD_FNS, cfg.eval.reward_fn)):
+                                  ("eval.reward_fn", REWARD_FNS, cfg.eval.reward_fn),
+                                  *((("alarms.audit_fn", REWARD_FNS, cfg.alarms.audit_fn),)
+                                    if cfg.alarms.audit_fn not in ("auto", "none") else ())):
         if value not in registry:
             _fail(f"{name}={value!r} is not one of {registry.names()}")
 

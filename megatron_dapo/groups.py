@@ -16,6 +16,8 @@ import torch
 from megatron_dapo.algo import get_advantage_fn, overlong_filter_mask, overlong_penalty
 from megatron_dapo.batching import Sample
 from megatron_dapo.config import DAPOConfig
+from megatron_dapo.observe.audit import GroupAudit, audit_group
+from megatron_dapo.observe.rows import RowSpec, SampleRow, group_rows, pick_flagged
 from megatron_dapo.rollout.engine import Rollout, SamplingParams
 from megatron_dapo.rollout.placement import RolloutPlacement
 
@@ -42,10 +44,10 @@ class Group:
 
 
 def score_rollouts(outputs: list[list[Rollout]], truths: list[str], *, tokenizer, pool,
-                   fns: tuple[str | None, ...] = (None,)) -> list[list[dict]]:
+                   fns: tuple[str | None, ...] = (None,), texts_out: list | None = None) -> list[list[dict]]:
     """Decodes every response of ``outputs`` (per prompt, same order as ``truths``) once and scores
     it with each reward fn named in ``fns`` (None: the pool's default, reward.fn): per fn, one
-    reward dict per response, flat in prompt-major order."""
+    reward dict per response, flat in prompt-major order. ``texts_out``: receives the decoded texts."""
     flat = [r for group in outputs for r in group]
     texts = tokenizer.batch_decode([r.response_ids for r in flat], skip_special_tokens=True)
     gts = [gt for gt, group in zip(truths, outputs) for _ in group]
@@ -53,6 +55,8 @@ def score_rollouts(outputs: list[list[Rollout]], truths: list[str], *, tokenizer
     for fn in fns:
         if fn not in scored:
             scored[fn] = pool.score(texts, gts, fn=fn)
+    if texts_out is not None:
+        texts_out.extend(texts)
     return [scored[fn] for fn in fns]
 
 
@@ -77,41 +81,71 @@ def shape_groups(indices: list[int], outputs: list[list[Rollout]], results: list
 
 def generate_scored(placement: RolloutPlacement, prompt_ids: list[list[int]], n: int, params: SamplingParams, *,
                     ground_truths: list[str], tokenizer, pool, fns: tuple[str | None, ...] = (None,),
-                    summarise: Callable[[int, list[Rollout], list[list[dict]]], T]) -> list[T]:
+                    summarise: Callable[[int, list[Rollout], list[list[dict]], list[str]], T]) -> list[T]:
     """Generate -> score -> gather, the one protocol of training and evaluation.
 
     Every replica generates its share of ``prompt_ids`` (``n`` responses each; ``ground_truths``
     aligned with them); its leader scores the share with each reward fn of ``fns`` and summarises
-    each prompt: ``summarise(position in prompt_ids, its n rollouts, per fn its n reward dicts)``.
-    Only the summaries travel; returns one per prompt, in prompt order, on every rank.
+    each prompt: ``summarise(position in prompt_ids, its n rollouts, per fn its n reward dicts, the n
+    decoded responses)``. Only the summaries travel; returns one per prompt, in prompt order, on
+    every rank.
     """
     share, outputs = placement.generate(prompt_ids, n, params)
     local: list[T] = []
     if placement.is_leader and share:
-        scored = score_rollouts(outputs, [ground_truths[p] for p in share], tokenizer=tokenizer, pool=pool, fns=fns)
+        texts: list[str] = []
+        scored = score_rollouts(outputs, [ground_truths[p] for p in share], tokenizer=tokenizer, pool=pool, fns=fns,
+                                texts_out=texts)
         for j, (p, rollouts) in enumerate(zip(share, outputs)):
-            local.append(summarise(p, rollouts, [results[j * n:(j + 1) * n] for results in scored]))
+            sl = slice(j * n, (j + 1) * n)
+            local.append(summarise(p, rollouts, [results[sl] for results in scored], texts[sl]))
     return placement.gather(local)
+
+
+@dataclass
+class GenBatch:
+    """One generation batch's outcome, on every rank, in batch order."""
+
+    groups: list[Group | None]  # None where dynamic sampling dropped the group
+    acc: torch.Tensor  # [P, G] bool correctness
+    audits: list[GroupAudit]  # format and scorer-agreement counts of every group (observe/audit.py)
+    rows: list[SampleRow]  # dump rows of the groups at positions < RowSpec.dump_groups
+    flagged: list[SampleRow]  # flagged responses (alarm dumps), a bounded number per replica
 
 
 def generate_groups(placement: RolloutPlacement, prompt_ids: list[list[int]], indices: list[int], *,
                     ground_truths: list[str], tokenizer, params: SamplingParams, pool, cfg: DAPOConfig,
-                    keep: Callable[[torch.Tensor], torch.Tensor]) -> tuple[list[Group | None], torch.Tensor]:
+                    keep: Callable[[torch.Tensor], torch.Tensor], rows: RowSpec | None = None) -> GenBatch:
     """One generation batch (the prompts ``indices``), split over the rollout replicas.
 
-    Each replica's leader scores and shapes its share and applies ``keep`` (dynamic sampling's
-    filter: [P, G] acc -> [P] bool); only kept groups travel. Returns, on every rank and in batch
-    order, the groups (None where dropped) and the [P, G] bool correctness.
+    Each replica's leader scores (with reward.fn and, when ``rows.audit_scorer``, the audit scorer)
+    and shapes its share, applies ``keep`` (dynamic sampling's filter: [P, G] acc -> [P] bool) and
+    audits every group; only kept groups, counts, and the bounded dump rows travel.
     """
-    def summarise(p: int, rollouts: list[Rollout], scored: list[list[dict]]) -> tuple[list[bool], Group | None]:
+    fns = (None, rows.audit_scorer) if rows is not None and rows.audit_scorer else (None,)
+    flag_counts: dict[str, int] = {}  # this leader's share: flagged rows sent so far, per flag
+
+    def summarise(p: int, rollouts: list[Rollout], scored: list[list[dict]], texts: list[str]):
         group, = shape_groups([indices[p]], [rollouts], scored[0], cfg)
         kept = bool(keep(torch.tensor([group.acc], dtype=torch.bool))[0])
-        return group.acc, group if kept else None
+        audit_results = scored[1] if len(scored) > 1 else None
+        audit, flags = audit_group(texts, group.acc, [r["acc"] for r in audit_results] if audit_results else None)
+        dumped, flagged = [], []
+        if rows is not None and (p < rows.dump_groups or any(flags)):
+            prompt = tokenizer.batch_decode([rollouts[0].prompt_ids], skip_special_tokens=True)[0] if rollouts else ""
+            made = group_rows(rows, prompt_index=indices[p], position=p, prompt=prompt, texts=texts, rollouts=rollouts,
+                              ground_truth=ground_truths[indices[p]], results=scored[0], audit_results=audit_results,
+                              flags=flags, scores=group.scores, rewards=group.rewards, kept=kept)
+            dumped = made if p < rows.dump_groups else []
+            flagged = pick_flagged(made, flag_counts, rows.flag_cap)
+        return group.acc, group if kept else None, audit, dumped, flagged
 
     gathered = generate_scored(placement, [prompt_ids[i] for i in indices], cfg.rollout.n, params,
                                ground_truths=[ground_truths[i] for i in indices], tokenizer=tokenizer, pool=pool,
-                               summarise=summarise)
-    return [g for _, g in gathered], torch.tensor([acc for acc, _ in gathered], dtype=torch.bool)
+                               fns=fns, summarise=summarise)
+    return GenBatch(groups=[g[1] for g in gathered], acc=torch.tensor([g[0] for g in gathered], dtype=torch.bool),
+                    audits=[g[2] for g in gathered], rows=[r for g in gathered for r in g[3]],
+                    flagged=[r for g in gathered for r in g[4]])
 
 
 def to_samples(groups: list[Group], cfg: DAPOConfig):

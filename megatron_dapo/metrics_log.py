@@ -22,10 +22,12 @@ the same code path (``log`` still syncs its tensors; call it only with already-r
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import math
 import time
+import uuid
 from collections import defaultdict
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -95,10 +97,14 @@ class MetricsLogger:
 
     @contextlib.contextmanager
     def timer(self, name: str) -> Iterator[None]:
-        """Adds the wall time of the block to ``timing_s/<name>`` of the current step (sums repeats)."""
+        """Adds the wall time of the block to ``timing_s/<name>`` of the current step (sums repeats).
+
+        The block is also a ``phase_range(name)``, so a profiler trace (observe/profiler.py) or an
+        nsys timeline shows the same phases the timings name."""
         start = time.perf_counter()
         try:
-            yield
+            with phase_range(name):
+                yield
         finally:
             self._timings[name] += time.perf_counter() - start
 
@@ -124,6 +130,28 @@ class MetricsLogger:
             self._wandb.log(values, step=step)
         return values
 
+    def log_samples(self, step: int, phase: str, rows: Sequence[Mapping[str, Any]]) -> None:
+        """Dump rows (observe/rows.py) as a TensorBoard text table and a W&B table, when those are on."""
+        if not self.enabled or not rows:
+            return
+        columns = ("prompt_index", "response_index", "acc", "audit_acc", "pred", "ground_truth", "advantage",
+                   "kept", "flags", "response")
+        if self._tb is not None:
+            lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+            lines += ["| " + " | ".join(_cell(r.get(c)) for c in columns) + " |" for r in rows]
+            self._tb.add_text(f"samples/{phase}", "\n".join(lines), step)
+            self._tb.flush()
+        if self._wandb is not None:
+            import wandb
+
+            table = wandb.Table(columns=list(columns), data=[[str(r.get(c)) for c in columns] for r in rows])
+            self._wandb.log({f"samples/{phase}": table}, step=step)
+
+    def log_histogram(self, step: int, name: str, values: Sequence[float]) -> None:
+        """A distribution (e.g. the ledger's pass rates) as a TensorBoard histogram, when it is on."""
+        if self.enabled and self._tb is not None and values:
+            self._tb.add_histogram(name, torch.tensor(list(values)), step)
+
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
@@ -140,6 +168,33 @@ class MetricsLogger:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+@functools.cache
+def _on_cuda() -> bool:
+    """Asked once: phase_range runs many times per step and the answer does not change."""
+    return torch.cuda.is_available()
+
+
+@contextlib.contextmanager
+def phase_range(name: str) -> Iterator[None]:
+    """The block as a range named ``name`` in a torch profiler trace (observe/profiler.py) and, on
+    CUDA, in an nsys timeline (NVTX). Without a profiler running it costs microseconds, so it can
+    stay on in every run. Lives here, not in observe/, so that this module imports no subpackage."""
+    with torch.profiler.record_function(name):
+        if not _on_cuda():
+            yield
+            return
+        torch.cuda.nvtx.range_push(name)
+        try:
+            yield
+        finally:
+            torch.cuda.nvtx.range_pop()
+
+
+def _cell(value: Any) -> str:
+    """A markdown table cell: no column bars, no line breaks."""
+    return str(value).replace("|", "\\|").replace("\n", " / ")
 
 
 def to_floats(metrics: Mapping[str, float | int | torch.Tensor]) -> dict[str, float]:
@@ -227,7 +282,8 @@ def _init_wandb(run_dir: Path, project: str, config: Mapping[str, Any], *, resum
                        "(and TensorBoard, if enabled) only. Install it with: pip install wandb")
         return None
     id_file = run_dir / WANDB_ID_FILE
-    run_id = id_file.read_text().strip() if resume and id_file.exists() else wandb.util.generate_id()
+    # Our own id: wandb.util.generate_id is gone from wandb 0.31 (logging.wandb=true failed there).
+    run_id = id_file.read_text().strip() if resume and id_file.exists() else uuid.uuid4().hex[:8]
     id_file.write_text(run_id + "\n")
     return wandb.init(project=project, id=run_id, resume="allow", dir=str(run_dir), config=dict(config),
                       name=run_dir.name)

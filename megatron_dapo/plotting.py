@@ -5,12 +5,15 @@
 (the CLI is ``main`` below; training calls ``plot_run`` in-process at the end of a run.)
 
 Default panels (paper Fig. 1, 2, 6, 7 and section 4.3's advice to watch length and entropy next to
-validation accuracy): held-out accuracy (avg@k / pass@k), training reward and accuracy, response
-length (mean and max), entropy, clip fractions, dynamic-sampling counts, rollout/trainer
-log-prob mismatch, time per step. Each panel lists glob patterns; keys that match nothing are
-skipped, and so are panels left empty, so any subset of metrics plots. ``--keys`` (globs too)
-replaces the defaults with one panel per argument. Metrics logged only on some steps (evaluation)
-are drawn with markers at those steps.
+validation accuracy), each with at most ``MAX_LINES`` lines so that a glance reads them:
+held-out accuracy (avg@n by both scorers and pass@n, n the largest k logged), training reward and
+accuracy, response length (mean and max), entropy, clip fractions, dynamic-sampling counts,
+rollout/trainer log-prob mismatch, time per step (the total and the three largest phases) and the
+alarm fractions (the largest ones). A panel's selector picks its keys from what the file holds;
+keys that are absent are skipped, and so are panels left empty, so any subset of metrics plots.
+``panel_keys`` returns the choice without drawing (the tests read it). ``--keys`` (globs too)
+replaces the defaults with one panel per argument, each drawing every key it matches. Metrics
+logged only on some steps (evaluation) are drawn with markers at those steps.
 """
 
 from __future__ import annotations
@@ -19,25 +22,68 @@ import argparse
 import fnmatch
 import json
 import math
+import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
-# (panel title, glob patterns). Names follow the metric names of the training loop.
-PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("Held-out accuracy", ("eval/avg@*", "eval/pass*", "eval/cons@*", "val*/acc*")),
-    ("Train reward", ("reward/acc_mean", "reward/score_mean", "reward/overlong_penalty_mean")),
+Series = dict[str, tuple[list[int], list[float]]]
+Selector = Callable[[Series], list[str]]  # the keys a panel draws, from what the file holds
+
+# More lines than this in one panel and nobody reads the legend: each default panel keeps its few.
+MAX_LINES = 4
+_AVG_AT = re.compile(r"^eval/avg@(\d+)$")
+
+
+def globs(*patterns: str, limit: int | None = MAX_LINES) -> Selector:
+    """A selector of the keys matching ``patterns`` (see ``select``), the first ``limit`` of them."""
+    return lambda series: select(series, patterns)[:limit]
+
+
+def held_out(series: Series) -> list[str]:
+    """avg@n by both scorers and pass@n at the largest n logged: the number to set beside the
+    paper's, its check by the second scorer, and the ceiling. Smaller k and cons@k repeat them."""
+    ns = [int(m.group(1)) for m in map(_AVG_AT.match, series) if m]
+    if not ns:
+        return select(series, ("val*/acc*",))[:MAX_LINES]
+    n = max(ns)
+    return [k for k in (f"eval/avg@{n}", f"eval/avg@{n}_value", f"eval/pass@{n}") if k in series]
+
+
+def timing(series: Series) -> list[str]:
+    """The step's total and the three phases that took the most time over the run: where the time
+    goes; the small phases only clutter the panel."""
+    total = [k for k in ("timing_s/step",) if k in series]
+    phases = [k for k in select(series, ("timing_s/*",)) if k not in total]
+    phases.sort(key=lambda k: -sum(series[k][1]))
+    return total + phases[:MAX_LINES - 1]
+
+
+def alarms(series: Series) -> list[str]:
+    """The alarm fractions (alarm/* with every value in [0, 1]) with the highest peaks: the ones
+    that came closest to, or crossed, their thresholds."""
+    keys = [k for k in select(series, ("alarm/*",)) if all(0 <= v <= 1 for v in series[k][1])]
+    keys.sort(key=lambda k: -max(series[k][1]))
+    return keys[:MAX_LINES]
+
+
+# (panel title, selector). Names follow the metric names of the training loop.
+PANELS: tuple[tuple[str, Selector], ...] = (
+    ("Held-out accuracy", held_out),
+    ("Train reward", globs("reward/acc_mean", "reward/score_mean", "reward/overlong_penalty_mean")),
     ("Response length (tokens)",
-     ("response_length/mean", "response_length/max", "eval/response_length_mean")),
-    ("Entropy", ("actor/entropy*",)),
-    ("Clip fractions", ("actor/pg_clipfrac*", "response_length/clip_ratio")),
-    ("Dynamic sampling", ("dynamic_sampling/num_gen_batches", "dynamic_sampling/num_groups_kept",
-                          "dynamic_sampling/num_dropped_*")),
-    ("Log-prob mismatch", ("rollout/logprob_mismatch*",)),
-    ("Time per step (s)", ("timing_s/*",)),
+     globs("response_length/mean", "response_length/max", "eval/response_length_mean")),
+    ("Entropy", globs("actor/entropy*")),
+    ("Clip fractions", globs("actor/pg_clipfrac*", "response_length/clip_ratio")),
+    ("Dynamic sampling", globs("dynamic_sampling/num_gen_batches", "dynamic_sampling/num_groups_kept",
+                               "dynamic_sampling/num_dropped_*")),
+    ("Log-prob mismatch", globs("rollout/logprob_mismatch*")),
+    ("Time per step (s)", timing),
+    ("Alarms", alarms),
 )
 
 
-def load_series(path: str | Path) -> dict[str, tuple[list[int], list[float]]]:
+def load_series(path: str | Path) -> Series:
     """key -> (steps, values) from a metrics.jsonl; nulls, non-numbers and broken lines skipped.
 
     A step logged twice (a resumed run whose file was not truncated) keeps its last value.
@@ -65,15 +111,21 @@ def select(series_keys, patterns) -> list[str]:
     return out
 
 
-def plot(series: dict[str, tuple[list[int], list[float]]], panels, out: str | Path, *, title: str) -> int:
+def panel_keys(series: Series, panels=PANELS) -> list[tuple[str, list[str]]]:
+    """(title, keys) of each panel that has something to draw, in order: what ``plot`` draws,
+    testable without reading pixels."""
+    filled = [(name, selector(series)) for name, selector in panels]
+    return [(name, keys) for name, keys in filled if keys]
+
+
+def plot(series: Series, panels, out: str | Path, *, title: str) -> int:
     """Draws the non-empty panels into ``out``; returns how many were drawn."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only; no display on training nodes
     import matplotlib.pyplot as plt
 
-    filled = [(name, select(series, patterns)) for name, patterns in panels]
-    filled = [(name, keys) for name, keys in filled if keys]
+    filled = panel_keys(series, panels)
     if not filled:
         return 0
     num_cols = min(3, len(filled))
@@ -124,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     if not series:
         print(f"no numeric metrics in {args.metrics}", file=sys.stderr)
         return 1
-    panels = [(k, (k,)) for k in args.keys] if args.keys else PANELS
+    panels = [(k, globs(k, limit=None)) for k in args.keys] if args.keys else PANELS
     num_drawn = plot(series, panels, args.out, title=str(args.metrics))
     if not num_drawn:
         print(f"none of the requested keys are in {args.metrics}; it has: {', '.join(sorted(series))}",

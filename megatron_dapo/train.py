@@ -24,8 +24,10 @@ from megatron_dapo.algo import DynamicSampler
 from megatron_dapo.groups import generate_groups, rollout_metrics, to_samples
 from megatron_dapo.config import DAPOConfig
 from megatron_dapo.config_loading import dump_yaml, to_dict
-from megatron_dapo.eval import evaluate
+from megatron_dapo.eval import evaluate_with_rows
 from megatron_dapo.metrics_log import MetricsLogger, format_progress, progress_keys, read_metrics
+from megatron_dapo.observe.observer import Observer
+from megatron_dapo.observe.profiler import StepProfiler
 from megatron_dapo.preemption import TIME_LIMIT, StopRequest, Watch
 from megatron_dapo.reward import VALUE_REWARD_FN
 from megatron_dapo.rollout.engine import eval_sampling_params, rollout_sampling_params
@@ -99,14 +101,17 @@ def _train(run: Run, stop: StopRequest) -> TrainResult:
     stop.watch(Watch(seconds_to_finish=clock.seconds_to_finish, last_checkpoint=lambda: str(_latest(run) or "none yet"),
                      on_abandon=lambda line: write_status("stopped", line) if run.rank == 0 else None,
                      grace_s=cfg.checkpoint.stop_grace_s, end_time=end_time))
+    obs = Observer(cfg, run.dir, rank=run.rank, start=start, num_replicas=run.placement.num_replicas, resume=resume,
+                   log=log)
     try:
-        return _loop(run, stop, dyn, log, start, gen_batch, clock, end_time)
+        with StepProfiler(cfg.profile, run.dir, run.rank) as prof:  # profile.steps: a trace of those steps
+            return _loop(run, stop, dyn, log, obs, prof, start, gen_batch, clock, end_time)
     finally:
         log.close()
 
 
-def _loop(run: Run, stop: StopRequest, dyn: DynamicSampler, log: MetricsLogger, start: int,
-          gen_batch: int, clock: StepClock, end_time: float | None) -> TrainResult:
+def _loop(run: Run, stop: StopRequest, dyn: DynamicSampler, log: MetricsLogger, obs: Observer, prof: StepProfiler,
+          start: int, gen_batch: int, clock: StepClock, end_time: float | None) -> TrainResult:
     cfg, actor, placement, inputs = run.cfg, run.actor, run.placement, run.inputs
     _record_ranks(run)
     if run.rank == 0:
@@ -114,7 +119,8 @@ def _loop(run: Run, stop: StopRequest, dyn: DynamicSampler, log: MetricsLogger, 
     _sync(run)  # the engines start from the checkpoint's weights (vLLM's from dummy ones)
     final = {}
     if cfg.eval.before_train and start == 0:
-        final = _log(log, 0, _evaluate(run), cfg, start)
+        metrics = _evaluate(run, obs)
+        final = _log(log, 0, metrics | obs.end_step(0, metrics, [], []), cfg, start)
 
     done = saved = start  # completed steps; the step the newest checkpoint holds
     generated = run.resume.responses_generated if run.resume else 0  # every response generated so far, kept or not
@@ -125,17 +131,19 @@ def _loop(run: Run, stop: StopRequest, dyn: DynamicSampler, log: MetricsLogger, 
         if stop.agreed():  # every rank stops after the same step
             break
         clock.start_step()
+        prof.begin_step(step + 1)
         metrics: dict[str, float] = {}
         step_start = time.perf_counter()
         with log.timer("rollout"):
             dyn.start_step()
             while not dyn.is_full:  # dynamic sampling: draw generation batches until the batch is full
-                indices = run.sampler.next_indices(gen_batch)
+                indices = obs.draw(run.sampler, gen_batch)  # skips retired prompts (data.skip_solved_after)
                 params = rollout_sampling_params(cfg.rollout, seed=_seed(cfg, step, dyn), stop_token_ids=inputs.stops)
-                groups, acc = generate_groups(placement, inputs.train_ids, indices, ground_truths=inputs.train_truths,
-                                              tokenizer=inputs.tokenizer, params=params, pool=run.pool, cfg=cfg,
-                                              keep=dyn.keep_mask)
-                dyn.add(groups, acc)
+                batch = generate_groups(placement, inputs.train_ids, indices, ground_truths=inputs.train_truths,
+                                        tokenizer=inputs.tokenizer, params=params, pool=run.pool, cfg=cfg,
+                                        keep=dyn.keep_mask, rows=obs.row_spec(dyn.num_gen_batches))
+                obs.add_batch(batch, indices, dyn.num_gen_batches, gen_batch)
+                dyn.add(batch.groups, batch.acc)
             groups, ds_metrics = dyn.pop()
         placement.sleep()  # the engine's memory goes to the trainer until the next sync
         generated += int(ds_metrics["dynamic_sampling/num_groups_generated"]) * cfg.rollout.n
@@ -162,22 +170,24 @@ def _loop(run: Run, stop: StopRequest, dyn: DynamicSampler, log: MetricsLogger, 
             _sync(run)
         if cfg.eval.every and (step + 1) % cfg.eval.every == 0 or finished:
             with log.timer("eval"):
-                metrics.update(_evaluate(run))
+                metrics.update(_evaluate(run, obs))
         metrics["timing_s/step"] = time.perf_counter() - step_start
+        metrics.update(obs.end_step(step + 1, metrics, groups, [s.advantages for s in samples]))
         # Log before saving: a crash between the two resumes from the previous checkpoint and
         # rewrites this step's record, never leaves a step without one.
         final = _log(log, step + 1, metrics, cfg, start) or final
         done = step + 1
+        prof.end_step(done)
         clock.end_step()
         if cfg.checkpoint.save_every and done % cfg.checkpoint.save_every == 0 or finished:
-            _save(run, dyn, done, generated, clock)
+            _save(run, dyn, obs, done, generated, clock)
             saved = done
         if finished:
             break
     if stop.signum is None or finished:
         return TrainResult(final_eval=final, step=done)
     if done > saved:
-        _save(run, dyn, done, generated, clock)
+        _save(run, dyn, obs, done, generated, clock)
     latest = _latest(run)
     return TrainResult(final_eval=final, step=done, stopped_by=stop.name, checkpoint=latest and str(latest),
                        stop_latency_s=stop.seconds_since())
@@ -191,9 +201,10 @@ def _record_ranks(run: Run) -> None:
         (run.dir / "ranks.json").write_text(json.dumps({"nodes": nodes}, indent=1) + "\n")
 
 
-def _save(run: Run, dyn: DynamicSampler, step: int, generated: int, clock: StepClock) -> None:
+def _save(run: Run, dyn: DynamicSampler, obs: Observer, step: int, generated: int, clock: StepClock) -> None:
     state = TrainerState(step=step, sampler=run.sampler.state_dict(), held_groups=dyn.held,
-                         responses_generated=generated, clock=clock.state_dict())
+                         responses_generated=generated, clock=clock.state_dict(), ledger=obs.ledger.state(),
+                         alarms=tuple(obs.alarms.state()))
     started = time.monotonic()
     run.actor.save_checkpoint(str(run.ckpt_dir), state.to_json())
     clock.record_save(time.monotonic() - started)
@@ -225,13 +236,18 @@ def _sync(run: Run) -> None:
     run.placement.sync(run.actor.export_hf_weights(bucket_bytes=bucket_bytes), bucket_bytes)
 
 
-def _evaluate(run: Run) -> dict[str, float]:
+def _evaluate(run: Run, obs: Observer | None = None) -> dict[str, float]:
+    """Held-out metrics; with ``obs``, its dump rows go to the step's samples."""
     cfg = run.cfg
     params = eval_sampling_params(cfg.eval, max_tokens=cfg.eval_max_response_length, seed=cfg.seed,
                                   stop_token_ids=run.inputs.stops)
     inputs = run.inputs
-    return evaluate(run.placement, inputs.val_ids, inputs.val_truths, tokenizer=inputs.tokenizer, params=params,
-                    n=cfg.eval.n, pool=run.pool, reward_fn=cfg.eval.reward_fn, value_fn=VALUE_REWARD_FN)
+    metrics, rows = evaluate_with_rows(run.placement, inputs.val_ids, inputs.val_truths, tokenizer=inputs.tokenizer,
+                                       params=params, n=cfg.eval.n, pool=run.pool, reward_fn=cfg.eval.reward_fn,
+                                       value_fn=VALUE_REWARD_FN, rows=obs.eval_spec() if obs else None)
+    if obs is not None:
+        obs.add_eval(rows)
+    return metrics
 
 
 def _log(log: MetricsLogger, step: int, metrics: dict, cfg: DAPOConfig, start: int) -> dict[str, float]:
@@ -286,6 +302,7 @@ def setup_logging() -> None:
 
 
 def main(cfg: DAPOConfig, stop: StopRequest | None = None) -> int:
+    from megatron_dapo.observe.report import write_report
     from megatron_dapo.plotting import plot_run
 
     setup_logging()
@@ -299,6 +316,7 @@ def main(cfg: DAPOConfig, stop: StopRequest | None = None) -> int:
               f"{_fmt(result.final_eval) or 'none'}", flush=True)
         return 0
     plot_run(cfg.logging.dir)
+    write_report(cfg.logging.dir)  # curves, the latest samples, the alarms: one page
     if result.stopped_by:
         saved = f"checkpoint {result.checkpoint}" if result.checkpoint else "no checkpoint yet (nothing to keep)"
         print(f"megatron-dapo: stopped by {result.stopped_by} after step {result.step} of "

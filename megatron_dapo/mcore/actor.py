@@ -49,7 +49,10 @@ class MegatronActor:
 
     def get_loss_and_metrics(self, batch: list[Sample], forward_only: bool = False) -> dict[str, float]:
         """One optimizer update on the mini-batch (or, ``forward_only``, its loss and metrics
-        without one). Every sample needs ``old_log_probs``. Returns metrics, equal on all ranks."""
+        without one). Every sample needs ``old_log_probs``. Returns metrics, equal on all ranks
+        (train_step.train_step lists them), among them ``actor/grad_shortcut_fallbacks``: the
+        micro-batches of this update whose output-layer gradients had to be recomputed because
+        the loss's gradient hint did not hold (``actor/grad_shortcut_used``: those where it held)."""
         missing = [i for i, x in enumerate(batch) if x.old_log_probs is None]
         if missing:
             raise ValueError(f"samples {missing[:8]} have no old_log_probs; compute them with "

@@ -27,6 +27,8 @@ fused linear cross-entropy does for a scalar loss (github.com/linkedin/Liger-Ker
 ops/fused_linear_cross_entropy.py). Backward then only checks that the gradient that arrived is
 that hint times one scalar (the schedule's loss scaling) and scales; anything else (another loss,
 an entropy gradient) falls back to the recompute, so the hint can cost time but never correctness.
+``SHORTCUT_STATS`` counts both outcomes, so that a silent fallback shows up (train_step.py reports
+them per update as actor/grad_shortcut_used and actor/grad_shortcut_fallbacks).
 Positions the hint marks inactive (masked out of the loss: prompts, padding) have no gradient:
 the loop runs them first, in chunks of their own, and skips those chunks' gradient matmuls.
 
@@ -146,6 +148,41 @@ class GradHint:
 
     grad: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     active: torch.Tensor | None = None
+
+
+@dataclass
+class ShortcutStats:
+    """How often the hinted output layer's backward took the forward's gradients (``used``) and
+    how often the gradient that arrived was not the hint times a scalar, so it recomputed
+    (``fallbacks``): one count per hinted ``_HiddenLogProbs`` backward (a micro-batch on the last
+    pipeline stage). A fallback is still exact but costs the saved work twice over, so a run whose
+    fallbacks are not 0 has a hint that no longer matches its loss. Calls without a hint count
+    in neither. Process-wide (``SHORTCUT_STATS``); not thread-safe (autograd runs this on one thread).
+    """
+
+    used: int = 0
+    fallbacks: int = 0
+
+    def record(self, *, used: bool) -> None:
+        if used:
+            self.used += 1
+        else:
+            self.fallbacks += 1
+
+    def reset(self) -> None:
+        self.used = self.fallbacks = 0
+
+    def snapshot(self) -> "ShortcutStats":
+        """A copy, unaffected by later counts."""
+        return ShortcutStats(used=self.used, fallbacks=self.fallbacks)
+
+    def since(self, earlier: "ShortcutStats") -> "ShortcutStats":
+        """The counts added after ``earlier`` (a snapshot): a window without resetting the
+        counter under anyone else's feet."""
+        return ShortcutStats(used=self.used - earlier.used, fallbacks=self.fallbacks - earlier.fallbacks)
+
+
+SHORTCUT_STATS = ShortcutStats()
 
 
 def logprobs_output_processor(target_bs: torch.Tensor, *, temperature: float, valid_vocab_size: int | None,
@@ -354,7 +391,10 @@ class _HiddenLogProbs(torch.autograd.Function):
     def backward(ctx, grad_log_probs, grad_entropy):
         hidden, weight, target, stats = ctx.saved_tensors
         early, ctx.early = ctx.early, None
-        if early is not None and (grads := early.scaled(grad_log_probs, grad_entropy)) is not None:
+        grads = None if early is None else early.scaled(grad_log_probs, grad_entropy)
+        if early is not None:
+            SHORTCUT_STATS.record(used=grads is not None)
+        if grads is not None:
             return grads[0].view_as(hidden), grads[1].to(weight.dtype), None, None, None
         shard, (g_lp, g_h) = ctx.shard, _grads_out(grad_log_probs, grad_entropy)
         flat, tgt, w = hidden.reshape(-1, hidden.shape[-1]), target.reshape(-1), weight[:shard.valid]

@@ -35,7 +35,9 @@ Metrics: the loss's metrics are pre-divided by the global count, so they are sum
 micro-batches (``*_max`` keys: max) on the last pipeline stage, then all ranks exchange one
 stacked tensor (one all-gather over DP, reduced locally: sum or max per key) and the last
 stage broadcasts the result over PP. One host sync per step for the metrics, and one per
-micro-batch in the output layer's backward (the hint check).
+micro-batch in the output layer's backward (the hint check). The hint check's outcomes
+(logprobs.SHORTCUT_STATS, counted on the last stage) ride in the same exchange as two more
+sum keys, so every rank reports the same ``actor/grad_shortcut_used`` / ``_fallbacks``.
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ from megatron_dapo.batching import (
     pad_multiple,
     unpack_responses,
 )
-from megatron_dapo.mcore.logprobs import GradHint, logprobs_output_processor
+from megatron_dapo.mcore.logprobs import SHORTCUT_STATS, GradHint, ShortcutStats, logprobs_output_processor
 from megatron_dapo.mcore.optimizer import current_lr
 from megatron_dapo.mcore.parallel import all_gather_rows
 
@@ -235,15 +237,23 @@ def _metric_keys(settings: StepSettings) -> tuple[tuple[str, ...], tuple[str, ..
     return tuple(k for k in keys if not k.endswith("_max")), tuple(k for k in keys if k.endswith("_max"))
 
 
-def _reduce_metrics(per_mb: list[dict], settings: StepSettings) -> dict[str, torch.Tensor]:
+# Hinted output-layer backwards of an update that took the forward's gradients / recomputed
+# (logprobs.ShortcutStats); summed like the loss's metrics, over micro-batches and DP ranks.
+SHORTCUT_KEYS = ("actor/grad_shortcut_used", "actor/grad_shortcut_fallbacks")
+
+
+def _reduce_metrics(per_mb: list[dict], settings: StepSettings,
+                    shortcut: ShortcutStats) -> dict[str, torch.Tensor]:
     """Sum (or max) over micro-batches here, then over DP (one all-gather), then the last stage's
-    values to every PP rank (one broadcast)."""
-    sum_keys, max_keys = _metric_keys(settings)
+    values to every PP rank (one broadcast). ``shortcut``: this rank's hint-check counts of the
+    update, appended to the sum keys (filled on the device: no host-to-device copy)."""
+    loss_sum_keys, max_keys = _metric_keys(settings)
+    sum_keys = loss_sum_keys + SHORTCUT_KEYS
     local = torch.zeros(len(sum_keys) + len(max_keys), dtype=torch.float32, device=compute_device())
     if per_mb:  # the last pipeline stage
-        values = ([torch.stack([m[k] for m in per_mb]).sum() for k in sum_keys]
-                  + [torch.stack([m[k] for m in per_mb]).max() for k in max_keys])
-        local.copy_(torch.stack(values))
+        counts = [torch.full((), float(n), device=local.device) for n in (shortcut.used, shortcut.fallbacks)]
+        local.copy_(torch.stack([torch.stack([m[k] for m in per_mb]).sum() for k in loss_sum_keys] + counts
+                                + [torch.stack([m[k] for m in per_mb]).max() for k in max_keys]))
     dp_group, pp_group = _groups()
     table = all_gather_rows(local, dp_group)
     reduced = torch.cat([table[:, : len(sum_keys)].sum(0), table[:, len(sum_keys):].amax(0)])
@@ -261,11 +271,19 @@ def train_step(model: list, optimizer, scheduler, samples: list[Sample], setting
     Returns the mini-batch's metrics, identical on every rank: the loss's metrics (global
     token-means), ``actor/entropy``, ``actor/num_tokens``, ``actor/num_seqs`` (valid ones, whole
     mini-batch), ``actor/num_micro_batches`` (per DP rank, padded to a common count) and, for an
-    update, ``actor/grad_norm`` (before clipping) and ``actor/lr`` (the lr this update used).
+    update, ``actor/grad_norm`` (before clipping) and ``actor/lr`` (the lr this update used), and
+    ``actor/grad_shortcut_used`` / ``actor/grad_shortcut_fallbacks``: how many micro-batches'
+    output-layer backward took the gradients the forward computed from the loss's hint, and how
+    many had to recompute them because the gradient that arrived was not the hint's (summed over
+    the mini-batch's micro-batches on all DP ranks; both 0 without a hint: seq-mean modes,
+    forward_only). Fallbacks cost time, not correctness; above 0 they mean the hint no longer
+    matches the loss. The loop (train.py ``_accumulate``) averages them over a step's updates,
+    so a step's record holds the mean count per update.
     """
     if model[0].config.context_parallel_size > 1:
         raise NotImplementedError("context parallelism needs per-rank sequence slicing, not implemented yet")
     mbs, counts = _micro_batches(model, samples, settings)
+    before = SHORTCUT_STATS.snapshot()
     if forward_only:
         with torch.no_grad():
             per_mb = _run_schedule(model, mbs, settings, counts, forward_only=True)
@@ -274,7 +292,7 @@ def train_step(model: list, optimizer, scheduler, samples: list[Sample], setting
             chunk.zero_grad_buffer()
         optimizer.zero_grad()
         per_mb = _run_schedule(model, mbs, settings, counts, forward_only=False)
-    metrics = _reduce_metrics(per_mb, settings)
+    metrics = _reduce_metrics(per_mb, settings, SHORTCUT_STATS.since(before))
     metrics["actor/num_tokens"], metrics["actor/num_seqs"] = counts[0], counts[1]
     metrics["actor/num_micro_batches"] = torch.tensor(float(len(mbs)))
     if not forward_only:

@@ -56,6 +56,7 @@ def _same_rollouts(got, want):
 def _check(rank, rollout_tp):
     from megatron_dapo.algo import DynamicSampler
     from megatron_dapo.groups import generate_groups
+    from megatron_dapo.observe.rows import RowSpec
     from megatron_dapo.config import DAPOConfig, OverlongBufferConfig, RewardConfig, RolloutConfig
     from megatron_dapo.eval import evaluate
     from megatron_dapo.rollout import SamplingParams
@@ -84,8 +85,13 @@ def _check(rank, rollout_tp):
     indices = [4, 0, 3, 1, 2]  # the sampler's order: generation position != prompt index
     kw = dict(ground_truths=["1"] * 5, tokenizer=CharTokenizer(), params=params, pool=ParityPool(), cfg=cfg,
               keep=dyn.keep_mask)
-    groups, acc = generate_groups(placement, PROMPTS, indices, **kw)
-    ref_groups, ref_acc = generate_groups(alone, PROMPTS, indices, **kw)
+    # Dump rows of the first 2 positions and every flagged response: the same rows from the replicas.
+    spec = RowSpec(phase="train", dump_groups=2, flag_cap=100, max_chars=200, scorer="parity", audit_scorer="odd")
+    batch = generate_groups(placement, PROMPTS, indices, rows=spec, **kw)
+    ref = generate_groups(alone, PROMPTS, indices, rows=spec, **kw)
+    assert batch.rows == ref.rows and batch.flagged == ref.flagged and batch.audits == ref.audits
+    assert [r.group for r in batch.rows] == [0] * 3 + [1] * 3 and len(batch.audits) == len(indices)
+    groups, acc, ref_groups, ref_acc = batch.groups, batch.acc, ref.groups, ref.acc
     assert torch.equal(acc, ref_acc) and [g is None for g in groups] == [g is None for g in ref_groups]
     for got, want in zip(groups, ref_groups):
         if got is not None:
@@ -106,7 +112,8 @@ def _check(rank, rollout_tp):
                     pool=ParityPool() if placement.is_leader else None, value_fn="odd")
     assert both == evaluate(alone, PROMPTS, ["1"] * 5, tokenizer=CharTokenizer(), params=params, n=3,
                             pool=ParityPool(), value_fn="odd")
-    assert {k: v for k, v in both.items() if not k.endswith("_value")} == evaluated
+    assert {k: v for k, v in both.items() if not k.endswith(("_value", "scorer_disagreement"))} == evaluated
+    assert both["eval/scorer_disagreement"] == 1.0  # parity: exactly one of the two holds
     assert both["eval/avg@3"] + both["eval/avg@3_value"] == pytest.approx(1.0)
 
 
@@ -151,10 +158,10 @@ def _shares(rank, world):
     sizes = sorted({1, world - 1, world + 1})
     for size in sizes:
         indices = list(range(size))[::-1]
-        groups, acc = generate_groups(placement, PROMPTS, indices, ground_truths=["1"] * 5,
-                                      pool=ParityPool() if placement.is_leader else None, **kw)
-        ref_groups, ref_acc = generate_groups(alone, PROMPTS, indices, ground_truths=["1"] * 5, pool=ParityPool(),
-                                              **kw)
+        batch = generate_groups(placement, PROMPTS, indices, ground_truths=["1"] * 5,
+                                pool=ParityPool() if placement.is_leader else None, **kw)
+        ref = generate_groups(alone, PROMPTS, indices, ground_truths=["1"] * 5, pool=ParityPool(), **kw)
+        groups, acc, ref_groups, ref_acc = batch.groups, batch.acc, ref.groups, ref.acc
         assert torch.equal(acc, ref_acc) and len(groups) == size
         for got, want in zip(groups, ref_groups, strict=True):
             assert (got.prompt_index, got.acc, got.rewards) == (want.prompt_index, want.acc, want.rewards)

@@ -83,3 +83,22 @@ def test_resumed_records_equal_the_uninterrupted_run(runs):
     # The first step after the resume starts from the carried groups: the same count as the reference's.
     assert got[STOP + 1]["dynamic_sampling/num_groups_carried_in"] == len(runs["state"]["held_groups"])
     assert got == want  # bitwise: floats compared with ==
+
+
+def test_resumed_dumps_ledger_and_alarms_equal_the_uninterrupted_run(runs):
+    """What observe/ writes resumes exactly too: the sample dumps (the stopped run's steps kept, the
+    rest written again), the pass-rate ledger in the last checkpoint, the alarm log."""
+    def dumps(run_dir: Path) -> dict[str, bytes]:
+        return {p.name: p.read_bytes() for p in sorted((run_dir / "samples").iterdir())}
+
+    got, want = dumps(runs["resumed"]), dumps(runs["reference"])
+    assert sorted(got) == [f"step_{s:08d}.jsonl" for s in range(1, STEPS + 1)] + sorted(
+        n for n in want if n.startswith("alarm_"))
+    assert got == want
+    state = [json.loads((d / "checkpoints" / f"step_{STEPS:08d}" / "trainer_state.json").read_text())
+             for d in (runs["resumed"], runs["reference"])]
+    assert state[0]["ledger"] == state[1]["ledger"] and state[0]["ledger"]["records"]
+    assert state[0]["alarms"] == state[1]["alarms"]
+    alarms = [(d / "alarms.jsonl").read_text() if (d / "alarms.jsonl").exists() else ""
+              for d in (runs["resumed"], runs["reference"])]
+    assert alarms[0] == alarms[1]

@@ -109,3 +109,16 @@ def bf16_actor(weights: str, dist_opt: bool = True, **model):
     actor = MegatronActor(cfg, tiny_hf_config())
     assert actor.load_hf_weights(weights) > 0
     return actor
+
+
+def hint_case():
+    """The output layer's gradient-hint case (mcore/logprobs.py GradHint): hidden [3, 6, 16] and
+    weight [40, 16] (both requiring grad), targets [3, 6] below 36 (the valid vocab), the [3, 6]
+    bool positions in the loss and per-token weights w (0 outside them)."""
+    g = torch.Generator().manual_seed(4)
+    hidden = torch.randn(3, 6, 16, generator=g).requires_grad_()
+    weight = (torch.randn(40, 16, generator=g) / 2).requires_grad_()
+    target = torch.randint(0, 36, (3, 6), generator=g)
+    active = torch.rand(3, 6, generator=g) > 0.4  # positions in the loss
+    w = torch.randn(3, 6, generator=g) * active
+    return hidden, weight, target, active, w

@@ -54,8 +54,8 @@ def test_writes_a_png_grid(metrics_path, tmp_path, capsys, drawn):
     out = tmp_path / "plots" / "curves.png"
     assert plot_metrics.main(["--metrics", str(metrics_path), "--out", str(out)]) == 0
     assert out.read_bytes()[:8] == PNG_MAGIC
-    # Seven of the eight default panels have data here; the mismatch panel has none and is skipped,
-    # and so are the keys of the others the file lacks (reward/score_mean) or holds only as null.
+    # Seven of the nine default panels have data here; the mismatch and alarm panels have none and are
+    # skipped, and so are the keys of the others the file lacks (reward/score_mean) or holds only as null.
     assert "(7 panels)" in capsys.readouterr().out
     (figure,) = drawn
     assert _panels(figure) == [
@@ -98,3 +98,67 @@ def test_series_skip_nulls_and_broken_lines(metrics_path):
     steps, values = series["eval/avg@4"]
     assert steps == [0, 4, 8] and values == [0.0, 4 / 12, 8 / 12]
     assert series["reward/acc_mean"][0] == list(range(12))
+
+
+@pytest.fixture
+def busy_metrics(tmp_path):
+    """What a real run logs: eval at k = 1 and 4 by both scorers (12 held-out keys), eight timing
+    phases, six alarm metrics, five dynamic-sampling counts."""
+    records = []
+    for step in range(10):
+        phases = {"rollout": 5.0, "train": 3.0, "old_log_probs": 1.0, "weight_sync": 0.5, "save": 0.1,
+                  "ref": 0.2, "sleep": 0.05}
+        r = {"step": step, "timing_s/step": 10.0, **{f"timing_s/{k}": v for k, v in phases.items()},
+             "alarm/scorer_disagreement": 0.02, "alarm/repeated_answer_label": 0.3 if step == 7 else 0.0,
+             "alarm/no_answer_line": 0.1, "alarm/identical_groups": 0.0, "alarm/all_correct": 0.6,
+             "alarm/shortcut_fallbacks": 3.0,  # a count, not a fraction: off the fraction panel
+             **{f"dynamic_sampling/{k}": 1.0 for k in ("num_gen_batches", "num_groups_kept",
+                                                       "num_dropped_all_correct", "num_dropped_all_wrong",
+                                                       "num_dropped_other")}}
+        if step % 3 == 0:
+            r["timing_s/eval"] = 4.0  # 16 s over four steps: more than old_log_probs' 10 s over ten
+            for key in ("avg@1", "avg@4", "pass@1", "pass@4", "cons@1", "cons@4"):
+                r[f"eval/{key}"] = r[f"eval/{key}_value"] = step / 10
+        records.append(r)
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def test_default_panels_keep_a_few_lines(busy_metrics):
+    chosen = dict(plot_metrics.panel_keys(plot_metrics.load_series(busy_metrics)))
+    assert chosen["Held-out accuracy"] == ["eval/avg@4", "eval/avg@4_value", "eval/pass@4"]
+    # The total first, then the phases by time spent over the run.
+    assert chosen["Time per step (s)"] == ["timing_s/step", "timing_s/rollout", "timing_s/train",
+                                           "timing_s/eval"]
+    # Fractions only, by peak; the largest four of five.
+    assert chosen["Alarms"] == ["alarm/all_correct", "alarm/repeated_answer_label", "alarm/no_answer_line",
+                                "alarm/scorer_disagreement"]
+    assert len(chosen["Dynamic sampling"]) == plot_metrics.MAX_LINES == 4
+    assert all(len(keys) <= plot_metrics.MAX_LINES for keys in chosen.values())
+
+
+def test_drawn_lines_per_panel(busy_metrics, tmp_path, drawn):
+    """What the figure holds (matplotlib's Axes lines), not only what panel_keys chose."""
+    assert plot_metrics.plot_run(busy_metrics.parent) == busy_metrics.parent / "curves.png"
+    (figure,) = drawn
+    counts = {title: len(lines) for title, lines in figure}
+    assert counts == {"Held-out accuracy": 3, "Dynamic sampling": 4, "Time per step (s)": 4, "Alarms": 4}
+
+
+def test_held_out_falls_back_and_timing_without_total():
+    series = {"val/acc_mean": ([0], [0.5]), "timing_s/rollout": ([0], [1.0]), "timing_s/train": ([0], [2.0])}
+    chosen = dict(plot_metrics.panel_keys(series))
+    assert chosen["Held-out accuracy"] == ["val/acc_mean"]
+    assert chosen["Time per step (s)"] == ["timing_s/train", "timing_s/rollout"]
+    assert "Alarms" not in chosen  # no alarm/* keys: no panel
+
+
+def test_keys_argument_is_not_capped(busy_metrics, tmp_path, drawn):
+    """--keys draws every match: asking for a glob is asking for all of it."""
+    out = tmp_path / "all_eval.png"
+    assert plot_metrics.main(["--metrics", str(busy_metrics), "--out", str(out), "--keys", "eval/*"]) == 0
+    (figure,) = drawn
+    every = sorted(f"eval/{k}{s}" for k in ("avg@1", "avg@4", "pass@1", "pass@4", "cons@1", "cons@4")
+                   for s in ("", "_value"))
+    assert _panels(figure) == [("eval/*", every)]

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from megatron_dapo.mcore.logprobs import vocab_parallel_logprobs, vocab_parallel_logprobs_from_hidden
+from tests.helpers.policy import hint_case
 
 
 def reference(logits, target, temperature, valid=None):
@@ -131,16 +132,6 @@ def test_from_hidden_matches_matmul_then_log_softmax(chunk_tokens):
     assert torch.all(grads[1][36:] == 0)
 
 
-def _hint_case():
-    g = torch.Generator().manual_seed(4)
-    hidden = torch.randn(3, 6, 16, generator=g).requires_grad_()
-    weight = (torch.randn(40, 16, generator=g) / 2).requires_grad_()
-    target = torch.randint(0, 36, (3, 6), generator=g)
-    active = torch.rand(3, 6, generator=g) > 0.4  # positions in the loss
-    w = torch.randn(3, 6, generator=g) * active
-    return hidden, weight, target, active, w
-
-
 @pytest.mark.parametrize("chunk_tokens", [1, 4, None])
 def test_grad_hint_gives_the_recomputed_grads(monkeypatch, chunk_tokens):
     """With a GradHint (the loss's gradient at the log-probs, known in the forward) the output
@@ -150,7 +141,7 @@ def test_grad_hint_gives_the_recomputed_grads(monkeypatch, chunk_tokens):
     other weights) falls back to the recompute and is still exact."""
     from megatron_dapo.mcore import logprobs
 
-    hidden, weight, target, active, w = _hint_case()
+    hidden, weight, target, active, w = hint_case()
     flat_w = w.reshape(-1)
     hint = logprobs.GradHint(grad=lambda index, lp: flat_w[index] * 3.0, active=active)
     recomputed = []

@@ -1,0 +1,134 @@
+"""Alarms: a metric every step, a one-line warning when it crosses its threshold, a dump of the cause.
+
+Each rule watches one metric of the step's record against a threshold of ``alarms.*``. An alarm is
+*raised* at the step its metric crosses the threshold (one warning line, one event in
+``<logging.dir>/alarms.jsonl``) and stays raised, silently, until the metric is back on the safe
+side. While raised, the responses that raise a response-level alarm (a flag of observe/audit.py) are
+dumped every step to ``samples/alarm_<step>_<name>.jsonl``; a step-level alarm (entropy, mismatch,
+saturation, shortcut fallbacks) dumps the step's sampled responses once, when it is raised. The
+raised set is part of the trainer state, so a resumed run warns exactly where the uninterrupted one
+would have.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from megatron_dapo.observe import audit
+
+logger = logging.getLogger("megatron_dapo.alarms")
+
+ALARMS_FILE = "alarms.jsonl"
+
+
+@dataclass(frozen=True)
+class AlarmRule:
+    name: str
+    metric: str  # key of the step's record
+    threshold: str  # field of AlarmsConfig
+    above: bool  # raised when the metric is above the threshold (else below)
+    flag: str | None  # the response flag it dumps (None: a step-level alarm)
+    hint: str  # where to look, in the warning line
+
+
+RULES: tuple[AlarmRule, ...] = (
+    AlarmRule("scorer_disagreement", "alarm/scorer_disagreement", "scorer_disagreement", True, audit.DISAGREE,
+              "the two scorers judge many responses differently: a format one of them accepts (reward hacking?)"),
+    AlarmRule("eval_scorer_disagreement", "eval/scorer_disagreement", "scorer_disagreement", True, None,
+              "held-out responses judged differently by the two scorers"),
+    AlarmRule("repeated_answer_label", "alarm/repeated_answer_label", "repeated_answer_label", True,
+              audit.REPEATED_LABEL, "answer lines repeat the label (Answer: Answer: 5): a degenerate format"),
+    AlarmRule("no_answer_line", "alarm/no_answer_line", "no_answer_line", True, audit.NO_ANSWER_LINE,
+              "responses without an 'Answer:' line (truncation, or the format lost)"),
+    AlarmRule("identical_groups", "alarm/identical_groups", "identical_groups", True, audit.IDENTICAL_GROUP,
+              "whole groups of one repeated response: collapse"),
+    AlarmRule("entropy_collapse", "actor/entropy", "entropy_min", False, None,
+              "policy entropy near zero: exploration is gone (raise loss.clip_ratio_high?)"),
+    AlarmRule("mismatch_spike", "rollout/logprob_mismatch", "mismatch_max", True, None,
+              "engine and trainer log-probs disagree: a weight-sync or numerics problem"),
+    AlarmRule("all_correct", "dynamic_sampling/frac_all_correct", "all_correct", True, None,
+              "nearly every group is all correct: the data is solved (data.skip_solved_after?)"),
+    AlarmRule("shortcut_fallbacks", "actor/grad_shortcut_fallbacks", "shortcut_fallbacks", True, None,
+              "the output layer's gradient shortcut fell back to recompute (slower, still exact)"),
+)
+
+
+def thresholds(cfg) -> dict[str, float]:
+    """AlarmsConfig's thresholds by field name (what ``AlarmRule.threshold`` names)."""
+    return {"scorer_disagreement": cfg.scorer_disagreement, "repeated_answer_label": cfg.repeated_answer_label,
+            "no_answer_line": cfg.no_answer_line, "identical_groups": cfg.identical_groups,
+            "entropy_min": cfg.entropy_min, "mismatch_max": cfg.mismatch_max, "all_correct": cfg.all_correct,
+            "shortcut_fallbacks": cfg.shortcut_fallbacks}
+
+
+@dataclass(frozen=True)
+class AlarmEvent:
+    step: int
+    alarm: str
+    value: float
+    threshold: float
+    message: str
+
+    def to_json(self) -> dict:
+        return {"step": self.step, "alarm": self.alarm, "value": self.value, "threshold": self.threshold,
+                "message": self.message}
+
+
+class AlarmMonitor:
+    """Checks a step's metrics against the rules; remembers which alarms are raised."""
+
+    def __init__(self, cfg, run_dir: Path, *, enabled_writes: bool):
+        self.cfg = cfg  # AlarmsConfig
+        self.path = Path(run_dir) / ALARMS_FILE
+        self.writes = enabled_writes  # rank 0
+        self.raised: set[str] = set()
+        self.thresholds = thresholds(cfg)
+
+    def check(self, step: int, metrics: dict[str, float]) -> tuple[list[AlarmEvent], list[AlarmRule]]:
+        """(alarms raised at this step, every rule raised now). Metrics absent from the step
+        (no evaluation, no mismatch check) leave their alarm as it was."""
+        if not self.cfg.enable:
+            return [], []
+        events = []
+        for rule in RULES:
+            value = metrics.get(rule.metric)
+            if value is None:
+                continue
+            threshold = float(self.thresholds[rule.threshold])
+            crossed = value > threshold if rule.above else value < threshold
+            if crossed and rule.name not in self.raised:
+                self.raised.add(rule.name)
+                side = "above" if rule.above else "below"
+                events.append(AlarmEvent(step, rule.name, float(value), threshold,
+                                         f"alarm {rule.name} at step {step}: {rule.metric}={value:.4g} {side} "
+                                         f"alarms.{rule.threshold}={threshold:g}; {rule.hint}"))
+            elif not crossed:
+                self.raised.discard(rule.name)
+        for event in events:
+            logger.warning(event.message)
+        if self.writes and events:
+            with self.path.open("a", encoding="utf-8") as f:
+                f.writelines(json.dumps(e.to_json()) + "\n" for e in events)
+        return events, [r for r in RULES if r.name in self.raised]
+
+    def state(self) -> list[str]:
+        return sorted(self.raised)
+
+    def restore(self, raised: list[str]) -> None:
+        self.raised = set(raised)
+
+
+def read_events(run_dir: Path) -> list[dict]:
+    """The events of a run's alarms.jsonl (a broken line skipped)."""
+    path = Path(run_dir) / ALARMS_FILE
+    events = []
+    if path.exists():
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                events.append(json.loads(line))
+            except ValueError:
+                continue
+    return events
