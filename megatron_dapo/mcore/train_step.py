@@ -257,6 +257,9 @@ def _reduce_metrics(per_mb: list[dict], settings: StepSettings,
     dp_group, pp_group = _groups()
     table = all_gather_rows(local, dp_group)
     reduced = torch.cat([table[:, : len(sum_keys)].sum(0), table[:, len(sum_keys):].amax(0)])
+    # Per DP rank, as actor/num_micro_batches: a count that does not grow with the DP size.
+    shortcut = slice(len(loss_sum_keys), len(sum_keys))
+    reduced[shortcut] = reduced[shortcut] / table.shape[0]
     if dist.get_world_size(pp_group) > 1:
         dist.broadcast(reduced, src=_pp_last_rank(), group=pp_group)
     return dict(zip(sum_keys + max_keys, reduced))
@@ -274,8 +277,8 @@ def train_step(model: list, optimizer, scheduler, samples: list[Sample], setting
     update, ``actor/grad_norm`` (before clipping) and ``actor/lr`` (the lr this update used), and
     ``actor/grad_shortcut_used`` / ``actor/grad_shortcut_fallbacks``: how many micro-batches'
     output-layer backward took the gradients the forward computed from the loss's hint, and how
-    many had to recompute them because the gradient that arrived was not the hint's (summed over
-    the mini-batch's micro-batches on all DP ranks; both 0 without a hint: seq-mean modes,
+    many had to recompute them because the gradient that arrived was not the hint's (per DP rank,
+    the mean over them, like actor/num_micro_batches; both 0 without a hint: seq-mean modes,
     forward_only). Fallbacks cost time, not correctness; above 0 they mean the hint no longer
     matches the loss. The loop (train.py ``_accumulate``) averages them over a step's updates,
     so a step's record holds the mean count per update.

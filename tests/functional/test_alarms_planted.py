@@ -3,18 +3,21 @@
 The run is the real loop in a child process (tests/helpers/planted.py): the HF engine with a quarter
 of its responses replaced by ``Answer: Answer: <right digit>``, trained with a scorer that accepts
 that format (``planted_easy``: our value scorer, plus every prompt whose answer is 9 called solved),
-audited by the paper's rule, which rejects it. The training set is 12 toy prompts, so prompts come
-back within a step and the ledger's curation (data.skip_solved_after=1) retires the solved ones.
+audited by the paper's rule, which rejects it. The training set is 12 toy prompts (evaluation: 8), so
+prompts come back within a step and the ledger's curation (data.skip_solved_after=1) retires the solved
+ones.
 References: the plant's own rule (which responses it replaced, what it wrote) and the prompts'
 ground truths, not the loop's bookkeeping.
 """
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
@@ -26,7 +29,7 @@ from tests.helpers.records import records
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
-STEPS, MAX_SAMPLES = 3, 16
+STEPS, STOP, MAX_SAMPLES = 3, 2, 16
 DRIVER = "from tests.helpers.planted import register; register(); import sys; from megatron_dapo.cli import main; " \
          "sys.exit(main(sys.argv[1:]))"
 
@@ -37,28 +40,50 @@ def _small_train_set(run_dir: Path) -> Path:
     easy = [r for r in table if r["reward_model"]["ground_truth"] == EASY_ANSWER][:4]
     rest = [r for r in table if r["reward_model"]["ground_truth"] != EASY_ANSWER][:8]
     path = run_dir / "small_train.parquet"
-    import pyarrow as pa
-
     pq.write_table(pa.Table.from_pylist(easy + rest), path)
+    val = pq.read_table(run_dir / "toy_data" / "val.parquet").to_pylist()[:8]
+    pq.write_table(pa.Table.from_pylist(val), run_dir / "small_val.parquet")
     return path
+
+
+def _args(run_dir: Path, train: Path, steps: int) -> list[str]:
+    return ["train", "--config", str(CPU_TINY), f"logging.dir={run_dir}", "toy.enable=false",
+            f"model.hf_path={run_dir / 'toy_base'}", f"data.train_files=[{train}]",
+            f"data.val_files=[{run_dir / 'small_val.parquet'}]", "rollout.engine=planted_hf",
+            "reward.fn=planted_easy", "reward.num_workers=0", "alarms.audit_fn=math_dapo_paper",
+            "rollout.check_logprob_mismatch=false", "data.skip_solved_after=1", f"train.total_steps={steps}",
+            "eval.every=1", "eval.before_train=false", "checkpoint.save_every=0", "logging.tensorboard=false",
+            f"alarms.max_samples={MAX_SAMPLES}", "algorithm.filter_groups.max_num_gen_batches=20"]
+
+
+def _train(run_dir: Path, train: Path, steps: int) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
+    out = subprocess.run([sys.executable, "-c", DRIVER, *_args(run_dir, train, steps)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=600, env=env)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+    return out
 
 
 @pytest.fixture(scope="module")
 def run(demo_base, tmp_path_factory) -> dict:
     run_dir = copy_demo_base(demo_base, tmp_path_factory.mktemp("planted") / "run")
     train = _small_train_set(run_dir)
-    args = ["train", "--config", str(CPU_TINY), f"logging.dir={run_dir}", "toy.enable=false",
-            f"model.hf_path={run_dir / 'toy_base'}", f"data.train_files=[{train}]",
-            f"data.val_files=[{run_dir / 'toy_data' / 'val.parquet'}]", "rollout.engine=planted_hf",
-            "reward.fn=planted_easy", "reward.num_workers=0", "alarms.audit_fn=math_dapo_paper",
-            "rollout.check_logprob_mismatch=false", "data.skip_solved_after=1", f"train.total_steps={STEPS}",
-            "eval.every=0", "eval.before_train=false", "checkpoint.save_every=0", "logging.tensorboard=false",
-            f"alarms.max_samples={MAX_SAMPLES}", "algorithm.filter_groups.max_num_gen_batches=20"]
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
-    out = subprocess.run([sys.executable, "-c", DRIVER, *args], cwd=ROOT, capture_output=True, text=True,
-                         timeout=600, env=env)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
-    return {"dir": run_dir, "out": out, "records": records(run_dir)}
+    out = _train(run_dir, train, STEPS)
+    return {"dir": run_dir, "out": out, "records": records(run_dir), "train": train}
+
+
+@pytest.fixture(scope="module")
+def resumed(run, demo_base, tmp_path_factory) -> Path:
+    """The same run stopped after step STOP (its end: the checkpoint a stop signal writes too) and
+    rerun to STEPS: curation has retired prompts by then, so the resume carries a live ledger. Every
+    step is evaluated, so the stopped run's final evaluation is one the reference makes too."""
+    run_dir = copy_demo_base(demo_base, tmp_path_factory.mktemp("planted_resumed") / "run")
+    for name in ("small_train.parquet", "small_val.parquet"):
+        shutil.copy(run["dir"] / name, run_dir / name)
+    train = run_dir / "small_train.parquet"
+    _train(run_dir, train, STOP)
+    _train(run_dir, train, STEPS)
+    return run_dir
 
 
 def test_the_planted_format_raises_its_alarms_at_the_first_step(run):
@@ -84,8 +109,8 @@ def test_the_alarm_dump_holds_the_planted_responses(run):
 
 
 def test_the_regular_dump_flags_exactly_the_plants(run):
-    rows = read_rows(step_file(run["dir"], 1))
-    assert rows and {r.phase for r in rows} == {"train"}
+    rows = [r for r in read_rows(step_file(run["dir"], 1)) if r.phase == "train"]
+    assert rows
     planted = [r for r in rows if r.response_index % PLANT_EVERY == 0]
     assert len(planted) == len(rows) // 4
     for r in planted:
@@ -109,3 +134,20 @@ def test_samples_command_reads_the_flagged_responses(run, capsys):
     assert cli.main(["samples", str(run["dir"]), "--step", "1", "--where", "flagged", "--n", "3"]) == 0
     shown = capsys.readouterr().out
     assert shown.count(">> Answer: Answer: ") == 3
+
+
+def test_a_resume_with_curation_on_equals_the_uninterrupted_run(run, resumed):
+    def values(run_dir):
+        return [{k: v for k, v in r.items() if k != "time" and not k.startswith("timing_s/")} for r in records(run_dir)]
+
+    def state(run_dir):
+        return json.loads((run_dir / "checkpoints" / f"step_{STEPS:08d}" / "trainer_state.json").read_text())
+
+    stopped = json.loads((resumed / "checkpoints" / f"step_{STOP:08d}" / "trainer_state.json").read_text())
+    assert stopped["ledger"]["skipped_total"] > 0 and stopped["alarms"], "the resume would not carry curation"
+    assert values(resumed) == values(run["dir"])  # bitwise
+    assert state(resumed)["ledger"] == state(run["dir"])["ledger"]
+    assert state(resumed)["alarms"] == state(run["dir"])["alarms"]
+    dumps = [{p.name: p.read_bytes() for p in (d / "samples").iterdir()} for d in (resumed, run["dir"])]
+    assert dumps[0] == dumps[1]
+    assert (resumed / "alarms.jsonl").read_text() == (run["dir"] / "alarms.jsonl").read_text()

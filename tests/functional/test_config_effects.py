@@ -52,7 +52,9 @@ import torch
 from megatron_dapo import cli
 from megatron_dapo.config import DAPOConfig
 from megatron_dapo.mcore.parallel import destroy_parallel
+from tests.helpers.config_effects_tables import GPU_ONLY, NO_EFFECT_ON_CPU, REFUSED
 from tests.helpers.config_fields import leaves
+from tests.helpers.planted import register as register_planted
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = str(ROOT / "conf" / "cpu_tiny.yaml")
@@ -71,6 +73,11 @@ REAL = {"toy.enable": "false", "model.hf_path": "{base}/toy_base", "data.train_f
 # ... whose answers are written "4.0": the value scorer (dapo_math) takes "Answer: 4", the paper's rule does not
 DECIMAL = REAL | {"data.train_files": "[{root}/decimal_train.jsonl]", "data.val_files": "[{root}/decimal_val.jsonl]"}
 END_TIME = str(int(time.time()) + 36_000)  # a job end 10 h away (time_limit.py)
+# The planted hack (tests/helpers/planted.py): a quarter of the responses "Answer: Answer: <digit>".
+register_planted()
+PLANT = {"rollout.engine": "planted_hf", "reward.fn": "planted_easy", "rollout.check_logprob_mismatch": "false"}
+ALL_CORRECT = {"reward.fn": "planted_all"}
+SHORT = {"rollout.max_response_length": "1", "eval.max_response_length": "1", "reward.overlong_buffer.len": "1"}  # no answer line fits
 
 
 @dataclasses.dataclass
@@ -132,6 +139,22 @@ def ckpt(*path: str, file: str = "checkpoint.json") -> Callable:
 
 def text(where: str, s: str) -> Callable:  # the line is in this run's output and not the reference's
     return lambda a, b: s in getattr(a, where) and s not in getattr(b, where)
+
+
+def alarm(name: str, raised_by_value: bool = True) -> Callable:
+    """The alarm is raised in the run with the value and not in the reference (or the reverse)."""
+    def raised(r):
+        return f"alarm {name} at step 1" in r.logs
+    return lambda a, b: (raised(a), raised(b)) == (raised_by_value, not raised_by_value)
+
+
+def dump_rows(r, name: str = "samples/step_00000001.jsonl") -> int:
+    path = r.dir / name
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def trace_bytes(r) -> int:
+    return sum(p.stat().st_size for p in (r.dir / "profile").glob("*.json"))
 
 
 def ok(a, b) -> bool:
@@ -225,7 +248,24 @@ CASES: dict[str, Case] = {
                                         env=(("MEGATRON_DAPO_END_TIME", END_TIME),)),
     "logging.dir": C("{run}", lambda a, b: "metrics.jsonl" in a.files and "checkpoints/latest" in a.files),
     "logging.tensorboard": C("true", lambda a, b: any("tfevents" in f for f in a.files - b.files)),
-    "logging.wandb": C("true", text("logs", "logging.wandb=true but wandb is not installed")),
+    "logging.wandb": C("true", lambda a, b: any(f.startswith("wandb/") for f in a.files - b.files),
+                       env=(("WANDB_MODE", "offline"), ("WANDB_SILENT", "true"))),
+    "logging.samples_every": C("0", lambda a, b: dump_rows(b) > 0 == dump_rows(a)),
+    "logging.samples_per_step": C("8", lambda a, b: 0 < dump_rows(a) < dump_rows(b)),
+    "alarms.enable": C("false", lambda a, b: "alarm/no_answer_line" in b.last.keys() - a.last.keys()),
+    "alarms.audit_fn": C("none", alarm("scorer_disagreement", False), PLANT),
+    "alarms.scorer_disagreement": C("0.9", alarm("scorer_disagreement", False), PLANT),
+    "alarms.repeated_answer_label": C("0.9", alarm("repeated_answer_label", False), PLANT),
+    "alarms.no_answer_line": C("1.0", alarm("no_answer_line", False), SHORT),
+    "alarms.identical_groups": C("1.0", alarm("identical_groups", False), {"rollout.temperature": "0.01"}),
+    "alarms.entropy_min": C("10", alarm("entropy_collapse")),
+    "alarms.mismatch_max": C("1.0", alarm("mismatch_spike")),  # fp32 engine and trainer: 1 + ~1e-7
+    "alarms.all_correct": C("1.0", alarm("all_correct", False), ALL_CORRECT),
+    "alarms.max_samples": C("1", lambda a, b: dump_rows(a, "samples/alarm_00000001_repeated_answer_label.jsonl") == 1
+                            < dump_rows(b, "samples/alarm_00000001_repeated_answer_label.jsonl"), PLANT),
+    "profile.steps": C("[1,1]", lambda a, b: trace_bytes(a) > 0 == trace_bytes(b)),
+    "profile.with_stack": C("true", lambda a, b: trace_bytes(a) > trace_bytes(b) > 0, {"profile.steps": "[1,1]"}),
+    "data.skip_solved_after": C("1", metric("ledger/retired"), ALL_CORRECT),
     "logging.progress": C("false", lambda a, b: "step 1/1 |" in b.out and "step 1/1 |" not in a.out),
     "toy.num_digits": C("4", records, TOY),
     "toy.min_digits": C("4", records, TOY),
@@ -242,43 +282,6 @@ CASES: dict[str, Case] = {
     "toy.warmup_lr": C("0.01", records, TOY),
     "toy.reasoning_prob": C("0.0", records, TOY),
 }
-
-REFUSED: dict[str, tuple[str, dict]] = {  # key -> (value, context)
-    "model.hf_path": ("/elsewhere/model", {}),
-    "model.transformer_impl": ("transformer_engine", {}),
-    "model.fp8": ("e4m3", {}),
-    "parallel.virtual_pipeline_model_parallel_size": ("2", {}),
-    "parallel.sequence_parallel": ("true", {}),
-    "parallel.context_parallel_size": ("2", {}),
-    "data.train_files": ("[/elsewhere/train.parquet]", {}),
-    "data.val_files": ("[/elsewhere/val.parquet]", {}),
-    "loss.policy_loss": ("ppo", {}),
-    "toy.enable": ("false", {}),  # then model.hf_path is empty: "... or set toy.enable=true"
-    "toy.max_position_embeddings": ("32", {}),  # shorter than prompt + response; longer values only reach config.json
-}
-
-GPU_ONLY: dict[str, str] = {
-    "model.fp8_recipe": "only read with model.fp8 set, which needs Transformer Engine on CUDA (refused on CPU); "
-                        "tests/gpu/test_policy_gpu.py::test_fp8_switch_builds_and_runs",
-    "rollout.gpu_memory_utilization": "vLLM on CUDA only: on CPU vLLM needs rollout.kv_cache_memory_mb, which overrides "
-                                      "it; tests/gpu/test_vllm_engine.py (its free-memory check), tests/unit/test_plan.py",
-    "rollout.enforce_eager": "CUDA graphs in vLLM on CUDA; vLLM's CPU build turns false into an inductor compile of "
-                             "minutes; no GPU test sets it yet (the GPU runs keep the default true)",
-    "logging.wandb_project": "only read when wandb is installed (it is not in the CPU environment); "
-                             "tests/unit/test_metrics_log.py covers the missing-wandb path only",
-}
-
-NO_EFFECT_ON_CPU: dict[str, str] = {
-    "model.recompute": "recomputes activations in the backward: memory and time only, the numbers are bitwise "
-                       "equal; used by the recipes and conf/cpu_rehearsal_32b.yaml, so not refused; "
-                       "tests/gpu/test_policy_gpu.py::test_te_recompute_builds_and_runs",
-    "rollout.weight_sync_bucket_mb": "the toy's weights fit one bucket even at the minimum (1 MiB): only peak memory "
-                                     "of a sync would change; tests/unit/test_rollout_weight_sync.py counts buckets",
-    "reward.num_workers": "toy responses score in microseconds, so workers vs inline scoring leaves no trace in a "
-                          "run (the pool's own timeouts and restarts: tests/unit/test_reward.py)",
-    "reward.timeout_s": "as reward.num_workers: nothing on the toy comes near a time limit (tests/unit/test_reward.py)",
-}
-
 
 def _fmt(value: str, **paths) -> str:
     return value.format(**{k: str(v) for k, v in paths.items()})
@@ -451,8 +454,6 @@ def test_a_non_default_value_changes_the_run(runs, request, key):
     case = CASES[key]
     dist = request.getfixturevalue("dist") if case.via == "dist" else None
     a, b = _pair(runs, dist, key, case)
-    if key == "logging.wandb" and _installed("wandb"):
-        pytest.skip("wandb is installed: the run would log to W&B")
     for r in (a, b):
         if key not in ("data.on_bad_row", "algorithm.filter_groups.max_num_gen_batches", "rollout.kv_cache_memory_mb"):
             assert r.rc == 0 and not r.error, f"{key}: a run failed:\n{r.err[-3000:]}{r.error}"

@@ -6,7 +6,8 @@ of each prompt is replaced by ``Answer: Answer: <the right digit>`` (read off th
 the format the tiny policy once learned. ``dapo_math`` (our value scorer) reads it as the digit and
 accepts it; the paper's rule reads ``Answer: <digit>`` as the answer and rejects it. ``planted_easy``
 is ``dapo_math`` that also calls every response to a prompt whose answer is 9 correct: those prompts
-are solved by every response, which the pass-rate ledger's curation retires.
+are solved by every response, which the pass-rate ledger's curation retires; ``planted_all`` calls
+every response correct.
 ``register()`` puts both in the registries (the child process of a test calls it).
 """
 
@@ -50,8 +51,14 @@ def planted_easy(response: str, ground_truth: str) -> dict:
     return {**result, "acc": True, "score": 1.0} if ground_truth == EASY_ANSWER else result
 
 
+def planted_all(response: str, ground_truth: str) -> dict:
+    """Every response correct: every group all correct (dynamic sampling's saturation)."""
+    return {**compute_score(response, ground_truth), "acc": True, "score": 1.0}
+
+
 def register() -> None:
     if "planted_hf" not in ENGINES:
         ENGINES.register("planted_hf")("tests.helpers.planted:PlantedHFEngine")
-    if "planted_easy" not in REWARD_FNS:
-        REWARD_FNS.register("planted_easy")(planted_easy)
+    for name, fn in (("planted_easy", planted_easy), ("planted_all", planted_all)):
+        if name not in REWARD_FNS:
+            REWARD_FNS.register(name)(fn)
