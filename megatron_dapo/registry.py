@@ -38,6 +38,10 @@ class Registry(Generic[T]):
                 f"unknown {self.kind} {name!r}; valid names: {sorted(self._entries)}"
             ) from None
 
+    def unregister(self, name: str) -> None:
+        """Removes ``name`` (a plug-in's or a test's entry, registered for a while); absent: nothing."""
+        self._entries.pop(name, None)
+
     def names(self) -> list[str]:
         return sorted(self._entries)
 

@@ -54,7 +54,7 @@ from megatron_dapo.config import DAPOConfig
 from megatron_dapo.mcore.parallel import destroy_parallel
 from tests.helpers.config_effects_tables import GPU_ONLY, NO_EFFECT_ON_CPU, REFUSED
 from tests.helpers.config_fields import leaves
-from tests.helpers.planted import register as register_planted
+from tests.helpers.planted import registered as planted_registered
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = str(ROOT / "conf" / "cpu_tiny.yaml")
@@ -74,7 +74,6 @@ REAL = {"toy.enable": "false", "model.hf_path": "{base}/toy_base", "data.train_f
 DECIMAL = REAL | {"data.train_files": "[{root}/decimal_train.jsonl]", "data.val_files": "[{root}/decimal_val.jsonl]"}
 END_TIME = str(int(time.time()) + 36_000)  # a job end 10 h away (time_limit.py)
 # The planted hack (tests/helpers/planted.py): a quarter of the responses "Answer: Answer: <digit>".
-register_planted()
 PLANT = {"rollout.engine": "planted_hf", "reward.fn": "planted_easy", "rollout.check_logprob_mismatch": "false"}
 ALL_CORRECT = {"reward.fn": "planted_all"}
 SHORT = {"rollout.max_response_length": "1", "eval.max_response_length": "1", "reward.overlong_buffer.len": "1"}  # no answer line fits
@@ -141,11 +140,9 @@ def text(where: str, s: str) -> Callable:  # the line is in this run's output an
     return lambda a, b: s in getattr(a, where) and s not in getattr(b, where)
 
 
-def alarm(name: str, raised_by_value: bool = True) -> Callable:
-    """The alarm is raised in the run with the value and not in the reference (or the reverse)."""
-    def raised(r):
-        return f"alarm {name} at step 1" in r.logs
-    return lambda a, b: (raised(a), raised(b)) == (raised_by_value, not raised_by_value)
+def alarm(name: str, raised_by_value: bool = True) -> Callable:  # raised with the value, not without (or reverse)
+    line = f"alarm {name} at step 1"
+    return lambda a, b: (line in a.logs, line in b.logs) == (raised_by_value, not raised_by_value)
 
 
 def dump_rows(r, name: str = "samples/step_00000001.jsonl") -> int:
@@ -344,6 +341,11 @@ class Runs:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Runs:
+    with planted_registered():  # the PLANT cases' engine and scorers, for this module's runs only
+        yield _make_runs(tmp_path_factory)
+
+
+def _make_runs(tmp_path_factory) -> Runs:
     import pyarrow.parquet as pq
 
     r = Runs(tmp_path_factory.mktemp("effects"))

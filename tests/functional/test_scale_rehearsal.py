@@ -23,7 +23,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.helpers.records import assert_same_record, records
+from tests.helpers.records import LAYOUT_COUNTS, assert_same_record, records
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
@@ -95,7 +95,7 @@ def test_killed_mid_step_and_resumed_at_another_layout(reference, tmp_path):
     # After the resume at the new layout the same rollouts, rewards and evaluation; the update and
     # the engine's token probabilities to round-off; micro-batches per rank are the layout's own.
     for g, w in zip(got[3:], want[3:]):
-        assert_same_record(g, w, round_off=("rollout/token_prob_mean",), ignore=("actor/num_micro_batches",))
+        assert_same_record(g, w, round_off=("rollout/token_prob_mean",), ignore=LAYOUT_COUNTS)
     meta = json.loads((run_dir / "checkpoints" / "step_00000004" / "checkpoint.json").read_text())
     assert (meta["layout"]["tp"], meta["layout"]["pp"], meta["layout"]["dp"]) == (2, 1, 2)
     assert "eval/avg@4" in got[-1]

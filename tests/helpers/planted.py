@@ -8,9 +8,11 @@ accepts it; the paper's rule reads ``Answer: <digit>`` as the answer and rejects
 is ``dapo_math`` that also calls every response to a prompt whose answer is 9 correct: those prompts
 are solved by every response, which the pass-rate ledger's curation retires; ``planted_all`` calls
 every response correct.
-``register()`` puts both in the registries (the child process of a test calls it).
+``register()`` puts them in the registries (the child process of a test calls it; in the test
+process, ``registered()`` for a block).
 """
 
+import contextlib
 import re
 
 from megatron_dapo.reward import REWARD_FNS, compute_score
@@ -62,3 +64,16 @@ def register() -> None:
     for name, fn in (("planted_easy", planted_easy), ("planted_all", planted_all)):
         if name not in REWARD_FNS:
             REWARD_FNS.register(name)(fn)
+
+
+@contextlib.contextmanager
+def registered():
+    """The planted engine and scorers registered for the block only (the registries are the whole
+    process's: other tests list their names)."""
+    register()
+    try:
+        yield
+    finally:
+        ENGINES.unregister("planted_hf")
+        for name in ("planted_easy", "planted_all"):
+            REWARD_FNS.unregister(name)

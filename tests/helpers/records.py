@@ -9,6 +9,8 @@ import json
 from pathlib import Path
 
 ROUND_OFF = ("actor/", "rollout/logprob")
+# Counts of micro-batches per DP rank: another layout splits a batch into other micro-batches.
+LAYOUT_COUNTS = ("actor/num_micro_batches", "actor/grad_shortcut_used", "actor/grad_shortcut_fallbacks")
 WALL_TIME = ("timing", "time")
 
 

@@ -196,6 +196,9 @@ def test_dump_rows_reach_wandb_as_a_table(tmp_path, monkeypatch):
     pytest.importorskip("wandb", reason="wandb is in the test extra: ./install.sh test")
     from megatron_dapo.metrics_log import MetricsLogger
 
+    import wandb
+
+    wandb.teardown()  # wandb keeps its first settings per process: an earlier run's must not decide this one
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     log = MetricsLogger(tmp_path, tensorboard=False, wandb=True, wandb_project="test", config={"seed": 1},
