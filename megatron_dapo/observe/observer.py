@@ -103,9 +103,10 @@ class Observer:
         if record_step:
             out |= self.ledger.metrics() | {"ledger/skipped_prompts": float(st.skipped)}
         version = max(0, record_step - 1)  # the weights that generated this step's rollouts
-        rows = _with_advantages(st.rows, trained_groups, advantages, self.cfg.rollout.n)
+        rows, flagged = (_with_advantages(x, trained_groups, advantages, self.cfg.rollout.n)
+                         for x in (st.rows, st.flagged))
         rows = [replace(r, weight_version=version, step=record_step) for r in rows]
-        flagged = [replace(r, weight_version=version, step=record_step) for r in st.flagged]
+        flagged = [replace(r, weight_version=version, step=record_step) for r in flagged]
         eval_rows = [replace(r, weight_version=record_step, step=record_step) for r in st.eval_rows]
         events, raised = self.alarms.check(record_step, to_floats(metrics) | out)
         out["alarm/num_raised"] = float(len(raised))

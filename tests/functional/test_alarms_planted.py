@@ -109,6 +109,7 @@ def test_the_alarm_dump_holds_the_planted_responses(run):
         assert len(rows) == MAX_SAMPLES
         assert all(r.response.startswith("Answer: Answer: ") and r.response_index % PLANT_EVERY == 0 for r in rows)
         assert all(r.acc and r.audit_acc is False for r in rows if r.ground_truth != EASY_ANSWER)
+        assert any(r.advantage is not None for r in rows if r.kept)  # trained ones carry their advantage
 
 
 def test_the_regular_dump_flags_exactly_the_plants(run):
