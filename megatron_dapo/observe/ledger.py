@@ -73,7 +73,7 @@ class PassRateLedger:
 
     def metrics(self) -> dict[str, float]:
         """The histogram of pass rates over the prompts seen (fractions), and the curation counts."""
-        rates = [r.correct / r.attempts for r in self.records.values() if r.attempts]
+        rates = self.pass_rates()
         hist = [0] * len(BUCKETS)
         for rate in rates:
             hist[_bucket(rate)] += 1

@@ -63,7 +63,6 @@ class Observer:
         self._dump_groups = math.ceil(lg.samples_per_step / n) if lg.samples_every else 0
         self._flag_cap = math.ceil(cfg.alarms.max_samples / max(1, num_replicas)) if cfg.alarms.enable else 0
         self._step = _Step()
-        self.bytes_written = 0  # for the cost benchmark
 
     def draw(self, sampler, k: int) -> list[int]:
         indices, skipped = self.ledger.draw(sampler, k)
@@ -118,7 +117,7 @@ class Observer:
         every = self.cfg.logging.samples_every
         regular = (rows if every and step and step % every == 0 else []) + eval_rows
         if regular:
-            self.bytes_written += write_rows(step_file(self.dir, step), regular)
+            write_rows(step_file(self.dir, step), regular)
             if self.log is not None:
                 for phase in ("train", "eval"):
                     self.log.log_samples(step, phase, [r.to_json() for r in regular if r.phase == phase])
@@ -135,7 +134,7 @@ class Observer:
             else:
                 picked = []
             if picked:
-                self.bytes_written += write_rows(alarm_file(self.dir, step, rule.name), picked)
+                write_rows(alarm_file(self.dir, step, rule.name), picked)
 
 
 def _with_advantages(rows: list[SampleRow], groups: list, advantages: list[float], n: int) -> list[SampleRow]:
