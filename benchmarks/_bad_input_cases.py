@@ -153,7 +153,7 @@ def config_cases(fx: Fixtures) -> list[Case]:
     return cases
 
 
-# The smallest inconsistent pair of each cross-field rule (config._validate_cross_section, setup's checks).
+# The smallest inconsistent pair of each cross-field rule (config_rules.validate_cross_section, setup's checks).
 CROSS_FIELD = [
     ("mini-batch above the step", ["data.prompts_per_step=4", "train.mini_batch_prompts=8"], "train.mini_batch_prompts"),
     ("step not a multiple of the mini-batch", ["data.prompts_per_step=3", "train.mini_batch_prompts=2"],

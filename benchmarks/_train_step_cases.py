@@ -5,15 +5,13 @@ train_step.py's docstring says what one update is on each side."""
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
-import gc
 import math
 import os
-import re
 import socket
 import time
 
+from _rss import reset_peak, rss_mb
 from _train_step_profile import profile_megatron, profile_update
 
 LAYERS = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8,
@@ -54,23 +52,6 @@ def make_cases(quick: bool, recompute: str, profile: bool, threads: int,
 
 # -- inside a child process ------------------------------------------------------------------------
 
-def _rss_mb(field: str = "VmRSS") -> float:
-    with open("/proc/self/status") as f:
-        return int(re.search(rf"{field}:\s+(\d+)", f.read()).group(1)) / 1024
-
-
-def _reset_peak() -> None:
-    """Return freed heap pages to the OS (glibc keeps what setup freed, e.g. megatron's parameters
-    before DDP moved them into one buffer), then restart the peak from the current RSS."""
-    gc.collect()
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc
-        pass
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # VmHWM := VmRSS (Linux >= 4.0)
-
-
 def _hf_config(case: Case) -> dict:
     return dict(model_type="qwen2", vocab_size=case.vocab, **case.layers, rms_norm_eps=1e-6,
                 rope_parameters={"rope_theta": 1e6, "rope_type": "default"}, tie_word_embeddings=False,
@@ -100,7 +81,7 @@ def make_weights(case: Case, path: str) -> None:
 
 def _timed_updates(case: Case, update) -> dict:
     """One warm-up update, then ``case.updates`` measured ones; update() -> (pg_loss, grad_norm)."""
-    _reset_peak()
+    reset_peak()
     losses, norms, seconds = [], [], []
     for i in range(1 + case.updates):
         start = time.perf_counter()
@@ -127,7 +108,7 @@ def _megatron_side(case: Case, weights: str) -> dict:
     from megatron_dapo.mcore.actor import MegatronActor
     from megatron_dapo.batching import Sample
 
-    base = _rss_mb()
+    base = rss_mb()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -154,7 +135,7 @@ def _megatron_side(case: Case, weights: str) -> dict:
         return m["actor/pg_loss"], m["actor/grad_norm"]
 
     out = _timed_updates(case, update)
-    out["peak_mb"] = _rss_mb("VmHWM") - base
+    out["peak_mb"] = rss_mb("VmHWM") - base
     out["static_mb"] = _static_megatron(actor)
     if case.profile:
         out["profile"] = profile_megatron(actor, update)
@@ -184,7 +165,7 @@ def _hf_side(case: Case, weights: str) -> dict:
 
     from megatron_dapo.algo import compute_policy_loss
 
-    base = _rss_mb()
+    base = rss_mb()
     model = transformers.Qwen2ForCausalLM.from_pretrained(weights, dtype=torch.float32)
     for p in model.parameters():  # own the memory (no file-backed pages of the safetensors mmap)
         p.data = p.data.clone()
@@ -232,7 +213,7 @@ def _hf_side(case: Case, weights: str) -> dict:
     out = _timed_updates(case, update)
     if case.profile:
         out["profile"] = profile_update(update)
-    out["peak_mb"] = _rss_mb("VmHWM") - base
+    out["peak_mb"] = rss_mb("VmHWM") - base
     static = sum(p.numel() * p.element_size() for p in params) / 2**20
     out["static_mb"] = {"params": static, "grads": static, "optimizer_states": 2 * static}
     return out

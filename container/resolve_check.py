@@ -307,7 +307,7 @@ HEADER = """\
 # package's read afresh from pyproject.toml) and fails if anything resolves that is not pinned.
 #
 # Refresh (after changing VLLM_VERSION, MEGATRON_CORE_VERSION or our dependencies):
-#   1. download the vLLM sdist named in container/Dockerfile (VLLM_SDIST_PATH, check the sha256),
+#   1. python container/fetch_sdist.py vllm <VLLM_VERSION> <VLLM_SDIST_SHA256> vllm.tar.gz,
 #      unpack it and run `python tools/use_existing_torch.py` inside it;
 #   2. python container/resolve_check.py --compile <vllm>/requirements/cuda.txt > container/requirements.txt
 #   3. python container/resolve_check.py   (checks the new file; tests/unit/test_container.py runs it)

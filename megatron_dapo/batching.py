@@ -187,6 +187,14 @@ def build_micro_batch(samples: Sequence[Sample], indices: Sequence[int], *, mult
         response_lengths=tuple(x.num_response_tokens for x in rows) + (0,) * (b - len(rows)))
 
 
+def response_mask(mb: MicroBatch) -> Tensor:
+    """[b, s] 1.0 at the positions whose label is a response token (build_micro_batch's span), else 0."""
+    mask = torch.zeros(mb.input_ids.shape, dtype=torch.float32)
+    for row, (p, r) in enumerate(zip(mb.prompt_lengths, mb.response_lengths)):
+        mask[row, p - 1:p - 1 + r] = 1.0
+    return mask
+
+
 def make_micro_batches(samples: Sequence[Sample], *, max_tokens: int, micro_batch_size: int,
                        multiple: int = 1, min_count: int = 1, count_multiple: int = 1,
                        uniform: bool = False) -> list[MicroBatch]:

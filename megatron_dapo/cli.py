@@ -44,13 +44,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
     """The checked layout and the per-GPU memory plan (memory_plan.py); exit 2 when it does not fit."""
     from megatron_dapo.layout import describe_layout, model_shape
     from megatron_dapo.memory_plan import check_fits, plan
+    from megatron_dapo.plan_report import format_plan
 
     cfg = load_config(args.config, args.overrides)
     world = args.world_size or ranks.world_size()
     hf_config, source = model_shape(cfg, args.shape)  # read once: the layout and the plan share it
     print(describe_layout(cfg, world, hf_config, source))
-    result = plan(cfg, hf_config, world, capacity_gb=args.gpu_memory_gb, mfu=args.mfu)
-    print(result.format(), flush=True)
+    result = plan(cfg, hf_config, world, gpu=args.gpu, capacity_gb=args.gpu_memory_gb, mfu=args.mfu,
+                  gpus_per_node=args.gpus_per_node)
+    print(format_plan(result), flush=True)
     check_fits(result, cfg)
     return 0
 
@@ -67,9 +69,17 @@ def _number(kind: type, low: float, high: float | None = None):
 
 
 def _add_plan_args(p: argparse.ArgumentParser) -> None:
+    from megatron_dapo.gpu_models import GPU_MODELS
+
     p.add_argument("--world-size", type=_number(int, 0), help="processes (GPUs) in all; default: $WORLD_SIZE or 1")
     p.add_argument("--shape", help="the Qwen2.5 shape (0.5B, 1.5B, 7B, 32B) when model.hf_path is not on this machine")
-    p.add_argument("--gpu-memory-gb", type=_number(float, 0), default=80.0, help="memory per GPU (H100 80, H200 141)")
+    p.add_argument("--gpu", choices=sorted(GPU_MODELS), default="h100",
+                   help="the GPU model: its memory as CUDA reports it, HBM bandwidth and bf16 peak "
+                        "(docs/memory_plan.md)")
+    p.add_argument("--gpu-memory-gb", type=_number(float, 0), default=None,
+                   help="memory per GPU in GB (1e9 bytes) as CUDA would report it; wins over --gpu's")
+    p.add_argument("--gpus-per-node", type=_number(int, 0), default=None,
+                   help="GPUs per node for the per-node host memory; default: --gpu's server (8)")
     p.add_argument("--mfu", type=_number(float, 0, 1), default=0.3,
                    help="model FLOPs utilisation for the step-time estimate, in (0, 1]")
 
@@ -84,7 +94,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     try:
         from megatron_dapo.train import main as train_main
 
-        return train_main(load_config(args.config, args.overrides), stop=stop)
+        rc = train_main(load_config(args.config, args.overrides), stop=stop)
+        _end_megatron(args)
+        return rc
     except Exception as e:
         stop.abandon_if_stopping(e)  # a peer abandoned its step (its collective broke): exit 0 too
         raise
@@ -102,7 +114,20 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     setup_logging()
     evaluate_run(load_config(args.config, args.overrides))
+    _end_megatron(args)
     return 0
+
+
+def _end_megatron(args: argparse.Namespace) -> None:
+    """After a run that succeeded: a process group left alive aborted the interpreter at exit in
+    CI (rc -6, "terminate called without an active exception", after a complete run). Torn down
+    when the process ends next (the console script) or when the run started a one-process world
+    of its own (the next run starts another); a caller under torchrun that runs again keeps its
+    group. Not on a failure: a peer may still be inside a collective."""
+    from megatron_dapo.mcore.parallel import shutdown_distributed
+
+    if getattr(args, "process_entry", False) or not ranks.launched():
+        shutdown_distributed()
 
 
 def cmd_export(args: argparse.Namespace) -> int:

@@ -143,8 +143,12 @@ class RolloutConfig:
     weight_sync_bucket_mb: int = _f(512, "MiB per bucket when streaming weights into the engine: the export gathers "
                                     "that much of full tensors at a time, and the engine loads it in one call")
     check_logprob_mismatch: bool = _f(True, "log rollout/logprob_mismatch (engine vs trainer) every step")
+    sleep_level: int = _f(2, "vLLM sleep while the trainer works: 2 discards the engine's weights (valid here: every "
+                             "wake is followed by a full weight sync), 1 copies them to pinned host memory and back")
 
     def __post_init__(self):
+        if self.sleep_level not in (1, 2):
+            _fail(f"rollout.sleep_level must be 1 or 2, got {self.sleep_level}")
         if self.n < 2:
             _fail(f"rollout.n must be >= 2 (group-relative advantages need a group), got {self.n}")
         if self.temperature <= 0:
@@ -246,6 +250,21 @@ class OptimConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class ActorConfig:
+    offload_during_rollout: bool = _f(False, "move the optimizer state and gradients to pinned host memory while the "
+                                             "engine generates, back before old log-probs: room for vLLM's KV cache")
+    offload_weights: bool = _f(False, "with offload_during_rollout: the trainer's weights too (the engine generates "
+                                      "with its own copy)")
+
+    def __post_init__(self):
+        if self.offload_weights and not self.offload_during_rollout:
+            _fail("actor.offload_weights=true needs actor.offload_during_rollout=true (weights go with the rest)")
+
+
+OLD_LOG_PROBS = ("trainer", "rollout")  # train.old_log_probs
+
+
+@dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     total_steps: int = _f(320, "rollout steps, each 16 gradient updates at paper scale (verl#795: the paper ran ~320)")
     mini_batch_prompts: int = _f(32, "prompt groups per optimizer update (32 x 16 = 512 responses: 16 updates/step)")
@@ -255,11 +274,20 @@ class TrainConfig:
     generation_budget: int = _f(0, "also stop after the step in which this many responses have been generated in "
                                    "all (kept or dropped by dynamic sampling): runs compared at equal generation "
                                    "cost; 0 = no budget")
+    logprob_chunk_tokens: int = _f(0, "tokens per chunk of the output layer's log-prob pass; 0 = 256 within 160 MiB "
+                                      "per fp32 buffer (tuned on 2 CPU cores: re-measure on a GPU, "
+                                      "benchmarks/train_step.py)")
+    old_log_probs: str = _f("trainer", "pi_old of the loss: trainer = recomputed by a forward pass over the step's "
+                            "batch before its updates; rollout = the engine's own log-probs of the sampled tokens, no "
+                            "pass (exact only where the engine computes at the trainer's precision from the same "
+                            "weights, as the HF engine in fp32; verl's bypass mode); the engine/trainer mismatch is "
+                            "then measured in the first update's forward")
 
     def __post_init__(self):
         one, zero = _at_least(1), _at_least(0)
         _require("train", self, total_steps=one, mini_batch_prompts=one, ppo_epochs=one, micro_batch_size=one,
-                 max_tokens_per_micro_batch=zero, generation_budget=zero)
+                 max_tokens_per_micro_batch=zero, generation_budget=zero, logprob_chunk_tokens=zero,
+                 old_log_probs=((lambda v: v in OLD_LOG_PROBS), f"one of {', '.join(OLD_LOG_PROBS)}"))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -290,6 +318,9 @@ class CheckpointConfig:
                                    "is 30): a step that cannot finish and save in them is abandoned, exit 0")
     time_limit_margin_s: float = _f(120.0, "with a known job end (SLURM): stop and save when the next step and its "
                                            "save would end less than this before it")
+    memory_efficient_save: bool = _f(True, "distributed optimizer: gather its fully reshardable state on DP rank 0 "
+                                           "only (the copy that is written), not on every DP rank's host; loads at "
+                                           "any TP/PP either way")
 
     def __post_init__(self):
         _require("checkpoint", self, save_every=_at_least(0), keep_last=_at_least(1), stop_grace_s=_at_least(0),
@@ -390,6 +421,7 @@ class DAPOConfig:
     algorithm: AlgorithmConfig = _sub(AlgorithmConfig, "advantages and dynamic sampling")
     loss: LossConfig = _sub(LossConfig, "policy loss")
     reward: RewardConfig = _sub(RewardConfig, "reward and overlong shaping")
+    actor: ActorConfig = _sub(ActorConfig, "the trainer's state around generation")
     optim: OptimConfig = _sub(OptimConfig, "optimizer")
     train: TrainConfig = _sub(TrainConfig, "update schedule")
     eval: EvalConfig = _sub(EvalConfig, "evaluation")
@@ -401,7 +433,8 @@ class DAPOConfig:
 
     def __post_init__(self):
         _require("", self, seed=_at_least(0), num_threads=_at_least(0))  # seeds derive per response (>= 0)
-        _validate_cross_section(self)
+        from megatron_dapo.config_rules import validate_cross_section
+        validate_cross_section(self)
 
     @property
     def updates_per_step(self) -> int:
@@ -416,72 +449,6 @@ class DAPOConfig:
     def checkpoint_root(self) -> Path:
         """Where the run's checkpoints live: checkpoint.dir, else <logging.dir>/checkpoints."""
         return Path(self.checkpoint.dir) if self.checkpoint.dir else Path(self.logging.dir) / "checkpoints"
-
-
-def _validate_cross_section(cfg: DAPOConfig) -> None:
-    """Rules that involve more than one section; each message names the values and the fix."""
-    from megatron_dapo.algo import ADVANTAGE_ESTIMATORS, AGG_MODES, POLICY_LOSSES
-    from megatron_dapo.reward import REWARD_FNS
-    from megatron_dapo.rollout.engine import ENGINES
-
-    d, t, r = cfg.data, cfg.train, cfg.rollout
-    if d.prompts_per_step % t.mini_batch_prompts:
-        _fail(f"data.prompts_per_step={d.prompts_per_step} is not divisible by train.mini_batch_prompts="
-              f"{t.mini_batch_prompts}; pick a divisor (e.g. {_divisor_near(d.prompts_per_step, t.mini_batch_prompts)})")
-    ob = cfg.reward.overlong_buffer
-    if ob.enable and not 0 < ob.len <= r.max_response_length:
-        _fail(f"reward.overlong_buffer.len={ob.len} must be in (0, rollout.max_response_length="
-              f"{r.max_response_length}]; shorten the buffer or disable it (reward.overlong_buffer.enable=false)")
-    if ob.enable and ob.penalty_factor < 0:
-        _fail(f"reward.overlong_buffer.penalty_factor must be >= 0, got {ob.penalty_factor}")
-    if cfg.parallel.context_parallel_size > 1:
-        # Accepted by megatron, but the train step has no per-rank sequence split: it would fail in
-        # the first update, after a whole generation batch.
-        _fail(f"parallel.context_parallel_size={cfg.parallel.context_parallel_size}: context parallelism is not "
-              "supported by the training step yet; set parallel.context_parallel_size=1 (long sequences: "
-              "model.recompute=full and a smaller train.max_tokens_per_micro_batch)")
-    if (cfg.eval.max_response_length or 0) > r.max_response_length:
-        # One engine serves both, sized for prompt + rollout.max_response_length tokens: longer
-        # evaluation responses would be cut there silently.
-        _fail(f"eval.max_response_length={cfg.eval.max_response_length} exceeds rollout.max_response_length="
-              f"{r.max_response_length}, which sizes the engine (data.max_prompt_length + rollout.max_response_length "
-              "tokens); lower eval.max_response_length or raise rollout.max_response_length")
-    if cfg.toy.enable:
-        # The demo points these at what it makes in the run directory (toy/bootstrap.py): any other
-        # value would be replaced without a word, and the run would train the toy, not that model or data.
-        run = Path(cfg.logging.dir)
-        for name, value, allowed in (
-                ("model.hf_path", cfg.model.hf_path, ("", str(run / "toy_base"))),
-                ("data.train_files", d.train_files, ((), (str(run / "toy_data" / "train.parquet"),))),
-                ("data.val_files", d.val_files, (DataConfig().val_files, (str(run / "toy_data" / "val.parquet"),)))):
-            if value not in allowed:
-                shown = f"[{', '.join(value)}]" if isinstance(value, tuple) else value
-                _fail(f"{name}={shown} is ignored with toy.enable=true (the demo trains on the task and base it "
-                      f"makes in logging.dir={run}); set toy.enable=false to use it, or leave {name} unset")
-        # RoPE runs past it without a word in the trainer and the HF engine; vLLM refuses it only
-        # once the trainer is built.
-        if cfg.toy.max_position_embeddings < d.max_prompt_length + r.max_response_length:
-            _fail(f"toy.max_position_embeddings={cfg.toy.max_position_embeddings} is shorter than the sequences "
-                  f"of the run: data.max_prompt_length + rollout.max_response_length = "
-                  f"{d.max_prompt_length + r.max_response_length}; raise it to at least that, or shorten them")
-    seq_len = d.max_prompt_length + r.max_response_length
-    if 0 < t.max_tokens_per_micro_batch < seq_len:
-        _fail(f"train.max_tokens_per_micro_batch={t.max_tokens_per_micro_batch} cannot hold one sequence of "
-              f"data.max_prompt_length + rollout.max_response_length = {seq_len} tokens; raise it to >= {seq_len}")
-    for name, registry, value in (("loss.loss_agg_mode", AGG_MODES, cfg.loss.loss_agg_mode),
-                                  ("loss.policy_loss", POLICY_LOSSES, cfg.loss.policy_loss),
-                                  ("algorithm.adv_estimator", ADVANTAGE_ESTIMATORS, cfg.algorithm.adv_estimator),
-                                  ("rollout.engine", ENGINES, cfg.rollout.engine),
-                                  ("reward.fn", REWARD_FNS, cfg.reward.fn),
-                                  ("eval.reward_fn", REWARD_FNS, cfg.eval.reward_fn),
-                                  *((("alarms.audit_fn", REWARD_FNS, cfg.alarms.audit_fn),)
-                                    if cfg.alarms.audit_fn not in ("auto", "none") else ())):
-        if value not in registry:
-            _fail(f"{name}={value!r} is not one of {registry.names()}")
-
-
-def _divisor_near(n: int, k: int) -> int:
-    return min((m for m in range(1, n + 1) if n % m == 0), key=lambda m: (abs(m - k), m))
 
 
 def field_help(cls: type) -> dict[str, str]:

@@ -1,52 +1,58 @@
-"""Per-GPU memory of a layout, itemised, before anything launches (``megatron-dapo plan``).
+"""Per-GPU memory of a layout, itemised by phase, before anything launches (``megatron-dapo plan``).
 
-All sizes are for the most loaded rank (the first pipeline stage, which holds the embedding and the
-most micro-batches in flight). Trainer state, per parameter of that rank's shard:
-  weights      2 B (bf16) or 4 B (fp32)
-  gradients    4 B (megatron DDP accumulates main gradients in fp32)
-  optimizer    Adam m and v, 8 B, plus an fp32 master copy (4 B) when the weights are bf16;
-               divided over DP with the distributed optimizer
-(18 B / parameter in bf16 without the distributed optimizer and 6 + 12 / DP with it: megatron's own
-``theoretical_memory_usage.py``, checked in tests/unit/test_plan.py).
+Sizes are bytes on the most loaded rank. Trainer state, per parameter of the first pipeline stage's
+shard (embedding and the most micro-batches in flight): weights 2 B (bf16) or 4 B (fp32); gradients
+4 B (megatron DDP's main gradients are fp32); an fp32 master copy (4 B, bf16 only) and Adam's m and v
+(8 B), both divided over DP with the distributed optimizer. That is 18 B / parameter in bf16 without
+it, 6 + 12 / DP with it (megatron's theoretical_memory_usage.py; tests/unit/test_plan.py). The master
+copy and the gradient buffers exist once the actor is built; m and v at the first update, after
+vLLM's start-up free-memory check (on a resume at load, before it); with offload the state is off
+the device when the engine is built (run.py).
+
+Per process, outside every allocator: one CUDA context (trainer and the in-process vLLM share it)
+and an NCCL communicator's buffers for every process group that has run a collective (trainer and
+vLLM groups, ``communicators``). Constants and their sources: gpu_models.py, docs/memory_plan.md.
 
 Activations per micro-batch of ``train.max_tokens_per_micro_batch`` tokens, per layer (bf16):
-megatron's estimate with selective recompute, T x h x (18 + 4 ffn / h) bytes, divided by TP (the
-layouts here use sequence parallelism; without it only part of it divides). With full recompute a
-layer keeps only its input, T x h x 2 bytes (/ TP), and one layer is rebuilt at a time. Without
-recompute attention's softmax adds 5 x heads x T x s per layer, which at RL lengths dominates: the
-plan uses the selective estimate and the flash-attention kernels (TE) that avoid storing it. The
-first pipeline stage holds PP micro-batches in flight (1F1B). The log-prob chunk: the fused output
-projection materialises chunks of fp32 logits of DEFAULT_CHUNK_BYTES (logprobs.py), about 3 alive.
+megatron's selective-recompute estimate T x h x (18 + 4 ffn / h) / TP (sequence parallel); with full
+recompute a layer keeps its input, T x h x 2 / TP, and one layer is rebuilt at a time. The first
+stage holds PP micro-batches in flight (1F1B), the last one. The output layer (last stage) adds
+logprobs.py's chunk buffers ([chunk, V_local]: the logits in the weight's dtype and two fp32 work
+buffers) and, with the gradient hint, its early gradients kept from forward to backward: [N, H]
+for the hidden states (activation dtype), [V_local, H] fp32 for the weight, and the [N, H]
+reordered copy of the hidden states the forward makes (N = tokens of the micro-batch).
 
-The colocated vLLM engine takes ``rollout.gpu_memory_utilization`` of the device (weights at
-rollout TP, KV cache, its activations) while it generates; ``sleep`` (level 1) frees all of it but a
-small residue, and the trainer's state stays resident through generation (no optimizer offload yet).
-So a layout must fit twice: generating (trainer state + vLLM's share) and training (trainer state +
-activations + log-prob chunk + vLLM's residue).
-
-Step time: FLOPs at a stated MFU (``mfu``), ignoring attention's quadratic term: generation 2 N per
-generated token, old log-probs 2 N per token, the update 6 N (8 N with full recompute).
+The colocated vLLM engine takes rollout.gpu_memory_utilization x the total CUDA reports (weights at
+rollout TP, its profile's activation peak, the KV cache) while it generates; asleep it leaves a
+residue. With actor.offload_during_rollout the gradients, master weights and m, v leave the device
+while it generates (actor.offload_weights: the weights too). A layout must fit both phases.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
+from typing import Literal
 
+from megatron_dapo import generation_model as gm
 from megatron_dapo.config import DAPOConfig
 from megatron_dapo.errors import ConfigError
+from megatron_dapo.gpu_models import CUDA_CONTEXT_BYTES, GPUModel, gpu_model, nccl_comm_bytes
 
 GB = 1e9
-SLEEP_RESIDUE_GB = 1.0  # CUDA context and allocator state vLLM keeps while asleep
-LOGPROB_CHUNKS_ALIVE = 3  # logits chunk, its softmax, its gradient (logprobs.py)
+# What a sleeping engine keeps besides the context and its communicators: counted whole, as
+# measured for a whole process after sleep (docs/memory_plan.md), so it overlaps them a little.
+SLEEP_RESIDUE_BYTES = 1.0 * GB
+VLLM_VOCAB_PADDING = 64  # vLLM pads the vocabulary to a multiple of this (vocab_parallel_embedding.py)
 
 
 @dataclass(frozen=True)
 class Shard:
-    """Parameters of the most loaded rank: ``sharded`` (divided by TP) and ``replicated`` (norms)."""
+    """Parameters of the whole model (``total``) and of the most loaded rank (``on_rank``)."""
 
-    total: int  # the whole model's parameters
-    on_rank: float  # parameters on the first pipeline stage of one TP rank
+    total: int
+    on_rank: float
 
 
 def count_parameters(hf: dict, *, tp: int, pp: int, padded_vocab: int) -> Shard:
@@ -68,104 +74,401 @@ def count_parameters(hf: dict, *, tp: int, pp: int, padded_vocab: int) -> Shard:
 
 
 @dataclass(frozen=True)
+class Communicator:
+    """A process group whose NCCL communicator holds device buffers on every member rank."""
+
+    owner: Literal["trainer", "vLLM"]
+    name: str
+    ranks: int
+
+    @property
+    def bytes(self) -> float:
+        return nccl_comm_bytes(self.ranks)
+
+
+def communicators(cfg: DAPOConfig, world_size: int) -> list[Communicator]:
+    """The groups a rank runs collectives on at this layout (PyTorch creates a communicator at a
+    group's first collective): the default group (preemption.py's stop agreement), megatron's
+    gradient-norm group (the whole distributed-optimizer instance, else TP x PP), TP, PP, CP, DP
+    (the package's gathers) and DP x CP (DDP and the distributed optimizer: its own communicator
+    even when CP is 1); vLLM's TP and DP groups (PyNccl, built with the engine)."""
+    p = cfg.parallel
+    tp, pp, cp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size
+    dp = p.data_parallel_size(world_size)
+    groups = [("trainer", "world", world_size),
+              ("trainer", "grad norm", world_size if p.use_distributed_optimizer else tp * pp),
+              ("trainer", "TP", tp), ("trainer", "PP", pp), ("trainer", "CP", cp), ("trainer", "DP", dp),
+              ("trainer", "DP x CP", dp * cp)]
+    if cfg.rollout.engine == "vllm":
+        rtp = cfg.rollout.tensor_parallel_size
+        groups += [("vLLM", "TP", rtp), ("vLLM", "DP", world_size // rtp)]
+    return [Communicator(o, n, r) for o, n, r in groups if r > 1]
+
+
+@dataclass(frozen=True)
+class Item:
+    """One line of the plan. generating: resident while vLLM generates; training: on which rank of
+    the training phase it sits ("all", "first" stage, "last" stage, "none"); counted=False: shown only."""
+
+    key: str
+    label: str
+    bytes: float
+    generating: bool
+    training: Literal["all", "first", "last", "none"]
+    counted: bool = True
+
+
+@dataclass(frozen=True)
+class RolloutPlan:
+    """The engine's side, per GPU (bytes) unless named per replica.
+
+    share: utilization x reported total; weights, activations: the engine's shard and profile peak;
+    kv: its KV cache at the configured utilization (share - weights - activations); room: the largest
+    KV cache that fits beside everything else resident while generating, without offload; offload:
+    what the offload setting (on, or offload_during_rollout=true when off) moves out while generating.
+    """
+
+    replicas: int
+    tensor_parallel: int
+    share: float
+    weights: float
+    activations: float
+    kv: float
+    room: float
+    offload: float
+    kv_bytes_per_token: int  # the whole model's, one token
+    kv_bytes_per_token_per_gpu: float
+    max_sequence: int  # data.max_prompt_length + rollout.max_response_length
+
+    def tokens(self, bytes_per_gpu: float) -> float:
+        """Tokens per replica that ``bytes_per_gpu`` of KV cache on each of its GPUs hold."""
+        return max(0.0, bytes_per_gpu) / self.kv_bytes_per_token_per_gpu
+
+
+# megatron DDP's bucket with overlapped gradient reduction (the GPU default here): max(40M, 1M x DP)
+# parameters (distributed/distributed_data_parallel.py); a save's gather receives one at a time.
+DDP_BUCKET_PARAMS, DDP_BUCKET_PARAMS_PER_DP = 40_000_000, 1_000_000
+
+
+@dataclass(frozen=True)
+class SaveHost:
+    """Host bytes of a checkpoint with the distributed optimizer (docs/checkpoints_memory.md): its
+    fully reshardable format gathers the TP x PP shard's fp32 master + Adam m, v (12 B/param)."""
+
+    dp_rank0: float  # a DP-rank-0 rank's peak during a save: the gathered shard, its own slice, a bucket
+    other: float  # any other rank's (memory_efficient_save: its slice only; else as DP rank 0)
+    worst_node: float  # the node that holds the DP-rank-0 ranks of a pipeline stage
+    resume: float  # every rank on a resume, either setting: the whole shard's state beside its own slice
+
+
+def save_host(on_rank: float, *, tp: int, dp: int, gpus_per_node: int, memory_efficient: bool) -> SaveHost:
+    """``on_rank``: parameters of the rank's TP x PP shard. Rank order is TP fastest, then DP
+    (parallel_state's tp-cp-ep-dp-pp), so a node holds min(TP, its GPUs) ranks of DP index 0."""
+    state = 12 * on_rank  # fp32 master, exp_avg, exp_avg_sq
+    bucket = 12 * min(on_rank, max(DDP_BUCKET_PARAMS, DDP_BUCKET_PARAMS_PER_DP * dp))
+    rank0 = state + state / dp + bucket
+    other = state / dp if memory_efficient else rank0
+    zeros = min(tp, gpus_per_node)
+    return SaveHost(rank0, other, zeros * rank0 + (gpus_per_node - zeros) * other, state + state / dp)
+
+
+@dataclass(frozen=True)
 class Plan:
-    parts: dict[str, float]  # part -> bytes on the most loaded rank (keys: see ``plan``)
-    labels: dict[str, str]  # part -> what the printed table calls it
-    capacity_gb: float
+    """A layout's plan on one GPU model: its items (bytes on the most loaded rank), the engine's side,
+    the generation estimates, the step time (s) and tokens per step, and the pinned host memory."""
+
+    items: list[Item]
+    gpu: GPUModel
+    pp: int
+    rollout: RolloutPlan | None  # None: not the vLLM engine
+    generation: gm.GenerationTime
     tokens_per_step: float
     step_s: float
+    host_sleep_per_rank: float  # pinned host bytes sleep level 1 keeps (0 at level 2)
+    host_offload_per_rank: float  # pinned host bytes the offload copies into (0 when off)
+    host_offload_if_on: float  # the same, had the offload been on
+    gpus_per_node: int
+    offload_on: bool
+    save: SaveHost | None = None  # None: without the distributed optimizer
     notes: list[str] = dataclasses.field(default_factory=list)
 
     @property
+    def parts(self) -> dict[str, float]:
+        return {i.key: i.bytes for i in self.items}
+
+    @property
+    def capacity_bytes(self) -> float:
+        return float(self.gpu.reported_bytes)
+
+    @property
+    def capacity_gb(self) -> float:
+        return self.capacity_bytes / GB
+
+    @property
     def state(self) -> float:
-        """The trainer's resident state: weights, gradients, optimizer."""
-        return self.parts["weights"] + self.parts["gradients"] + self.parts["optimizer"]
+        """The trainer's resident state: weights, gradients, master weights, Adam m and v."""
+        return sum(self.parts.get(k, 0.0) for k in ("weights", "gradients", "master", "adam"))
+
+    @property
+    def generating_bytes(self) -> float:
+        return sum(i.bytes for i in self.items if i.counted and i.generating)
+
+    def training_bytes_on(self, stage: Literal["first", "last"]) -> float:
+        """The training peak of the first or last pipeline stage (the same rank when PP is 1)."""
+        stages = {"all", "first", "last"} if self.pp == 1 else {"all", stage}
+        return sum(i.bytes for i in self.items if i.counted and i.training in stages)
+
+    @property
+    def training_bytes(self) -> float:
+        return max(self.training_bytes_on("first"), self.training_bytes_on("last"))
 
     @property
     def generating_gb(self) -> float:
-        return (self.state + self.parts["vllm_generating"]) / GB
+        return self.generating_bytes / GB
 
     @property
     def training_gb(self) -> float:
-        return (self.state + self.parts["activations"] + self.parts["logprob_chunks"] + self.parts["vllm_asleep"]) / GB
+        return self.training_bytes / GB
 
-    def format(self) -> str:
-        lines = [f"  {self.labels[k]:<72} {size / GB:8.2f} GB" for k, size in self.parts.items()]
-        lines.append(f"  {'peak while generating (state + vLLM share)':<72} {self.generating_gb:8.2f} GB")
-        lines.append(f"  {'peak while training (state + activations + ...)':<72} {self.training_gb:8.2f} GB")
-        lines.append(f"  of {self.capacity_gb:.0f} GB per GPU; {self.tokens_per_step / 1e6:.1f}M tokens per step; "
-                     f"~{self.step_s / 60:.0f} min per step (estimate)")
-        return "\n".join(["per-GPU memory (most loaded rank):", *lines, *self.notes])
+    def resident_at_build(self, *, resume: bool) -> float:
+        """Device bytes the trainer holds when vLLM's start-up check runs (run.py builds the engine
+        after the actor, and with offload on offloads first): the context, the communicators and the
+        state not offloaded; Adam's m and v only on a resume (a fresh run makes them at its first
+        update, after the check)."""
+        keys = ("context", "nccl_trainer", "nccl_vllm", "weights", "gradients", "master",
+                *(("adam",) if resume else ()))
+        return sum(i.bytes for i in self.items if i.key in keys and i.generating)
+
+    @property
+    def startup_spare_bytes(self) -> float:
+        """Free bytes beyond vLLM's request at its start-up check, on a fresh run."""
+        share = self.rollout.share if self.rollout else 0.0
+        return self.capacity_bytes - self.resident_at_build(resume=False) - share
+
+    def max_utilization(self, offload: bool) -> float:
+        """The largest rollout.gpu_memory_utilization that fits while generating (two decimals, down),
+        with the offload (``offload``) or without it, whatever the configuration says."""
+        others = self.generating_bytes - (self.rollout.share if self.rollout else 0.0)
+        moved = self.rollout.offload if self.rollout else 0.0
+        if offload != self.offload_on:
+            others += -moved if offload else moved
+        return math.floor(100 * (self.capacity_bytes - others) / self.capacity_bytes) / 100
 
 
-def plan(cfg: DAPOConfig, hf: dict, world_size: int, *, capacity_gb: float = 80.0, mfu: float = 0.3,
-         peak_tflops: float = 989.0, mean_response_fraction: float = 0.5, on_gpu: bool = True) -> Plan:
-    """The plan of ``cfg`` at ``world_size``; ``peak_tflops``: dense bf16 of one GPU (H100/H200: 989)."""
-    from megatron_dapo.mcore.logprobs import DEFAULT_CHUNK_BYTES
-    from megatron_dapo.mcore.model import padded_vocab_size, resolve_runtime
-
-    p, t, r = cfg.parallel, cfg.train, cfg.rollout
+def _activations(cfg: DAPOConfig, hf: dict, tokens: int, in_flight: int) -> float:
+    """Bytes a stage keeps for ``in_flight`` micro-batches of ``tokens`` tokens (module docstring)."""
+    p = cfg.parallel
     tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
-    dp = p.data_parallel_size(world_size)
-    padded = padded_vocab_size(hf["vocab_size"], cfg.model.make_vocab_size_divisible_by, tp)
-    shard = count_parameters(hf, tp=tp, pp=pp, padded_vocab=padded)
-    bf16 = resolve_runtime(cfg.model, on_gpu, check_installed=False).params_dtype.itemsize == 2
-    optimizer_bytes = 8 + (4 if bf16 else 0)
     h, f = hf["hidden_size"], hf["intermediate_size"]
-    seq = cfg.data.max_prompt_length + r.max_response_length
-    tokens = t.max_tokens_per_micro_batch or t.micro_batch_size * seq
     per_layer = tokens * h * (18 + 4 * f / h) / tp  # megatron's estimate (selective recompute, SP)
     layers = hf["num_hidden_layers"] // pp
     if cfg.model.recompute == "full":
-        activations = layers * tokens * h * 2 / tp + per_layer
-    else:
-        activations = layers * per_layer
-    activations *= pp  # micro-batches in flight on the first stage (1F1B)
-    vllm = r.engine == "vllm"
-    other_optimizer = "without" if p.use_distributed_optimizer else "with"
-    rows = {  # part: (label, bytes)
-        "weights": (f"weights ({'bf16' if bf16 else 'fp32'}, {shard.on_rank / 1e9:.2f}B params on this rank)",
-                    shard.on_rank * (2 if bf16 else 4)),
-        "gradients": ("gradients (fp32)", shard.on_rank * 4),
-        "optimizer": (f"optimizer ({'fp32 master + ' if bf16 else ''}Adam m, v; "
-                      f"{'distributed over DP ' + str(dp) if p.use_distributed_optimizer else 'not distributed'})",
-                      shard.on_rank * optimizer_bytes / (dp if p.use_distributed_optimizer else 1)),
-        "optimizer_other": (f"(optimizer {other_optimizer} the distributed optimizer)",
-                            shard.on_rank * optimizer_bytes / (1 if p.use_distributed_optimizer else dp)),
-        "activations": (f"activations ({tokens} tokens/micro-batch, recompute {cfg.model.recompute}, x{pp} in flight)",
-                        activations),
-        "logprob_chunks": ("log-prob chunks (fp32 logits, logprobs.py)", LOGPROB_CHUNKS_ALIVE * DEFAULT_CHUNK_BYTES),
-        "vllm_generating": (f"vLLM while generating (gpu_memory_utilization {r.gpu_memory_utilization})",
-                            r.gpu_memory_utilization * capacity_gb * GB if vllm else 0.0),
-        "vllm_asleep": ("vLLM asleep (what sleep leaves)", SLEEP_RESIDUE_GB * GB if vllm else 0.0),
-    }
-    prompts = cfg.data.gen_prompts_per_batch if cfg.algorithm.filter_groups.enable else cfg.data.prompts_per_step
-    generated = prompts * r.n * r.max_response_length * mean_response_fraction
-    trained = cfg.data.prompts_per_step * r.n * (cfg.data.max_prompt_length / 2 + r.max_response_length * mean_response_fraction)
+        return in_flight * (layers * tokens * h * 2 / tp) + per_layer
+    return in_flight * layers * per_layer
+
+
+def _output_layer(hf: dict, tokens: int, v_local: int, weight_bytes: int) -> tuple[float, float, int]:
+    """(chunk buffer bytes, early-gradient bytes, chunk tokens) of logprobs.py's fused output layer
+    on a [tokens, H] micro-batch with a [V_local, H] weight shard (module docstring)."""
+    from megatron_dapo.mcore.logprobs import DEFAULT_CHUNK_BYTES, DEFAULT_CHUNK_TOKENS
+
+    chunk = max(1, min(DEFAULT_CHUNK_TOKENS, DEFAULT_CHUNK_BYTES // (4 * v_local), tokens))
+    buffers = chunk * v_local * (weight_bytes + 2 * 4)
+    h = hf["hidden_size"]
+    early = 2 * tokens * h * weight_bytes + v_local * h * 4 + tokens * 4  # grad, reordered copy; weight grad
+    return float(buffers), float(early), chunk
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """What the item builders share: the rank's shard and the sizes derived from the config."""
+
+    shard: Shard
+    tp: int
+    pp: int
+    dp: int
+    padded_vocab: int
+    weight_bytes: int  # 2 (bf16) or 4 (fp32)
+    tokens: int  # per micro-batch
+    sequence: int  # data.max_prompt_length + rollout.max_response_length
+
+
+def _trainer_items(cfg: DAPOConfig, hf: dict, lay: _Layout, comms: list[Communicator],
+                   on_gpu: bool) -> list[Item]:
+    """The context, the communicators and everything the trainer holds (module docstring)."""
+    p, on_rank, off = cfg.parallel, lay.shard.on_rank, cfg.actor.offload_during_rollout
+    dp_div = lay.dp if p.use_distributed_optimizer else 1
+    where = f"distributed over DP {lay.dp}" if p.use_distributed_optimizer else "not distributed"
+    moved = "; off the GPU while generating"
+
+    def nccl(owner: str) -> Item:
+        mine = [c for c in comms if c.owner == owner]
+        names = ", ".join(f"{c.name} {c.ranks}" for c in mine)
+        return Item(f"nccl_{owner.lower()}", f"NCCL buffers, {owner} groups ({names})",
+                    sum(c.bytes for c in mine), True, "all")
+
+    items = [
+        Item("context", "CUDA context (one per process; vLLM runs in the trainer's)",
+             CUDA_CONTEXT_BYTES if on_gpu else 0.0, True, "all"),
+        nccl("trainer"), nccl("vLLM"),
+        Item("weights", f"weights ({'bf16' if lay.weight_bytes == 2 else 'fp32'}, {on_rank / 1e9:.2f}B "
+             f"params on this rank{moved if cfg.actor.offload_weights else ''})", on_rank * lay.weight_bytes,
+             not cfg.actor.offload_weights, "all"),
+        Item("gradients", f"gradients (fp32{moved if off else ''})", on_rank * 4, not off, "all"),
+    ]
+    if lay.weight_bytes == 2:
+        items.append(Item("master", f"fp32 master weights ({where}{moved if off else ''})",
+                          on_rank * 4 / dp_div, not off, "all"))
+    other = "without" if p.use_distributed_optimizer else "with"
+    optimizer_bytes = 8 + (4 if lay.weight_bytes == 2 else 0)
+    items += [
+        Item("adam", f"Adam m, v ({where}; allocated at the first update{moved if off else ''})",
+             on_rank * 8 / dp_div, not off, "all"),
+        Item("optimizer_other", f"(master + m, v {other} the distributed optimizer)",
+             on_rank * optimizer_bytes / (1 if p.use_distributed_optimizer else lay.dp), False, "none",
+             counted=False),
+        Item("activations", f"activations, first stage ({lay.tokens} tokens/micro-batch, recompute "
+             f"{cfg.model.recompute}, x{lay.pp} in flight)", _activations(cfg, hf, lay.tokens, lay.pp), False,
+             "first"),
+    ]
+    if lay.pp > 1:
+        items.append(Item("activations_last", "activations, last stage (x1 in flight)",
+                          _activations(cfg, hf, lay.tokens, 1), False, "last"))
+    v_local = lay.padded_vocab // lay.tp
+    buffers, early, chunk = _output_layer(hf, lay.tokens, v_local, lay.weight_bytes)
+    stage = "last stage, " if lay.pp > 1 else ""
+    return [*items,
+            Item("logprob_buffers", f"log-prob chunk buffers ({stage}[{chunk}, {v_local}] x3; logprobs.py)",
+                 buffers, False, "last"),
+            Item("early_grads", f"output layer's early gradients ({stage}[N, H] x2, [V_local, H] fp32; "
+                 "logprobs.py)", early, False, "last")]
+
+
+def _rollout(cfg: DAPOConfig, hf: dict, lay: _Layout, items: list[Item], device: GPUModel,
+             world_size: int) -> tuple[list[Item], RolloutPlan]:
+    """The engine's two items and its side of the plan (RolloutPlan)."""
+    r, a = cfg.rollout, cfg.actor
+    rtp = r.tensor_parallel_size
+    vocab = -(-hf["vocab_size"] // (VLLM_VOCAB_PADDING * rtp)) * VLLM_VOCAB_PADDING * rtp
+    engine_weights = count_parameters(hf, tp=rtp, pp=1, padded_vocab=vocab).on_rank * lay.weight_bytes
+    share = r.gpu_memory_utilization * device.reported_bytes
+    activations = gm.vllm_activation_bytes(hf, rtp, dtype_bytes=lay.weight_bytes)
+    engine = [Item("vllm_generating", f"vLLM's share: gpu_memory_utilization {r.gpu_memory_utilization} x "
+                   f"{device.reported_bytes / GB:.2f} GB", share, True, "none"),
+              Item("vllm_asleep", f"vLLM asleep (sleep level {r.sleep_level}: what sleep leaves)",
+                   SLEEP_RESIDUE_BYTES, False, "all")]
+    parts = {i.key: i.bytes for i in items}
+    offload = parts["gradients"] + parts.get("master", 0.0) + parts["adam"]
+    if a.offload_weights:
+        offload += parts["weights"]
+    resident = sum(i.bytes for i in items if i.counted and i.generating)
+    if a.offload_during_rollout:  # the room "without offload" counts the moved state as resident
+        resident += offload
+    plan_ = RolloutPlan(
+        replicas=world_size // rtp, tensor_parallel=rtp, share=share, weights=engine_weights,
+        activations=activations, kv=share - engine_weights - activations,
+        room=device.reported_bytes - resident - engine_weights - activations, offload=offload,
+        kv_bytes_per_token=gm.kv_bytes_per_token(hf, dtype_bytes=lay.weight_bytes),
+        kv_bytes_per_token_per_gpu=gm.kv_bytes_per_token_per_gpu(hf, rtp, dtype_bytes=lay.weight_bytes),
+        max_sequence=lay.sequence)
+    return engine, plan_
+
+
+def plan(cfg: DAPOConfig, hf: dict, world_size: int, *, gpu: str | GPUModel = "h100",
+         capacity_gb: float | None = None, mfu: float = 0.3, mean_response_fraction: float = 0.5,
+         on_gpu: bool = True, gpus_per_node: int | None = None,
+         decode_efficiency: float = gm.DECODE_BANDWIDTH_EFFICIENCY) -> Plan:
+    """The plan of ``cfg`` at ``world_size`` on ``gpu`` (a GPU_MODELS key or a GPUModel);
+    ``capacity_gb`` (1e9 bytes) replaces the model's reported total when given."""
+    from megatron_dapo.mcore.model import padded_vocab_size, resolve_runtime
+
+    device = (gpu_model(gpu) if isinstance(gpu, str) else gpu).with_capacity(capacity_gb)
+    p, t, r = cfg.parallel, cfg.train, cfg.rollout
+    tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
+    padded = padded_vocab_size(hf["vocab_size"], cfg.model.make_vocab_size_divisible_by, tp)
+    seq = cfg.data.max_prompt_length + r.max_response_length
+    bf16 = resolve_runtime(cfg.model, on_gpu, check_installed=False).params_dtype.itemsize == 2
+    lay = _Layout(count_parameters(hf, tp=tp, pp=pp, padded_vocab=padded), tp, pp,
+                  p.data_parallel_size(world_size), padded, 2 if bf16 else 4,
+                  t.max_tokens_per_micro_batch or t.micro_batch_size * seq, seq)
+    items = _trainer_items(cfg, hf, lay, communicators(cfg, world_size) if on_gpu else [], on_gpu)
+    rollout = None
+    if r.engine == "vllm":
+        engine, rollout = _rollout(cfg, hf, lay, items, device, world_size)
+        items += engine
+
+    d = cfg.data
+    prompts = d.gen_prompts_per_batch if cfg.algorithm.filter_groups.enable else d.prompts_per_step
+    mean_prompt, mean_response = d.max_prompt_length / 2, r.max_response_length * mean_response_fraction
+    trained = cfg.data.prompts_per_step * r.n * (mean_prompt + mean_response)
+    decode = None
+    if rollout is not None:
+        decode = gm.decode_estimate(gm.Replica(
+            responses=-(-prompts * r.n // rollout.replicas), prompt_tokens=mean_prompt,
+            response_tokens=mean_response, kv_tokens=rollout.tokens(rollout.kv),
+            weight_bytes_per_gpu=rollout.weights,
+            kv_bytes_per_token_per_gpu=rollout.kv_bytes_per_token_per_gpu,
+            hbm_bytes_per_s=device.hbm_bytes_per_s, efficiency=decode_efficiency))
+    total, peak = lay.shard.total, device.bf16_flops
+    generation = gm.GenerationTime(
+        gm.flops_seconds(2 * total * prompts * r.n * mean_response, world_size, peak, mfu), decode)
     update = 8 if cfg.model.recompute == "full" else 6
-    flops = shard.total * (2 * generated + (2 + update) * trained * t.ppo_epochs)
-    step_s = flops / (world_size * peak_tflops * 1e12 * mfu)
-    notes = [f"  assumptions: responses average {mean_response_fraction:.0%} of rollout.max_response_length and "
-             f"prompts half of data.max_prompt_length; MFU {mfu:.0%} of {peak_tflops:.0f} TFLOP/s; the generation "
-             f"batch is {prompts} prompts (a step with dynamic sampling may draw more)"]
-    return Plan({k: v for k, (_, v) in rows.items()}, {k: label for k, (label, _) in rows.items()}, capacity_gb,
-                trained, step_s, notes)
+    train_s = gm.flops_seconds(total * (2 + update) * trained * t.ppo_epochs, world_size, peak, mfu)
+    notes = [f"  assumptions: responses average {mean_response_fraction:.0%} of rollout.max_response_length "
+             f"and prompts half of data.max_prompt_length; MFU {mfu:.0%} of {peak / 1e12:.0f} TFLOP/s; "
+             f"decode at {decode_efficiency:.0%} of {device.hbm_bytes_per_s / 1e12:.2f} TB/s; one generation "
+             f"batch of {prompts} prompts per step (dynamic sampling may draw more)"]
+    sleep_host = rollout.weights if rollout is not None and r.sleep_level == 1 else 0.0
+    # mcore/offload.py copies the optimizer state (and the weights) into pinned host memory but
+    # releases the gradients without a copy (every update zeroes them first): no host memory for them
+    parts = {i.key: i.bytes for i in items}
+    copied = parts.get("master", 0.0) + parts["adam"]
+    if cfg.actor.offload_weights:
+        copied += parts["weights"]
+    offload = cfg.actor.offload_during_rollout
+    node = gpus_per_node or device.gpus_per_node
+    save = (save_host(lay.shard.on_rank, tp=tp, dp=lay.dp, gpus_per_node=node,
+                      memory_efficient=cfg.checkpoint.memory_efficient_save)
+            if p.use_distributed_optimizer else None)
+    return Plan(items, device, pp, rollout, generation, trained, generation.seconds + train_s, sleep_host,
+                copied if offload else 0.0, copied, node, offload, save, notes)
 
 
 def check_fits(result: Plan, cfg: DAPOConfig) -> None:
-    """ConfigError naming the knob when either phase exceeds the capacity."""
+    """ConfigError naming the knob when either phase exceeds the reported capacity, then when vLLM's
+    share leaves no KV cache for one sequence of data.max_prompt_length + rollout.max_response_length."""
+    r, cap = result.rollout, result.capacity_gb
+    util = cfg.rollout.gpu_memory_utilization
     worst = max(result.generating_gb, result.training_gb)
-    if worst <= result.capacity_gb:
-        return
-    parts = result.parts
-    if result.generating_gb >= result.training_gb:
-        fix = (f"lower rollout.gpu_memory_utilization={cfg.rollout.gpu_memory_utilization} (the trainer's state "
-               f"stays resident while vLLM generates)")
-    elif parts["activations"] >= max(parts["weights"], parts["optimizer"]):
+    if worst > cap:
+        raise ConfigError(_over_capacity(result, cfg, worst))
+    if r is not None and r.tokens(r.kv) < r.max_sequence:
+        raise ConfigError(
+            f"vLLM's KV cache would hold {r.tokens(r.kv):,.0f} tokens per replica, less than one "
+            f"{r.max_sequence}-token sequence (vLLM refuses to start): raise rollout.gpu_memory_utilization="
+            f"{util} or rollout.tensor_parallel_size={cfg.rollout.tensor_parallel_size}")
+
+
+def _over_capacity(result: Plan, cfg: DAPOConfig, worst: float) -> str:
+    """The message for a phase over capacity, with the knob that fixes it."""
+    r, parts, util = result.rollout, result.parts, cfg.rollout.gpu_memory_utilization
+    generating = result.generating_gb >= result.training_gb
+    if generating:
+        most = result.max_utilization(cfg.actor.offload_during_rollout)
+        kept = "what the offload leaves" if cfg.actor.offload_during_rollout else "the trainer's state"
+        fix = (f"lower rollout.gpu_memory_utilization={util} to <= {most:.2f} ({kept} stays resident while "
+               "vLLM generates)")
+        if r is not None and not cfg.actor.offload_during_rollout:
+            fix += (f", or set actor.offload_during_rollout=true (moves {r.offload / GB:.1f} GB off the GPU "
+                    f"while generating; then up to {result.max_utilization(True):.2f})")
+        elif r is not None and not cfg.actor.offload_weights:
+            fix += f", or set actor.offload_weights=true (another {parts['weights'] / GB:.1f} GB)"
+    elif parts["activations"] >= max(parts["weights"], parts.get("master", 0.0) + parts["adam"]):
         fix = "set model.recompute=full or lower train.max_tokens_per_micro_batch"
     elif not cfg.parallel.use_distributed_optimizer:
         fix = "set parallel.use_distributed_optimizer=true"
     else:
         fix = "raise parallel.tensor_model_parallel_size or pipeline_model_parallel_size"
-    phase = "generating" if result.generating_gb >= result.training_gb else "training"
-    raise ConfigError(f"the layout needs {worst:.1f} GB per GPU while {phase}, over {result.capacity_gb:.0f} GB: {fix}")
+    phase = "generating" if generating else "training"
+    return (f"the layout needs {worst:.1f} GB per GPU while {phase}, over the {result.capacity_gb:.1f} GB "
+            f"{result.gpu.name} reports: {fix}")

@@ -73,10 +73,12 @@ class Run(Prepared):
     sampler: Any
 
     def close(self) -> None:
-        """Ends the reward workers and releases the run directory."""
+        """Ends the reward workers and the engine (before cli tears the process group down: an
+        in-process vLLM tears its own groups down first) and releases the run directory."""
         if self.pool is not None:
             self.pool.close()
             self.pool = None
+        self.placement.engine.shutdown()
         self.release()
 
 
@@ -249,8 +251,15 @@ def _build(prep: Prepared) -> Run:
     # over the whole world. Weights arrive with the loop's first sync.
     # The engine's own checks of the settings (memory, head size) raise ConfigError before it
     # builds anything; any other error from building it is a bug and keeps its traceback.
+    # With offload, vLLM's start-up check (its share must be free) and its first allocation see the
+    # trainer's state off the device, as every generation later will; the engine then sleeps, so the
+    # state can come back for the first weight sync.
+    actor.offload_for_rollout()
     engine = get_engine_cls(cfg.rollout.engine).from_config(str(hf_path), cfg)
     placement = RolloutPlacement(engine, tensor_parallel_size=cfg.rollout.tensor_parallel_size)
+    if cfg.actor.offload_during_rollout:
+        placement.sleep()
+        actor.onload_after_rollout()
     pool = make_reward_pool(cfg) if placement.is_leader else None
     logger.info("rank %d: rollout replica %d of %d (%s engine, rollout TP %d)%s", prep.rank, placement.replica,
                 placement.num_replicas, cfg.rollout.engine, cfg.rollout.tensor_parallel_size,

@@ -31,7 +31,7 @@ from megatron_dapo.observe.profiler import StepProfiler
 from megatron_dapo.preemption import TIME_LIMIT, StopRequest, Watch
 from megatron_dapo.reward import VALUE_REWARD_FN
 from megatron_dapo.rollout.engine import eval_sampling_params, rollout_sampling_params
-from megatron_dapo.rollout.weight_sync import logprob_mismatch
+from megatron_dapo.rollout.weight_sync import MISMATCH_KEYS, logprob_mismatch
 from megatron_dapo.run import Run, build_run, prepare_run
 from megatron_dapo.time_limit import StepClock, job_end_time, write_status
 from megatron_dapo.trainer_state import TrainerState
@@ -108,6 +108,7 @@ def _train(run: Run, stop: StopRequest) -> TrainResult:
             return _loop(run, stop, dyn, log, obs, prof, start, gen_batch, clock, end_time)
     finally:
         log.close()
+        run.actor.onload_after_rollout()  # the run's last evaluation may have left the state off
 
 
 def _loop(run: Run, stop: StopRequest, dyn: DynamicSampler, log: MetricsLogger, obs: Observer, prof: StepProfiler,
@@ -119,6 +120,7 @@ def _loop(run: Run, stop: StopRequest, dyn: DynamicSampler, log: MetricsLogger, 
     _sync(run)  # the engines start from the checkpoint's weights (vLLM's from dummy ones)
     final = {}
     if cfg.eval.before_train and start == 0:
+        actor.offload_for_rollout()  # the engine generates: the state goes off as for a step's rollouts
         metrics = _evaluate(run, obs)
         final = _log(log, 0, metrics | obs.end_step(0, metrics, [], []), cfg, start)
 
@@ -134,6 +136,9 @@ def _loop(run: Run, stop: StopRequest, dyn: DynamicSampler, log: MetricsLogger, 
         prof.begin_step(step + 1)
         metrics: dict[str, float] = {}
         step_start = time.perf_counter()
+        if cfg.actor.offload_during_rollout:
+            with log.timer("offload"):  # the engine generates in the trainer's grads' and optimizer's memory
+                metrics.update(actor.offload_for_rollout())
         with log.timer("rollout"):
             dyn.start_step()
             while not dyn.is_full:  # dynamic sampling: draw generation batches until the batch is full
@@ -145,31 +150,34 @@ def _loop(run: Run, stop: StopRequest, dyn: DynamicSampler, log: MetricsLogger, 
                 obs.add_batch(batch, indices, dyn.num_gen_batches, gen_batch)
                 dyn.add(batch.groups, batch.acc)
             groups, ds_metrics = dyn.pop()
+        metrics.update(_device_used("generating"))
         placement.sleep()  # the engine's memory goes to the trainer until the next sync
+        if cfg.actor.offload_during_rollout:
+            with log.timer("onload"):  # after the sleep: the engine's memory is free for the state again
+                actor.onload_after_rollout()
         generated += int(ds_metrics["dynamic_sampling/num_groups_generated"]) * cfg.rollout.n
         finished = _finished(cfg, step + 1, generated)
         metrics.update(ds_metrics | rollout_metrics(groups))
         metrics["rollout/responses_generated_total"] = generated
         samples = to_samples(groups, cfg)
 
-        with log.timer("old_log_probs"):
-            actor.prepare_for_inference()
-            old = actor.get_inference_log_probs(samples)
-            actor.finish_inference()
-        if cfg.rollout.check_logprob_mismatch:
-            metrics.update(_mismatch([s.rollout_log_probs for s in samples], old))
-        samples = [dataclasses.replace(s, old_log_probs=lp) for s, lp in zip(samples, old)]
-
+        samples, mismatch_in_update = _old_log_probs(run, log, samples, metrics)
         with log.timer("train"):
             actor.prepare_for_training()
             size = cfg.train.mini_batch_prompts * cfg.rollout.n
-            for _ in range(cfg.train.ppo_epochs):
+            for epoch in range(cfg.train.ppo_epochs):
                 for i in range(0, len(samples), size):  # e.g. 512 responses -> 16 updates per step
-                    _accumulate(metrics, actor.get_loss_and_metrics(samples[i:i + size]))
+                    first = mismatch_in_update and epoch == i == 0  # the weights that generated them
+                    update = actor.get_loss_and_metrics(samples[i:i + size], mismatch=first)
+                    metrics.update({k: update.pop(k) for k in MISMATCH_KEYS if first})
+                    _accumulate(metrics, update)
+        metrics.update(_device_used("training"))
+        pending, write_s = _write_if_due(run, log, step + 1, finished)
         with log.timer("weight_sync"):
             _sync(run)
         if cfg.eval.every and (step + 1) % cfg.eval.every == 0 or finished:
             with log.timer("eval"):
+                actor.offload_for_rollout()  # off until the next old log-probs (publish reads no state)
                 metrics.update(_evaluate(run, obs))
         metrics["timing_s/step"] = time.perf_counter() - step_start
         metrics.update(obs.end_step(step + 1, metrics, groups, [s.advantages for s in samples]))
@@ -179,14 +187,15 @@ def _loop(run: Run, stop: StopRequest, dyn: DynamicSampler, log: MetricsLogger, 
         done = step + 1
         prof.end_step(done)
         clock.end_step()
-        if cfg.checkpoint.save_every and done % cfg.checkpoint.save_every == 0 or finished:
-            _save(run, dyn, obs, done, generated, clock)
+        if pending is not None:
+            _save(run, dyn, obs, done, generated, clock, pending, write_s)
             saved = done
         if finished:
             break
     if stop.signum is None or finished:
         return TrainResult(final_eval=final, step=done)
     if done > saved:
+        actor.onload_after_rollout()  # an evaluation may have left the state off
         _save(run, dyn, obs, done, generated, clock)
     latest = _latest(run)
     return TrainResult(final_eval=final, step=done, stopped_by=stop.name, checkpoint=latest and str(latest),
@@ -201,13 +210,34 @@ def _record_ranks(run: Run) -> None:
         (run.dir / "ranks.json").write_text(json.dumps({"nodes": nodes}, indent=1) + "\n")
 
 
-def _save(run: Run, dyn: DynamicSampler, obs: Observer, step: int, generated: int, clock: StepClock) -> None:
+def _write_if_due(run: Run, log: MetricsLogger, step: int, finished: bool):
+    """(the pending checkpoint of ``step`` or None when no save is due, the seconds it took): a save's
+    tensors are written after the updates, while the engine sleeps and the state is on the device,
+    and published after the step is logged."""
+    every = run.cfg.checkpoint.save_every
+    if not (every and step % every == 0 or finished):
+        return None, 0.0
+    with log.timer("checkpoint_write"):
+        started = time.monotonic()
+        pending = run.actor.write_checkpoint(str(run.ckpt_dir), step)
+    return pending, time.monotonic() - started
+
+
+def _save(run: Run, dyn: DynamicSampler, obs: Observer, step: int, generated: int, clock: StepClock,
+          pending=None, write_s: float = 0.0) -> None:
+    """Publishes ``pending`` (the step's tensors, written before the sync ``write_s`` ago) with the
+    trainer state; without one (a stop between steps), saves in one go. The clock records the whole
+    save, both halves: it is what the stop path's one-phase save will cost (the saving step's time
+    holds the write too, which only makes the time-limit estimate safer)."""
     state = TrainerState(step=step, sampler=run.sampler.state_dict(), held_groups=dyn.held,
                          responses_generated=generated, clock=clock.state_dict(), ledger=obs.ledger.state(),
                          alarms=tuple(obs.alarms.state()))
     started = time.monotonic()
-    run.actor.save_checkpoint(str(run.ckpt_dir), state.to_json())
-    clock.record_save(time.monotonic() - started)
+    if pending is None:
+        run.actor.save_checkpoint(str(run.ckpt_dir), state.to_json())
+    else:
+        run.actor.publish_checkpoint(pending, state.to_json())
+    clock.record_save(write_s + time.monotonic() - started)
 
 
 def _finished(cfg: DAPOConfig, steps: int, generated: int) -> bool:
@@ -258,6 +288,15 @@ def _log(log: MetricsLogger, step: int, metrics: dict, cfg: DAPOConfig, start: i
     return {k: v for k, v in values.items() if k.startswith("eval/")}
 
 
+def _device_used(phase: str) -> dict[str, float]:
+    """Device-wide used memory at the end of a phase (CUDA only: the engine's allocations are
+    not torch's, so only the device's own count sees both), against the plan's peaks."""
+    if not torch.cuda.is_available():
+        return {}
+    free, total = torch.cuda.mem_get_info()
+    return {f"memory/device_used_gb_{phase}": (total - free) / 1e9}
+
+
 def _accumulate(metrics: dict, update: dict) -> None:
     """Averages per-update metrics over the step's updates (counts under actor/num_updates)."""
     n = metrics.get("actor/num_updates", 0.0)
@@ -265,6 +304,27 @@ def _accumulate(metrics: dict, update: dict) -> None:
         v = float(v)
         metrics[k] = max(metrics.get(k, v), v) if k.endswith("_max") else (metrics.get(k, 0.0) * n + v) / (n + 1)
     metrics["actor/num_updates"] = n + 1
+
+
+def _old_log_probs(run: Run, log: MetricsLogger, samples: list, metrics: dict) -> tuple[list, bool]:
+    """The samples with pi_old (train.old_log_probs): the trainer's forward over the batch, with the
+    engine/trainer mismatch from it, or the engine's own log-probs (no pass; the mismatch is then
+    measured in the first update's forward: the second value says so)."""
+    cfg, actor = run.cfg, run.actor
+    check = cfg.rollout.check_logprob_mismatch
+    if cfg.train.old_log_probs == "rollout":
+        missing = [i for i, s in enumerate(samples) if s.rollout_log_probs is None]
+        if missing:
+            raise ValueError(f"train.old_log_probs=rollout, but samples {missing[:8]} came without the engine's "
+                             "log-probs; set train.old_log_probs=trainer")
+        return [dataclasses.replace(s, old_log_probs=s.rollout_log_probs) for s in samples], check
+    with log.timer("old_log_probs"):
+        actor.prepare_for_inference()
+        old = actor.get_inference_log_probs(samples)
+        actor.finish_inference()
+    if check:
+        metrics.update(_mismatch([s.rollout_log_probs for s in samples], old))
+    return [dataclasses.replace(s, old_log_probs=lp) for s, lp in zip(samples, old)], False
 
 
 def _mismatch(engine_lp: list[torch.Tensor], trainer_lp: list[torch.Tensor]) -> dict[str, float]:

@@ -38,35 +38,17 @@ FP8_TEST="tests/functional/test_loss_precision.py::test_fp8_update_on_odd_length
 # The checks program; a test of this runner substitutes its own (tests/unit/test_gpu_smoke.py).
 CHECKS=${GPU_SMOKE_CHECKS:-tools/gpu_smoke.py}
 
-usage() { sed -n '2,/^set -uo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; }
-die() { echo "gpu_smoke.sh: $*" >&2; exit 2; }
-
-while [ $# -gt 0 ]; do
+NAME=gpu_smoke.sh
+UNIT=step
+# shellcheck source=tools/lib/smoke.sh
+. tools/lib/smoke.sh
+extra_arg() {
   case "$1" in
-    --python) PY=${2:?--python needs a value}; shift 2 ;;
-    --out) OUT=${2:?--out needs a value}; shift 2 ;;
-    --budget) BUDGET=${2:?--budget needs a value}; shift 2 ;;
-    --require) REQUIRE=${2:?--require needs a value}; shift 2 ;;
-    --only) ONLY=${2:?--only needs a value}; shift 2 ;;
-    --box)
-      spec=${2:?--box needs step=seconds}
-      name=${spec%%=*}
-      [ -n "${BOX[$name]+x}" ] || die "--box: no step '$name' (steps: ${ORDER[*]})"
-      BOX[$name]=${spec#*=}
-      shift 2 ;;
-    --list) printf '%s\n' "${ORDER[@]}"; exit 0 ;;
-    -h | --help) usage; exit 0 ;;
-    *) die "unknown argument '$1' (see --help)" ;;
+    --require) REQUIRE=${2:?--require needs a value}; SHIFT=2 ;;
+    *) return 1 ;;
   esac
-done
-for n in "$BUDGET" "${BOX[@]}"; do
-  [[ "$n" =~ ^[1-9][0-9]*$ ]] || die "time boxes and --budget are whole seconds > 0, got '$n'"
-done
-IFS=, read -r -a only <<< "$ONLY"
-for s in "${only[@]}"; do
-  [ -n "${BOX[$s]+x}" ] || die "--only: no step '$s' (steps: ${ORDER[*]})"
-done
-command -v "$PY" > /dev/null || die "--python '$PY' is not a command"
+}
+smoke_parse "$@"
 
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -74,7 +56,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
 
 has_cuda=$("$PY" -c 'import torch; print(int(torch.cuda.is_available()))' 2>/dev/null) \
-  || die "'$PY' cannot import torch"
+  || smoke_die "'$PY' cannot import torch"
 has_module() { "$PY" -c "import importlib.util as u, sys; sys.exit(u.find_spec('$1') is None)"; }
 required() { [[ ",$REQUIRE," == *",$1,"* ]]; }
 
@@ -98,47 +80,7 @@ step_cmd() {
   esac
 }
 
-start=$(date +%s)
-declare -a summary=()
-failed=0
-for step in "${ORDER[@]}"; do
-  if [ -n "$ONLY" ] && [[ ",$ONLY," != *",$step,"* ]]; then continue; fi
-  log="$OUT/$step.log"
-  left=$(( BUDGET - ($(date +%s) - start) ))
-  box=${BOX[$step]}
-  (( box > left )) && box=$left
-  cmd=$(step_cmd "$step")
-  t0=$(date +%s)
-  if [ "$step" != versions ] && [ "$has_cuda" != 1 ]; then
-    status=SKIP detail="no CUDA device"
-  elif [[ "$cmd" == SKIP:* || "$cmd" == FAIL:* ]]; then
-    status=${cmd%%:*} detail=${cmd#*: }
-  elif (( left < 5 )); then
-    status=SKIP detail="the --budget of ${BUDGET} s is spent"
-  else
-    echo "== $step (box ${box} s): $cmd" > "$log"
-    # timeout makes its own process group and signals all of it: torchrun's workers and vLLM's
-    # engine processes go too. --kill-after: a step that ignores SIGTERM still ends.
-    timeout --kill-after=10 "$box" bash -c "$cmd" >> "$log" 2>&1
-    rc=$?
-    last=$(grep -v '^[[:space:]]*$' "$log" | tail -n 1)
-    case $rc in
-      0) status=PASS detail=$last
-         # pytest exits 0 when everything skipped: that is a skip, not a pass.
-         if [[ "$last" =~ ^[0-9]+\ skipped ]]; then status=SKIP; fi ;;
-      3) status=SKIP detail=${last#SKIP: } ;;
-      124 | 137) status=FAIL detail="timed out after ${box} s" ;;
-      *) status=FAIL detail="exit $rc: $last" ;;
-    esac
-  fi
-  secs=$(( $(date +%s) - t0 ))
-  [ "$status" = FAIL ] && failed=1
-  line=$(printf '%-4s %-9s %4d s  %s' "$status" "$step" "$secs" "$detail")
-  echo "$line"
-  summary+=("$line")
-done
-total=$(( $(date +%s) - start ))
-printf '%s\n' "${summary[@]}" > "$OUT/summary.txt"
-echo "gpu_smoke: $(grep -c '^PASS' "$OUT/summary.txt") passed, $(grep -c '^FAIL' "$OUT/summary.txt") failed," \
-  "$(grep -c '^SKIP' "$OUT/summary.txt") skipped in ${total} s; logs in $OUT/"
-exit "$failed"
+step_skip() { if [ "$1" != versions ] && [ "$has_cuda" != 1 ]; then echo "no CUDA device"; fi; }
+# pytest exits 0 when everything skipped: that is a skip, not a pass.
+on_pass() { if [[ "$3" =~ ^[0-9]+\ skipped ]]; then echo "SKIP $3"; else echo "PASS $3"; fi; }
+smoke_run

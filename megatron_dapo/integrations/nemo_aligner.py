@@ -1,17 +1,12 @@
 """DAPO in NeMo-Aligner's trainer: a DAPO actor on its Megatron GPT PPO actor, and a critic-free
-trainer hook. Written against nemo-aligner 0.7.0 (tag v0.7.0); docs/nemo_aligner.md has the recipe,
-the sources (file:line) and what was and was not verified. Nothing here runs NeMo on this machine.
+trainer hook, for nemo-aligner 0.7.0; docs/nemo_aligner.md has the recipe, the sources (file:line)
+and what was verified. Importing it imports no NeMo; tests/nemo_aligner/ runs it in the real stack.
 
-Two halves:
-
-* Pure parts, importable and tested without NeMo: the mapping from NeMo-Aligner's rollout batch to
-  our loss inputs, the loss in the actor's ``loss_func`` shape (``algo.compute_policy_loss``),
-  group advantages in place of the critic's GAE, dynamic sampling as a filter on the rollout batch,
-  overlong shaping, and the settings read from NeMo-style config sections.
-* ``dapo_actor_class()`` / ``dapo_trainer_class()``: import NeMo-Aligner on first call and subclass
-  ``MegatronGPTActorModel`` (megatron_gpt_ppo_actor.py) and ``ReinforceTrainer`` (reinforce.py).
-  Importing this module imports neither NeMo nor megatron; megatron names come from the upstream
-  module's own namespace, so megatron is never imported here directly.
+Two halves: pure parts, tested without NeMo (rollout batch -> our loss inputs, the loss in the
+actor's ``loss_func`` shape, group advantages for the critic's GAE, dynamic sampling, overlong
+shaping, settings from NeMo-style sections); and ``dapo_actor_class()`` / ``dapo_trainer_class()``,
+which import NeMo-Aligner on first call and subclass ``MegatronGPTActorModel`` and
+``ReinforceTrainer``, taking megatron names from the upstream module's own namespace.
 
 NeMo-Aligner's batch convention (ppo.py, reinforce.py, ppo_utils.py at v0.7.0), B rows, S tokens:
 ``response_tokens`` [B, S] prompt + response, padded with eos; ``prompt_lengths`` / ``response_lengths``
@@ -476,11 +471,17 @@ def _build_trainer_class(up) -> type:
             with self.timer("prepare_for_inference"):
                 self.model.prepare_for_inference()
             self.dapo_sampler.start_step()
+            durations: dict[str, float] = {}
             while not self.dapo_sampler.is_full:
                 rollout_batch, rollout_metrics = self._run_inference(self.train_dataloader_builder,
                                                                      consumed_samples=self.consumed_samples,
                                                                      is_validation=False)
-                self.consumed_samples += rollout_metrics["rollout_size"]
+                # The timer holds one measurement per name: consume each round's (summed per step).
+                for name, seconds in self.timer.consume_durations().items():
+                    durations[name] = durations.get(name, 0.0) + seconds
+                # rollout_size counts responses (prompts x G); the prompt sampler counts prompts.
+                # Upstream adds responses (reinforce:390), which skips G - 1 prompts of every G.
+                self.consumed_samples += rollout_metrics["rollout_size"] // self.dapo.group_size
                 batch = {k: rollout_batch[k] for k in ROLLOUT_KEYS}
                 groups = group_rows(batch["response_tokens"], batch["prompt_lengths"], self.dapo.group_size)
                 acc = correctness(batch["rewards"]).cpu()[groups]
@@ -493,6 +494,7 @@ def _build_trainer_class(up) -> type:
             with self.timer("finish_inference"):
                 self.model.finish_inference()
             metrics = rollout_metrics | data_metrics | sampling_metrics
-            return data, metrics | {"consumed_samples": self.consumed_samples}, self.timer.consume_durations()
+            metrics |= {"consumed_samples": self.consumed_samples}
+            return data, metrics, durations | self.timer.consume_durations()
 
     return DAPOTrainer

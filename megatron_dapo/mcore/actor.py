@@ -7,9 +7,10 @@ lr schedule, built from a DAPOConfig and an HF config.json. Batches are lists of
 share (``split_for_data_parallel``, token-balanced), so callers never deal with the layout.
 
 What NeMo-Aligner's hooks do here: ``prepare_for_inference`` / ``finish_inference`` switch
-train / eval mode; on a GPU with a colocated rollout engine they are where optimizer-state and
-weight offloading belong (not implemented yet; nothing to do on CPU). ``export_hf_weights``
-streams full HF tensors (megatron_dapo.convert.export) for the rollout engine's weight sync.
+train / eval mode. Offloading while the engine generates (``actor.offload_during_rollout``,
+NeMo-Aligner's ``offload_adam_states``) has its own pair, ``offload_for_rollout`` /
+``onload_after_rollout`` (mcore/offload.py, docs/offload.md). ``export_hf_weights`` streams full
+HF tensors (megatron_dapo.convert.export) for the rollout engine's weight sync.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from megatron_dapo.config import DAPOConfig
 from megatron_dapo.mcore import checkpoint
 from megatron_dapo.batching import Sample, split_for_data_parallel
 from megatron_dapo.mcore.model import build_model, conversion_table_for, hf_arch
+from megatron_dapo.mcore.offload import StateOffloader
 from megatron_dapo.mcore.optimizer import build_optimizer, build_scheduler, wrap_model
 from megatron_dapo.mcore.parallel import all_gather_rows, initialize_parallel
 from megatron_dapo.mcore.train_step import StepSettings, compute_device, compute_log_probs, train_step
@@ -41,24 +43,61 @@ class MegatronActor:
         self.optimizer = build_optimizer(self.model, cfg.optim, use_distributed_optimizer=use_dist_opt)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, updates_per_step=cfg.updates_per_step)
         self.settings = StepSettings.from_config(cfg, hf_arch(hf_config).vocab_size)
+        self.offloader = (StateOffloader(self.model, self.optimizer, weights=cfg.actor.offload_weights)
+                          if cfg.actor.offload_during_rollout else None)
+        self._offloaded_metrics: dict[str, float] = {}  # of the last offload that moved anything
 
     # -- training -----------------------------------------------------------------------------
     def prepare_for_training(self) -> None:
         for chunk in self.model:
             chunk.train()
 
-    def get_loss_and_metrics(self, batch: list[Sample], forward_only: bool = False) -> dict[str, float]:
+    def get_loss_and_metrics(self, batch: list[Sample], forward_only: bool = False, *,
+                             mismatch: bool = False) -> dict[str, float]:
         """One optimizer update on the mini-batch (or, ``forward_only``, its loss and metrics
         without one). Every sample needs ``old_log_probs``. Returns metrics, equal on all ranks
         (train_step.train_step lists them), among them ``actor/grad_shortcut_fallbacks``: the
         micro-batches of this update whose output-layer gradients had to be recomputed because
-        the loss's gradient hint did not hold (``actor/grad_shortcut_used``: those where it held)."""
+        the loss's gradient hint did not hold (``actor/grad_shortcut_used``: those where it held).
+        ``mismatch``: also the engine/trainer log-prob mismatch of the mini-batch in this update's
+        forward (every sample then needs ``rollout_log_probs``)."""
+        self._require_on_device("an update")
         missing = [i for i, x in enumerate(batch) if x.old_log_probs is None]
         if missing:
             raise ValueError(f"samples {missing[:8]} have no old_log_probs; compute them with "
                              "get_inference_log_probs (or pass the rollout engine's)")
+        no_rollout = [i for i, x in enumerate(batch) if mismatch and x.rollout_log_probs is None]
+        if no_rollout:
+            raise ValueError(f"samples {no_rollout[:8]} have no rollout_log_probs to measure the mismatch "
+                             "against; fill them from Rollout.logprobs (collect.to_samples does)")
         return train_step(self.model, self.optimizer, self.scheduler, self._local(batch), self.settings,
-                          forward_only=forward_only)
+                          forward_only=forward_only, mismatch=mismatch)
+
+    # -- offloading while the engine generates --------------------------------------------------
+    def offload_for_rollout(self) -> dict[str, float]:
+        """Before the engine generates (a step's rollouts, an evaluation, the engine's build): the
+        gradients, the optimizer state (and, with actor.offload_weights, the weights) to host memory,
+        until onload_after_rollout; {} (nothing moves) unless actor.offload_during_rollout. Returns
+        {"actor/offloaded_gb": device GB (1e9 bytes) held off}, also when it was already off (an
+        evaluation offloaded it). No method that reads the state may run until the onload. Idempotent."""
+        if self.offloader is None:
+            return {}
+        stats = self.offloader.offload()
+        if stats.num_storages:
+            self._offloaded_metrics = stats.metrics()
+        return dict(self._offloaded_metrics)
+
+    def onload_after_rollout(self) -> None:
+        """After generation (and after the engine slept), before old log-probs: everything back, bit for
+        bit (gradients as zeros: each update zeroes them first anyway). Idempotent."""
+        if self.offloader is not None:
+            self.offloader.onload()
+
+    def _require_on_device(self, what: str) -> None:
+        """The state is released while offloaded: reading it would read freed storage."""
+        if self.offloader is not None and self.offloader.offloaded:
+            raise RuntimeError(f"{what} while the trainer's state is offloaded: call onload_after_rollout() "
+                               "first")
 
     # -- inference ----------------------------------------------------------------------------
     def prepare_for_inference(self) -> None:
@@ -71,6 +110,7 @@ class MegatronActor:
     def get_inference_log_probs(self, batch: list[Sample]) -> list[torch.Tensor]:
         """Log-probs of every sample's response tokens ([R] fp32 each, CPU), at the rollout
         temperature, for the whole batch on every rank."""
+        self._require_on_device("log-probs")
         from megatron.core import parallel_state as ps
 
         shards = split_for_data_parallel(batch, ps.get_data_parallel_world_size())
@@ -100,6 +140,8 @@ class MegatronActor:
         group must consume the whole iterator (it runs collectives). A tensor that needs no
         gather (TP-replicated norms, everything at TP = PP = 1) may be the parameter itself:
         copy what must outlive the next update."""
+        if self.cfg.actor.offload_weights:  # otherwise an offload leaves the weights where they are
+            self._require_on_device("a weight export")
         from megatron.core import parallel_state as ps
 
         from megatron_dapo.convert.export import DEFAULT_BUCKET_BYTES, export_hf_weights
@@ -117,13 +159,32 @@ class MegatronActor:
     def save_checkpoint(self, dir: str, trainer_state: dict) -> str:
         """Save under the checkpoint root ``dir`` as step ``trainer_state["step"]``; collective.
         ``trainer_state``: any JSON object with the step (the loop's is TrainerState.to_json())."""
+        self._require_on_device("a checkpoint save")
         if not isinstance(trainer_state, dict) or not isinstance(trainer_state.get("step"), int):
             raise ValueError("trainer_state must hold the rollout step as an int under 'step'")
         path = checkpoint.save_checkpoint(dir, trainer_state["step"], model=self.model,
                                           optimizer=self.optimizer, scheduler=self.scheduler,
                                           trainer_state=trainer_state,
-                                          keep_last=self.cfg.checkpoint.keep_last)
+                                          keep_last=self.cfg.checkpoint.keep_last,
+                                          memory_efficient=self.cfg.checkpoint.memory_efficient_save)
         return str(path)
+
+    def write_checkpoint(self, dir: str, step: int) -> checkpoint.PendingCheckpoint:
+        """The heavy half of a save (collective): weights, optimizer and schedule into
+        <dir>/step_N.tmp, while the engine sleeps; nothing is visible until publish_checkpoint."""
+        self._require_on_device("a checkpoint write")
+        return checkpoint.write_checkpoint(dir, step, model=self.model, optimizer=self.optimizer,
+                                           scheduler=self.scheduler,
+                                           memory_efficient=self.cfg.checkpoint.memory_efficient_save)
+
+    def publish_checkpoint(self, pending: checkpoint.PendingCheckpoint, trainer_state: dict) -> str:
+        """The other half (collective), after the step is logged: RNG states, the trainer state, the
+        rename into place, ``latest``, pruning."""
+        if trainer_state.get("step") != pending.step:
+            raise ValueError(f"trainer_state is for step {trainer_state.get('step')}, the written checkpoint "
+                             f"for step {pending.step}")
+        return str(checkpoint.publish_checkpoint(pending, trainer_state=trainer_state,
+                                                 keep_last=self.cfg.checkpoint.keep_last))
 
     def load_checkpoint(self, dir: str) -> dict | None:
         """Resume from ``dir`` (a checkpoint, or a root: its latest); returns the trainer state,

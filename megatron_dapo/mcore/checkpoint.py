@@ -1,29 +1,17 @@
 """Training checkpoints: megatron dist checkpoints (torch_dist) plus RNG and trainer state, saved atomically.
 
-Layout under the checkpoint root:
-    latest                       the name of the newest complete checkpoint (replaced atomically)
-    step_00000012/               one complete checkpoint:
-        metadata.json, common.pt, *.distcp   megatron.core.dist_checkpointing: {"model" (or
-                                 "model0", "model1", ... with virtual pipelining), "optimizer",
-                                 "opt_param_scheduler"}
-        rng/rank_00000.pt        python / numpy / torch / CUDA RNG and megatron's tracker, per rank
-        trainer_state.json       the caller's dict (sampler position etc.), JSON
-        checkpoint.json          step, parallel layout, optimizer kind, model shape and the size
-                                 of every other file (the manifest); written last
-    step_00000012.tmp/           a save in progress; renamed into place once every rank is done
+The files, the manifest, the crash-safety of a save and the fallback on damage are in
+mcore/checkpoint_files.py (re-exported here). A save has two phases, so that the trainer can write
+the heavy part while the rollout engine sleeps and make it visible later, once the step is logged:
 
-A checkpoint is used only when it is complete and intact: every file of its manifest is there with
-its recorded size, and its JSON files parse. A damaged one (a file truncated or deleted after the
-save, by a full disk or a bad copy) is passed over with a warning naming the file, and resume falls
-back to the newest intact checkpoint. The fallback deletes nothing: the damaged copy goes only when
-the run saves that step again or pruning reaches it. When every saved checkpoint is damaged,
-resuming is refused (``why_none_usable`` names each one and its file) instead of starting over.
+* ``write_checkpoint`` (collective): model, optimizer and lr schedule into ``step_N.tmp/``
+  (dist_checkpointing.save); returns a ``PendingCheckpoint``. Nothing is visible yet: a crash or a
+  stop before the publish leaves the previous checkpoint as ``latest``.
+* ``publish_checkpoint`` (collective): each rank's RNG states as they are *then* (an uninterrupted
+  run goes on from those states, so a resumed one must restore the same), the trainer state, the
+  manifest (checkpoint.json, last), the rename into ``step_N/``, ``latest``, pruning.
 
-A crash at any point of a save leaves ``latest`` and the previous checkpoints untouched; the
-stray ``.tmp`` directory is removed by the next successful save, which then deletes all but
-the newest ``keep_last`` checkpoints. (Re-saving an existing step moves the old copy aside
-first: a crash between those two renames leaves ``latest`` dangling, and loading falls back to
-the newest complete checkpoint.)
+``save_checkpoint`` is the two in a row.
 
 Resharding: model and optimizer tensors are global, keyed by Megatron name, so a checkpoint
 loads at another TP / PP / DP (dist checkpointing reshards). The distributed optimizer is
@@ -31,6 +19,14 @@ saved in megatron's ``fully_reshardable`` format (megatron-training's choice for
 its default ``dp_reshardable`` reshards only over DP). Saving and loading must agree on
 ``use_distributed_optimizer``. RNG states are per rank: they are restored only when the layout
 is unchanged; otherwise each rank keeps the freshly seeded ones (as megatron-training does).
+
+Host memory (docs/checkpoints_memory.md): to build the ``fully_reshardable`` state,
+megatron-core 0.19.2 gathers the fp32 param + Adam moments of a whole TP x PP shard into CPU
+tensors, by default on *every* DP rank (an all_gather over the DP group, distrib_optimizer.py:1729-1738,
+1315-1395), although only the DP-rank-0 copy is written (the others are not main replicas).
+``memory_efficient=True`` sets megatron's ``distrib_optim_fully_reshardable_mem_efficient``: a
+gather over the gloo DP group to DP rank 0 only; the other DP ranks hold just their own shard. DP
+rank 0 still holds the whole gathered state. The files are the same and the load ignores the flag.
 
 No helper process: megatron's writer hands its write results back through a queue it would get
 from a ``multiprocessing.Manager`` (a server process, ~270 MB, spawned on the first save), which
@@ -48,8 +44,7 @@ import logging
 import os
 import queue
 import random
-import re
-import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -57,20 +52,39 @@ import torch
 import torch.distributed as dist
 
 from megatron_dapo.errors import InputError, one_line
+from megatron_dapo.mcore import checkpoint_files as files
+from megatron_dapo.mcore.checkpoint_files import (
+    FORMAT_VERSION, LATEST, META, SHAPE_FIELDS, TRAINER_STATE, check_model_shape, checkpoint_name, damage,
+    is_complete, latest_checkpoint, list_checkpoints, read_meta, read_trainer_state, why_none_usable)
+
+__all__ = ["FORMAT_VERSION", "LATEST", "META", "SHAPE_FIELDS", "TRAINER_STATE", "PendingCheckpoint",
+           "check_model_shape", "checkpoint_name", "damage", "in_process_write_results", "is_complete",
+           "latest_checkpoint", "list_checkpoints", "load_checkpoint", "model_shape", "publish_checkpoint",
+           "read_meta", "read_trainer_state", "save_checkpoint", "why_none_usable", "write_checkpoint"]
 
 logger = logging.getLogger(__name__)
 
-LATEST = "latest"
-META = "checkpoint.json"
-TRAINER_STATE = "trainer_state.json"
-_NAME = re.compile(r"^step_(\d+)$")
-FORMAT_VERSION = 2  # 2: adds the manifest ("files") and "model_shape"
-SHAPE_FIELDS = ("hidden_size", "ffn_hidden_size", "num_layers", "num_attention_heads", "num_query_groups",
-                "kv_channels")
+
+@dataclass(frozen=True)
+class PendingCheckpoint:
+    """A checkpoint whose tensors are written (``tmp``) but not yet published as ``final``. The
+    fields that describe the saved tensors are fixed here, at write time."""
+    root: Path
+    step: int
+    tmp: Path
+    final: Path
+    layout: dict
+    model_shape: dict
+    padded_vocab_size: int
+    distributed_optimizer: bool | None  # None: no optimizer state saved
+    memory_efficient: bool  # megatron's distrib_optim_fully_reshardable_mem_efficient was set
+    write: int = 0  # this process's write count when it was written (publish_checkpoint's check)
 
 
-def checkpoint_name(step: int) -> str:
-    return f"step_{step:08d}"
+# Writes in this process; a pending checkpoint may be published only while it is the last one
+# written and not yet published. Kept in memory (every rank counts the same collective calls), not
+# read from the file system, where one rank's stale view would leave the others in the barrier.
+_WRITES = {"count": 0, "published": 0}
 
 
 def _unwrap(module):
@@ -94,10 +108,15 @@ def _uses_distributed_optimizer(optimizer) -> bool:
     return any(isinstance(p, DistributedOptimizer) for p in parts)
 
 
-def _sharded_state_dict(model, optimizer, scheduler, *, is_loading: bool) -> dict:
+def _sharded_state_dict(model, optimizer, scheduler, *, is_loading: bool,
+                        memory_efficient: bool = False) -> dict:
+    """``memory_efficient`` matters only for a save with the distributed optimizer: when loading,
+    megatron builds the full (empty) state on every rank either way (distrib_optimizer.py:1738),
+    so the load uses the default, which needs no gloo group."""
     from megatron.core import parallel_state as ps
-    metadata = {"distrib_optim_sharding_type": "fully_reshardable", "singleton_local_shards": False,
-                "chained_optim_avoid_prefix": True,
+    metadata = {"distrib_optim_sharding_type": "fully_reshardable",
+                "distrib_optim_fully_reshardable_mem_efficient": memory_efficient,
+                "singleton_local_shards": False, "chained_optim_avoid_prefix": True,
                 "dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True)}
     chunks = [_unwrap(c) for c in model]
     keys = ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
@@ -105,6 +124,7 @@ def _sharded_state_dict(model, optimizer, scheduler, *, is_loading: bool) -> dic
     if optimizer is not None:
         if not _uses_distributed_optimizer(optimizer):
             metadata.pop("distrib_optim_sharding_type")
+            metadata.pop("distrib_optim_fully_reshardable_mem_efficient")
         state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=is_loading, metadata=metadata)
     if scheduler is not None:
         state["opt_param_scheduler"] = scheduler.state_dict()
@@ -128,163 +148,97 @@ def _set_rng_state(state: dict) -> None:
     tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
 
 
-def _write_text(path: Path, text: str) -> None:
-    """Write, flush and fsync (so that the later rename never publishes an empty file)."""
-    with open(path, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def is_complete(path: Path) -> bool:
-    return (Path(path) / META).is_file()
-
-
-def read_meta(path: str | os.PathLike) -> dict | None:
-    """checkpoint.json of a checkpoint directory; None when missing or unreadable."""
-    try:
-        return json.loads((Path(path) / META).read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def damage(path: str | os.PathLike) -> str | None:
-    """Why a complete checkpoint cannot be used (a file missing or of the wrong size, JSON that
-    does not parse), or None when it is intact. Checkpoints without a manifest (format 1) are
-    checked for their JSON files only."""
-    path = Path(path)
-    meta = read_meta(path)
-    if not isinstance(meta, dict):
-        return f"{META} is unreadable"
-    if not isinstance(meta.get("format_version", 1), int) or meta.get("format_version", 1) > FORMAT_VERSION:
-        return (f"{META} has format_version {meta.get('format_version')!r}, newer than this version reads "
-                f"({FORMAT_VERSION}): resume it with the megatron-dapo that wrote it")
-    for name, size in meta.get("files", {}).items():
-        file = path / name
-        if not file.is_file():
-            return f"{name} is missing"
-        if (found := file.stat().st_size) != size:
-            return f"{name} has {found} bytes, the save wrote {size}"
-    try:
-        json.loads((path / TRAINER_STATE).read_text())
-    except (OSError, ValueError):
-        return f"{TRAINER_STATE} is unreadable"
-    return None
-
-
-def check_model_shape(path: Path, meta: dict, shape: dict, *, fix: str = "resume with the model it was trained "
-                      "with, or start a new logging.dir") -> None:
-    """InputError naming both shapes when a checkpoint was saved from another architecture."""
-    saved = meta.get("model_shape")
-    if saved is not None and saved != shape:
-        diff = ", ".join(f"{k} {saved.get(k)} -> {shape.get(k)}" for k in SHAPE_FIELDS if saved.get(k) != shape.get(k))
-        raise InputError(f"checkpoint {path} holds another model shape ({diff}; checkpoint -> this run's "
-                         f"model): {fix}")
-
-
 def model_shape(model: list) -> dict:
     """The architecture numbers a checkpoint must share with the model that loads it."""
     config = _unwrap(model[0]).config
     return {k: getattr(config, k) for k in SHAPE_FIELDS}
 
 
-def _manifest(path: Path) -> dict[str, int]:
-    return {str(f.relative_to(path)): f.stat().st_size for f in sorted(path.rglob("*")) if f.is_file()}
-
-
-def list_checkpoints(root: str | os.PathLike) -> list[tuple[int, Path]]:
-    """Complete checkpoints under ``root`` as (step, path), oldest first."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _NAME.match(p.name)) and is_complete(p)]
-    return sorted(found)
-
-
-def latest_checkpoint(root: str | os.PathLike) -> Path | None:
-    """The checkpoint ``latest`` names if it is complete and intact; else the newest one that is
-    (a crash between the rename and the pointer update, a damaged file), with a warning; None
-    when there is none."""
-    root = Path(root)
-    pointer = root / LATEST
-    if pointer.is_file():
-        named = root / pointer.read_text().strip()
-        if not is_complete(named):
-            logger.warning("%s names %s, which is not a complete checkpoint; using the newest intact one",
-                           pointer, named.name)
-        elif damage(named) is None:
-            return named
-    for _, path in reversed(list_checkpoints(root)):  # a damaged named one is reported here
-        why = damage(path)
-        if why is None:
-            return path
-        logger.warning("checkpoint %s is damaged (%s): passing over it, not deleting it", path, why)
-    return None
-
-
-def why_none_usable(root: str | os.PathLike) -> str | None:
-    """When ``root`` holds saved checkpoints but latest_checkpoint() finds none intact: what is wrong
-    with each ("step_00000010: model.distcp has 100 bytes, the save wrote 4096; ..."); None when a
-    checkpoint is intact or none was ever saved (no ``latest`` pointer, no complete checkpoint).
-    A crashed save (a ``.tmp`` directory) never counts: it was never published."""
-    root = Path(root)
-    found = list_checkpoints(root)
-    problems = [f"{path.name}: {why}" for _, path in found if (why := damage(path)) is not None]
-    if len(problems) < len(found):
-        return None
-    pointer = root / LATEST
-    if pointer.is_file():
-        named = pointer.read_text().strip()
-        if not any(path.name == named for _, path in found):
-            problems.append(f"{LATEST} names {named}, which is {'incomplete' if (root / named).exists() else 'missing'}")
-    return "; ".join(problems) or None
-
-
-def save_checkpoint(root: str | os.PathLike, step: int, *, model: list, optimizer, scheduler,
-                    trainer_state: dict, keep_last: int) -> Path:
-    """Save on every rank (collective); returns the checkpoint's directory."""
-    from megatron.core import dist_checkpointing
-
+def _publish_args(trainer_state: dict, keep_last: int) -> str:
+    """trainer_state as JSON; checked before anything is written."""
     if keep_last < 1:
         raise ValueError(f"keep_last must be >= 1, got {keep_last}")
     try:
-        trainer_json = json.dumps(trainer_state)
+        return json.dumps(trainer_state)
     except TypeError as e:
         raise TypeError(f"trainer_state must be JSON-serialisable: {e}") from e
+
+
+def save_checkpoint(root: str | os.PathLike, step: int, *, model: list, optimizer, scheduler,
+                    trainer_state: dict, keep_last: int, memory_efficient: bool = True) -> Path:
+    """Save on every rank (collective): write_checkpoint then publish_checkpoint; returns the
+    checkpoint's directory."""
+    _publish_args(trainer_state, keep_last)  # a bad trainer state fails before the heavy write
+    pending = write_checkpoint(root, step, model=model, optimizer=optimizer, scheduler=scheduler,
+                               memory_efficient=memory_efficient)
+    return publish_checkpoint(pending, trainer_state=trainer_state, keep_last=keep_last)
+
+
+def write_checkpoint(root: str | os.PathLike, step: int, *, model: list, optimizer, scheduler,
+                     memory_efficient: bool = True) -> PendingCheckpoint:
+    """Write model, optimizer and lr schedule into ``<root>/step_N.tmp`` on every rank
+    (collective); nothing is published until publish_checkpoint. ``memory_efficient``: gather
+    the distributed optimizer's state on DP rank 0 only (see the module docstring)."""
+    from megatron.core import dist_checkpointing
+
     root, rank = Path(root), dist.get_rank()
     final, tmp = root / checkpoint_name(step), root / (checkpoint_name(step) + ".tmp")
     if rank == 0:
-        if tmp.exists():
-            shutil.rmtree(tmp)
+        files.remove_leftovers(root, ("tmp",))  # a crashed or never-published save, this step's too
         tmp.mkdir(parents=True)
     dist.barrier()
     in_process_write_results()
-    dist_checkpointing.save(_sharded_state_dict(model, optimizer, scheduler, is_loading=False), str(tmp))
-    (tmp / "rng").mkdir(exist_ok=True)  # after the save, which warns about a non-empty directory
-    with open(tmp / "rng" / f"rank_{rank:05d}.pt", "wb") as f:
+    dist_opt = None if optimizer is None else _uses_distributed_optimizer(optimizer)
+    memory_efficient = memory_efficient and bool(dist_opt)  # the flag means nothing to other optimizers
+    sharded = _sharded_state_dict(model, optimizer, scheduler, is_loading=False,
+                                  memory_efficient=memory_efficient)
+    dist_checkpointing.save(sharded, str(tmp), preprocess_common_before_consistancy_check=(
+        _without_ungathered if memory_efficient else None))
+    del sharded  # the gathered optimizer state (fully_reshardable): gone before the caller goes on
+    dist.barrier()  # every rank's tensors are on disk
+    _WRITES["count"] += 1
+    return PendingCheckpoint(root=root, step=step, tmp=tmp, final=final, layout=_layout(),
+                             model_shape=model_shape(model), padded_vocab_size=_unwrap(model[0]).vocab_size,
+                             distributed_optimizer=dist_opt, memory_efficient=memory_efficient,
+                             write=_WRITES["count"])
+
+
+def _without_ungathered(common: dict) -> dict:
+    """The common state dict for megatron's cross-rank consistency check, less the None that the
+    memory-efficient gather leaves as ``param_state`` on DP ranks > 0 (rank 0's went into the
+    sharded part): without this, every such rank warns on every save that it differs from rank 0."""
+    if not isinstance(common, dict):
+        return common
+    return {k: _without_ungathered(v) for k, v in common.items() if not (k == "param_state" and v is None)}
+
+
+def publish_checkpoint(pending: PendingCheckpoint, *, trainer_state: dict, keep_last: int) -> Path:
+    """Make a written checkpoint the newest one (collective): every rank's RNG states as they are
+    now, ``trainer_state``, the manifest, the rename into place, ``latest``, then prune to the
+    newest ``keep_last``. Returns the checkpoint's directory."""
+    trainer_json = _publish_args(trainer_state, keep_last)
+    rank = dist.get_rank()
+    if pending.write != _WRITES["count"] or _WRITES["published"] == pending.write:  # a later write removed it
+        raise ValueError(f"{pending.tmp} holds no written checkpoint: publish a PendingCheckpoint once, "
+                         "before the next write_checkpoint")
+    _WRITES["published"] = pending.write
+    (pending.tmp / "rng").mkdir(exist_ok=True)  # after the save, which warns about a non-empty directory
+    with open(pending.tmp / "rng" / f"rank_{rank:05d}.pt", "wb") as f:
         torch.save(_rng_state(), f)
         f.flush()
         os.fsync(f.fileno())
     dist.barrier()  # every rank's files are written
     if rank == 0:
-        _write_text(tmp / TRAINER_STATE, trainer_json)
-        dist_opt = None if optimizer is None else _uses_distributed_optimizer(optimizer)
-        meta = dict(format_version=FORMAT_VERSION, step=step, layout=_layout(), model_shape=model_shape(model),
-                    padded_vocab_size=_unwrap(model[0]).vocab_size, distributed_optimizer=dist_opt,
-                    files=_manifest(tmp))
-        _write_text(tmp / META, json.dumps(meta, indent=1, sort_keys=True))
-        _publish(root, tmp, final)
-        _prune(root, keep_last, keep=final)
+        files.write_text(pending.tmp / TRAINER_STATE, trainer_json)
+        meta = dict(format_version=FORMAT_VERSION, step=pending.step, layout=pending.layout,
+                    model_shape=pending.model_shape, padded_vocab_size=pending.padded_vocab_size,
+                    distributed_optimizer=pending.distributed_optimizer,
+                    memory_efficient_save=pending.memory_efficient, files=files.manifest(pending.tmp))
+        files.write_text(pending.tmp / META, json.dumps(meta, indent=1, sort_keys=True))
+        files.publish(pending.root, pending.tmp, pending.final)
+        files.prune(pending.root, keep_last, keep=pending.final)
     dist.barrier()
-    return final
+    return pending.final
 
 
 def in_process_write_results() -> None:
@@ -294,32 +248,6 @@ def in_process_write_results() -> None:
 
     if filesystem_async._results_queue is None:
         filesystem_async._results_queue = queue.Queue()
-
-
-def _publish(root: Path, tmp: Path, final: Path) -> None:
-    """Rename the finished save into place, then point ``latest`` at it (write + rename)."""
-    old = final.with_name(final.name + ".old")
-    if final.exists():  # re-saving a step: move the previous copy aside, drop it afterwards
-        if old.exists():
-            shutil.rmtree(old)
-        final.rename(old)
-    tmp.rename(final)
-    pointer_tmp = root / (LATEST + ".tmp")
-    _write_text(pointer_tmp, final.name + "\n")
-    os.replace(pointer_tmp, root / LATEST)
-    _fsync_dir(root)
-    if old.exists():
-        shutil.rmtree(old)
-
-
-def _prune(root: Path, keep_last: int, keep: Path) -> None:
-    for _, path in list_checkpoints(root)[:-keep_last]:
-        if path != keep:
-            shutil.rmtree(path, ignore_errors=True)
-    for path in root.iterdir():  # leftovers of crashed saves
-        stem, _, suffix = path.name.rpartition(".")
-        if path.is_dir() and suffix in ("tmp", "old") and _NAME.match(stem):
-            shutil.rmtree(path, ignore_errors=True)
 
 
 def load_checkpoint(path: str | os.PathLike, *, model: list, optimizer=None, scheduler=None,
@@ -379,11 +307,6 @@ def load_checkpoint(path: str | os.PathLike, *, model: list, optimizer=None, sch
             logger.warning("parallel layout changed (%s -> %s): RNG states not restored",
                            meta["layout"], _layout())
     return read_trainer_state(path)
-
-
-def read_trainer_state(path: str | os.PathLike) -> dict:
-    """The caller's dict saved with a checkpoint (plain JSON: readable before anything is built)."""
-    return json.loads((Path(path) / TRAINER_STATE).read_text())
 
 
 @contextlib.contextmanager

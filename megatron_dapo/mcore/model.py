@@ -125,6 +125,26 @@ class Runtime:
     params_dtype: torch.dtype
 
 
+def _require_te() -> None:
+    """Transformer Engine as megatron sees it. megatron-core's TE extension imports names from
+    ``transformer_engine.pytorch.fp8`` and, when one is missing, silently puts a MagicMock in TE's
+    place (extensions/transformer_engine.py, ``HAVE_TE = False``): a find_spec check passes and the
+    model is built of mocks. A TE without that module fails inside megatron's own imports
+    (fp8_utils.py) with a bare ModuleNotFoundError. Both become this one line."""
+    fix = "use the NGC container (container/Dockerfile) or set model.transformer_impl=local"
+    if importlib.util.find_spec("transformer_engine") is None:
+        raise ConfigError("model.transformer_impl=transformer_engine (the GPU default) needs Transformer Engine: "
+                          + fix)
+    try:
+        from megatron.core.extensions import transformer_engine as mcore_te
+        usable, why = mcore_te.HAVE_TE, "its pytorch.fp8 lacks a name megatron-core imports"
+    except ImportError as e:
+        usable, why = False, str(e)
+    if not usable:
+        raise ConfigError(f"Transformer Engine is installed, but megatron-core cannot use it ({why}): a TE "
+                          f"version megatron-core does not know; {fix}, or install the TE the container pins")
+
+
 def resolve_runtime(model: ModelConfig, on_gpu: bool, *, check_installed: bool = True) -> Runtime:
     """``check_installed=False``: a layout check for another machine (a launcher's dry run on a login
     node) does not ask for Transformer Engine here."""
@@ -133,10 +153,8 @@ def resolve_runtime(model: ModelConfig, on_gpu: bool, *, check_installed: bool =
         impl = "transformer_engine" if on_gpu else "local"
     if impl == "transformer_engine" and not on_gpu:
         raise ConfigError("model.transformer_impl=transformer_engine needs CUDA; use local (or auto) on CPU")
-    if check_installed and impl == "transformer_engine" and importlib.util.find_spec("transformer_engine") is None:
-        raise ConfigError("model.transformer_impl=transformer_engine (the GPU default) needs Transformer "
-                         "Engine: use the NGC container (container/Dockerfile) or set "
-                         "model.transformer_impl=local")
+    if check_installed and impl == "transformer_engine":
+        _require_te()
     if model.fp8 is not None and impl != "transformer_engine":
         raise ConfigError(f"model.fp8={model.fp8!r} needs the Transformer Engine spec (a GPU); "
                          "set model.fp8=null")
@@ -159,6 +177,7 @@ def transformer_config_from_hf(hf_config, *, model: ModelConfig, parallel: Paral
     on_gpu = torch.cuda.is_available() if on_gpu is None else on_gpu
     rt = resolve_runtime(model, on_gpu)
     pp, vpp = parallel.pipeline_model_parallel_size, parallel.virtual_pipeline_model_parallel_size
+    te = rt.transformer_impl == "transformer_engine"
     fields: dict[str, Any] = dict(
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
@@ -175,10 +194,14 @@ def transformer_config_from_hf(hf_config, *, model: ModelConfig, parallel: Paral
         hidden_dropout=0.0,  # Qwen2 has none, and RL log-probs must be deterministic
         attention_dropout=arch.attention_dropout,
         init_method_std=arch.init_std,
-        bias_activation_fusion=False,
+        # With TE: megatron's fused SwiGLU and TE's fused rope (not on the CPU's local spec). Off: softmax
+        # and bias-dropout fusion (flash attention has no separate softmax; there is no dropout),
+        # and wgrad accumulation fusion, which writes into DDP's main_grad and so breaks every
+        # model built without DDP (conversion, export, the GPU tests' bare models).
+        bias_activation_fusion=te,
         masked_softmax_fusion=False,
         bias_dropout_fusion=False,
-        apply_rope_fusion=False,
+        apply_rope_fusion=te,
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
         transformer_impl=rt.transformer_impl,

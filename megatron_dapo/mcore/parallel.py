@@ -115,9 +115,9 @@ def all_gather_rows(local: torch.Tensor, group) -> torch.Tensor:
 
 
 def shutdown_distributed() -> None:
-    """The end of a process that ran megatron (the conversion CLIs): tear its groups down. Left
-    alive, gloo can abort the interpreter at exit ("terminate called without an active exception",
-    exit -6), after all the work succeeded."""
+    """The end of a process that ran megatron (train, eval, the conversion CLIs): tear its groups
+    down. Left alive, gloo can abort the interpreter at exit ("terminate called without an active
+    exception", exit -6), after all the work succeeded."""
     if dist.is_initialized():
         destroy_parallel()
 

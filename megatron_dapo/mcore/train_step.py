@@ -55,6 +55,7 @@ from megatron_dapo.batching import (
     Sample,
     make_micro_batches,
     pad_multiple,
+    response_mask,
     unpack_responses,
 )
 from megatron_dapo.mcore.logprobs import SHORTCUT_STATS, GradHint, ShortcutStats, logprobs_output_processor
@@ -89,6 +90,7 @@ class StepSettings:
                    valid_vocab_size=vocab_size,
                    max_tokens_per_micro_batch=cfg.train.max_tokens_per_micro_batch,
                    micro_batch_size=cfg.train.micro_batch_size,
+                   chunk_tokens=cfg.train.logprob_chunk_tokens or None,
                    pad_multiple=pad_multiple(tensor_parallel=p.tensor_model_parallel_size,
                                              sequence_parallel=p.sequence_parallel,
                                              context_parallel=p.context_parallel_size,
@@ -152,7 +154,7 @@ def _micro_batches(model, samples: list[Sample],
     return mbs, table[:, :2].sum(0).float()
 
 
-def _forward_step(settings: StepSettings, counts, scale: float, data_iterator, model):
+def _forward_step(settings: StepSettings, counts, scale: float, mismatch: bool, data_iterator, model):
     mb = next(data_iterator)
     device = compute_device()
     processor = logprobs_output_processor(mb.labels.to(device), temperature=settings.temperature,
@@ -161,7 +163,7 @@ def _forward_step(settings: StepSettings, counts, scale: float, data_iterator, m
                                           grad_hint=_loss_grad_hint(settings, counts, mb, device))
     # Last stage: (log_probs, entropy), each [b, s] fp32; other stages: hidden states.
     output = model(mb.input_ids.to(device), mb.position_ids.to(device), None, output_processor=processor)
-    return output, functools.partial(_loss_func, settings, counts, scale, mb)
+    return output, functools.partial(_loss_func, settings, counts, scale, mismatch, mb)
 
 
 def _loss_grad_hint(settings: StepSettings, counts, mb: MicroBatch, device) -> GradHint | None:
@@ -189,7 +191,8 @@ def _loss_grad_hint(settings: StepSettings, counts, mb: MicroBatch, device) -> G
     return GradHint(grad=grad, active=mb.loss_mask.cpu() != 0)
 
 
-def _loss_func(settings: StepSettings, counts, scale: float, mb: MicroBatch, output, non_loss_data=False):
+def _loss_func(settings: StepSettings, counts, scale: float, mismatch: bool, mb: MicroBatch, output,
+               non_loss_data=False):
     log_probs, entropy = output
     if non_loss_data:  # forward-only log-prob pass: collected per micro-batch, [2, b, s]
         return torch.stack([log_probs.detach(), entropy.detach()])
@@ -200,20 +203,22 @@ def _loss_func(settings: StepSettings, counts, scale: float, mb: MicroBatch, out
         log_probs, mb.old_log_probs.to(device), mb.advantages.to(device), mask,
         global_num_tokens=counts[0], global_num_seqs=counts[1], **tis)
     metrics["actor/entropy"] = (entropy.detach() * mask).sum() / counts[0].clamp(min=1.0)
+    if mismatch:
+        metrics.update(_mismatch_sums(mb, log_probs.detach()))
     # x (M x DP): undoes the schedule's 1 / M and DDP's 1 / DP (module docstring). A new tensor,
     # so the schedule's in-place division does not reach the metrics.
     return loss * scale, metrics
 
 
 def _run_schedule(model, mbs: list[MicroBatch], settings: StepSettings, counts, *, forward_only: bool,
-                  collect_non_loss_data: bool = False) -> list:
+                  collect_non_loss_data: bool = False, mismatch: bool = False) -> list:
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     scale = float(len(mbs) * ps.get_data_parallel_world_size())
     iters = [iter(mbs) for _ in model]
     return get_forward_backward_func()(
-        forward_step_func=functools.partial(_forward_step, settings, counts, scale),
+        forward_step_func=functools.partial(_forward_step, settings, counts, scale, mismatch),
         data_iterator=iters if len(model) > 1 else iters[0],
         model=model,
         num_microbatches=len(mbs),
@@ -223,6 +228,28 @@ def _run_schedule(model, mbs: list[MicroBatch], settings: StepSettings, counts, 
         forward_only=forward_only,
         collect_non_loss_data=collect_non_loss_data,
     )
+
+
+# The engine/trainer mismatch measured in an update's forward (train.old_log_probs=rollout: no
+# old-log-prob pass computes the trainer's side): per-micro-batch partial sums over response tokens,
+# reduced with the loss's metrics and turned into weight_sync.logprob_mismatch's three figures.
+MISMATCH_SUMS = ("rollout/_mismatch_expm1_sum", "rollout/_mismatch_abs_sum", "rollout/_mismatch_tokens")
+MISMATCH_MAX = ("rollout/logprob_abs_diff_max",)
+
+
+def _mismatch_sums(mb: MicroBatch, log_probs: torch.Tensor) -> dict[str, torch.Tensor]:
+    """[b, s] trainer log-probs against the micro-batch's rollout log-probs, on its response positions."""
+    span = response_mask(mb).to(log_probs.device)
+    diff = (mb.rollout_log_probs.to(log_probs.device) - log_probs).abs() * span
+    return dict(zip(MISMATCH_SUMS + MISMATCH_MAX, (torch.expm1(diff).sum(), diff.sum(), span.sum(), diff.max())))
+
+
+def _finish_mismatch(metrics: dict[str, torch.Tensor]) -> None:
+    """The reduced sums -> rollout/logprob_mismatch (mean exp|d|) and rollout/logprob_abs_diff_mean."""
+    expm1, absolute, tokens = (metrics.pop(k) for k in MISMATCH_SUMS)
+    tokens = tokens.clamp(min=1.0)
+    metrics["rollout/logprob_mismatch"] = expm1 / tokens + 1.0
+    metrics["rollout/logprob_abs_diff_mean"] = absolute / tokens
 
 
 @functools.lru_cache(maxsize=8)
@@ -242,12 +269,14 @@ def _metric_keys(settings: StepSettings) -> tuple[tuple[str, ...], tuple[str, ..
 SHORTCUT_KEYS = ("actor/grad_shortcut_used", "actor/grad_shortcut_fallbacks")
 
 
-def _reduce_metrics(per_mb: list[dict], settings: StepSettings,
-                    shortcut: ShortcutStats) -> dict[str, torch.Tensor]:
+def _reduce_metrics(per_mb: list[dict], settings: StepSettings, shortcut: ShortcutStats,
+                    mismatch: bool = False) -> dict[str, torch.Tensor]:
     """Sum (or max) over micro-batches here, then over DP (one all-gather), then the last stage's
     values to every PP rank (one broadcast). ``shortcut``: this rank's hint-check counts of the
     update, appended to the sum keys (filled on the device: no host-to-device copy)."""
     loss_sum_keys, max_keys = _metric_keys(settings)
+    if mismatch:
+        loss_sum_keys, max_keys = loss_sum_keys + MISMATCH_SUMS, max_keys + MISMATCH_MAX
     sum_keys = loss_sum_keys + SHORTCUT_KEYS
     local = torch.zeros(len(sum_keys) + len(max_keys), dtype=torch.float32, device=compute_device())
     if per_mb:  # the last pipeline stage
@@ -266,7 +295,7 @@ def _reduce_metrics(per_mb: list[dict], settings: StepSettings,
 
 
 def train_step(model: list, optimizer, scheduler, samples: list[Sample], settings: StepSettings, *,
-               forward_only: bool = False) -> dict[str, float]:
+               forward_only: bool = False, mismatch: bool = False) -> dict[str, float]:
     """One optimizer update on this DP rank's ``samples`` (every TP / PP rank of a model replica
     passes the same list; DP ranks pass disjoint parts of the mini-batch, of any sizes).
 
@@ -282,6 +311,11 @@ def train_step(model: list, optimizer, scheduler, samples: list[Sample], setting
     forward_only). Fallbacks cost time, not correctness; above 0 they mean the hint no longer
     matches the loss. The loop (train.py ``_accumulate``) averages them over a step's updates,
     so a step's record holds the mean count per update.
+
+    ``mismatch``: also weight_sync.logprob_mismatch's three figures (rollout/logprob_mismatch,
+    rollout/logprob_abs_diff_mean, rollout/logprob_abs_diff_max) of the samples' rollout log-probs
+    against this forward's, over the mini-batch's response tokens: the engine/trainer mismatch at
+    the generating weights when this is the step's first update.
     """
     if model[0].config.context_parallel_size > 1:
         raise NotImplementedError("context parallelism needs per-rank sequence slicing, not implemented yet")
@@ -289,13 +323,15 @@ def train_step(model: list, optimizer, scheduler, samples: list[Sample], setting
     before = SHORTCUT_STATS.snapshot()
     if forward_only:
         with torch.no_grad():
-            per_mb = _run_schedule(model, mbs, settings, counts, forward_only=True)
+            per_mb = _run_schedule(model, mbs, settings, counts, forward_only=True, mismatch=mismatch)
     else:
         for chunk in model:
             chunk.zero_grad_buffer()
         optimizer.zero_grad()
-        per_mb = _run_schedule(model, mbs, settings, counts, forward_only=False)
-    metrics = _reduce_metrics(per_mb, settings, SHORTCUT_STATS.since(before))
+        per_mb = _run_schedule(model, mbs, settings, counts, forward_only=False, mismatch=mismatch)
+    metrics = _reduce_metrics(per_mb, settings, SHORTCUT_STATS.since(before), mismatch)
+    if mismatch:
+        _finish_mismatch(metrics)
     metrics["actor/num_tokens"], metrics["actor/num_seqs"] = counts[0], counts[1]
     metrics["actor/num_micro_batches"] = torch.tensor(float(len(mbs)))
     if not forward_only:

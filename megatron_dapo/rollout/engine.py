@@ -148,6 +148,11 @@ class RolloutEngine(Protocol):
         """Undo sleep() before generating again."""
         ...
 
+    def shutdown(self) -> None:
+        """The end of the run (Run.close): release the engine while the process group it may use
+        still exists."""
+        ...
+
 
 def sequence_seed(seed: int, prompt_index: int, sample_index: int) -> int:
     """The seed of response ``sample_index`` of prompt ``prompt_index`` under base ``seed``.

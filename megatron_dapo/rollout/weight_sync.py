@@ -55,6 +55,10 @@ def sync_weights(engine: RolloutEngine, weights: Iterable[tuple[str, torch.Tenso
     return stats
 
 
+# logprob_mismatch's figures (also measured inside an update: mcore/train_step.py).
+MISMATCH_KEYS = ("rollout/logprob_mismatch", "rollout/logprob_abs_diff_mean", "rollout/logprob_abs_diff_max")
+
+
 def logprob_mismatch(engine_logprobs: torch.Tensor, trainer_logprobs: torch.Tensor,
                      mask: torch.Tensor) -> dict[str, torch.Tensor]:
     """How far the engine's log-probs of the sampled tokens are from the trainer's.

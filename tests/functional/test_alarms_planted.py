@@ -57,9 +57,9 @@ def _args(run_dir: Path, train: Path, steps: int) -> list[str]:
 
 
 def _train(run_dir: Path, train: Path, steps: int) -> subprocess.CompletedProcess:
-    # The clean-clone CI saw this child abort once at exit, after a complete run ("terminate called
-    # without an active exception", rc -6); the planted engine is the only one with a tokenizer of
-    # its own, whose worker threads are kept out of the way at exit here.
+    # The clean-clone CI saw this child abort twice at exit, after a complete run ("terminate called
+    # without an active exception", rc -6), the second time with the tokenizer's threads off: the
+    # cause was the run's gloo group left alive (cli._end_megatron now tears it down).
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS} | {"TOKENIZERS_PARALLELISM": "false"}
     out = subprocess.run([sys.executable, "-c", DRIVER, *_args(run_dir, train, steps)], cwd=ROOT,
                          capture_output=True, text=True, timeout=600, env=env)

@@ -33,6 +33,7 @@ the vLLM engine) run in one torchrun job driving several runs (``dist``), and th
 
 import contextlib
 import dataclasses
+import importlib.util
 import io
 import json
 import logging
@@ -225,6 +226,9 @@ CASES: dict[str, Case] = {
     "train.ppo_epochs": C("2", metric("actor/num_updates")),
     "train.micro_batch_size": C("4", metric("actor/num_micro_batches")),
     "train.max_tokens_per_micro_batch": C("200", metric("actor/num_micro_batches")),
+    "train.old_log_probs": C("trainer", lambda a, b: "timing_s/old_log_probs" in a.last.keys() - b.last.keys()),
+    "actor.offload_during_rollout": C("true", lambda a, b: "actor/offloaded_gb" in a.last.keys() - b.last.keys()),
+    "actor.offload_weights": C("true", metric("actor/offloaded_gb"), {"actor.offload_during_rollout": "true"}),
     "train.generation_budget": C("1", lambda a, b: (len(a.records), len(b.records)) == (1, 2), TWO),
     "eval.every": C("1", lambda a, b: "eval/avg@1" in a.records[0] and "eval/avg@1" not in b.records[0], TWO),
     "eval.before_train": C("true", lambda a, b: a.records[0]["step"] == 0 != b.records[0]["step"]),
@@ -238,6 +242,8 @@ CASES: dict[str, Case] = {
     "checkpoint.save_every": C("1", lambda a, b: "checkpoints/step_00000001/checkpoint.json" in a.files - b.files, TWO),
     "checkpoint.keep_last": C("1", lambda a, b: "checkpoints/step_00000001/checkpoint.json" in b.files - a.files,
                               TWO | {"checkpoint.save_every": "1"}),
+    "checkpoint.memory_efficient_save": C("false", ckpt("memory_efficient_save"),
+                                          {"parallel.use_distributed_optimizer": "true"}),
     "checkpoint.resume": C("never", text("out", "final evaluation"), {"_copy": "all"}),
     "checkpoint.stop_grace_s": C("0", lambda a, b: "abandoning the step" in a.err and "stopped by SIGTERM" in b.out,
                                  {"train.total_steps": "20"}, via="grace"),
@@ -397,7 +403,7 @@ def dist(runs) -> dict:
     """Every 2-process run the cases need (with and without the value), in one torchrun job; vLLM last."""
     wanted = {}
     for key, case in CASES.items():
-        if case.via == "dist" and (_installed("vllm") or "rollout.engine" not in case.context | {key: 1}):
+        if case.via == "dist" and (importlib.util.find_spec("vllm") is not None or "rollout.engine" not in case.context | {key: 1}):
             for s in (case.context | {key: case.value}, case.context):
                 wanted[frozenset(s.items())] = s
     spec = []
@@ -461,12 +467,6 @@ def test_a_non_default_value_changes_the_run(runs, request, key):
             assert r.rc == 0 and not r.error, f"{key}: a run failed:\n{r.err[-3000:]}{r.error}"
     assert case.check(a, b), (f"{key}={case.value} (context {case.context}) changed nothing this case observes;\n"
                               f"with it: {a.last}\nwithout: {b.last}\n{a.err[-1500:]}{a.error}")
-
-
-def _installed(name: str) -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec(name) is not None
 
 
 @pytest.mark.parametrize("key", list(REFUSED))

@@ -67,6 +67,7 @@ def test_engine_sleeps_through_training_and_wakes_to_generate(demo_base, tmp_pat
     run = subprocess.run(
         [sys.executable, str(script), str(ROOT / "conf" / "cpu_tiny.yaml"), str(out), f"logging.dir={tmp_path / 'run'}",
          "train.total_steps=2", "eval.every=1", "logging.tensorboard=false",
+         "train.old_log_probs=trainer",  # the recompute pass among the phases (the demo takes the engine's)
          "checkpoint.save_every=0"], cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
     assert run.returncode == 0, run.stderr[-4000:]
     calls = json.loads(out.read_text())

@@ -46,8 +46,8 @@ def init(self, *args, **kwargs):
         return real_step(*a, **k)
     self.optimizer.step = step
 
-def update(self, batch, forward_only=False):
-    metrics = real_update(self, batch, forward_only)
+def update(self, batch, forward_only=False, **kwargs):
+    metrics = real_update(self, batch, forward_only, **kwargs)
     ids = hashlib.sha1(json.dumps([[s.prompt_ids.tolist(), s.response_ids.tolist()] for s in batch]).encode())
     emit(event="update", forward_only=forward_only, batch=ids.hexdigest(), metrics=metrics)
     return metrics
@@ -78,7 +78,8 @@ def run(tmp_path_factory) -> tuple[Path, list[dict]]:
             f"train.mini_batch_prompts={MINI}",
             "rollout.n=4", "algorithm.filter_groups.enable=false", "eval.every=0", "eval.before_train=false",
             "checkpoint.save_every=0", "reward.num_workers=0", "toy.warmup_steps=0", "toy.num_train=64",
-            "toy.num_val=4", f"optim.lr={LR}", f"optim.lr_warmup_steps={WARMUP}"]
+            "toy.num_val=4", f"optim.lr={LR}", f"optim.lr_warmup_steps={WARMUP}",
+            "train.old_log_probs=trainer"]  # the per-step pass is what separates the steps' events
     # a run of its own, not one rank of a launcher's
     launcher = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "MASTER_ADDR")
     env = {k: v for k, v in os.environ.items() if k not in launcher}

@@ -30,9 +30,12 @@ REASON = slurm_available()
 # each test: one-minute jobs run 1-3 times with requeue holds (the first also makes the reference)
 pytestmark = [pytest.mark.slow, pytest.mark.distributed, pytest.mark.slurm, pytest.mark.timeout(1200),
               pytest.mark.skipif(REASON is not None, reason=REASON or "")]
-STEPS = 60  # more than fits in the first run of a one-minute job on 2 cores (~50 quiet, ~25 under load)
+STEPS = 300  # more than a one-minute job holds: quiet, ~9 s of start-up, then ~0.16 s a step
+# Dynamic sampling off: with it, a toy task the run has nearly solved makes a step draw ever more
+# generation batches, and the uninterrupted reference run of the tail took longer than its timeout.
+# A 20-s margin: the first run stops ~30 s into the job, ~190 steps in (2 runs; more under load).
 ARGS = [f"train.total_steps={STEPS}", "eval.every=0", "eval.before_train=false", "checkpoint.save_every=25",
-        "logging.tensorboard=false", "checkpoint.time_limit_margin_s=8"]
+        "logging.tensorboard=false", "algorithm.filter_groups.enable=false", "checkpoint.time_limit_margin_s=20"]
 ENV = {**{k: v for k, v in os.environ.items()
           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "MASTER_ADDR") and not k.startswith("SLURM")},
        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}", "PYTHON": sys.executable}

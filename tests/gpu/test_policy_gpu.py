@@ -121,6 +121,8 @@ def test_te_spec_bf16_builds_and_runs(world_of_one):
     world_of_one(hf, model_cfg)
     (model,) = build_model(hf, model=model_cfg, parallel=ONE)
     assert model.config.transformer_impl == "transformer_engine" and model.config.bf16
+    # megatron's fused SwiGLU and TE's fused rope in use: the logits and grads below go through them
+    assert model.config.bias_activation_fusion and model.config.apply_rope_fusion
     names = dict(model.named_parameters())
     assert "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight" in names
     assert all(p.dtype == torch.bfloat16 and p.is_cuda for p in names.values())

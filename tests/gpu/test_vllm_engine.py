@@ -144,6 +144,28 @@ def test_weight_sync_through_sleep_changes_outputs_to_the_new_model(engine, ckpt
     engine.update_weights(Qwen2ForCausalLM.from_pretrained(ckpt_dir).state_dict().items())  # restore
 
 
+def test_level_2_sleep_then_a_full_sync_generates_with_the_synced_weights(engine, ckpt_dir):
+    """rollout.sleep_level=2 (the loop's default) discards the weights: valid because every wake
+    follows a full sync. The synced model must be what generates, nothing left of the discarded one."""
+    engine.sleep()  # the module's level-1 engine gives its memory back for this one
+    eng = VLLMEngine(ckpt_dir, mode="standalone", gpu_memory_utilization=UTILIZATION, max_model_len=512,
+                     dtype="bfloat16", seed=0, logprobs_mode="raw_logprobs", sleep_level=2)
+    try:
+        assert eng.model_runner in ("v1", "v2")  # which one ran is logged; 0.33 on CUDA: v2
+        awake = free_bytes()
+        eng.sleep()
+        assert free_bytes() - awake > 0.5 * UTILIZATION * torch.cuda.mem_get_info()[1]
+        new = tiny_qwen2(2).to(torch.bfloat16)
+        sync_weights(eng, new.state_dict().items(), bucket_bytes=256 * 512 * 2)
+        eng.wake_up()
+        after = flat(eng.generate(PROMPTS, n=2, params=SamplingParams(max_tokens=32, seed=4)))
+        m = check_against(hf_reference(new), after, 1.0)
+        assert m["rollout/logprob_mismatch"] < MISMATCH_TOL, m
+    finally:
+        eng.shutdown()
+        engine.wake_up()
+
+
 def test_memory_fraction_that_is_not_free_fails_before_building(engine, ckpt_dir):
     free, total = torch.cuda.mem_get_info()
     with pytest.raises(ValueError, match="gpu_memory_utilization=.* GiB is free now"):

@@ -20,6 +20,9 @@ GPU_ONLY: dict[str, str] = {
                         "tests/gpu/test_policy_gpu.py::test_fp8_switch_builds_and_runs",
     "rollout.gpu_memory_utilization": "vLLM on CUDA only: on CPU vLLM needs rollout.kv_cache_memory_mb, which overrides "
                                       "it; tests/gpu/test_vllm_engine.py (its free-memory check), tests/unit/test_plan.py",
+    "rollout.sleep_level": "vLLM's sleep mode exists on CUDA only (its CPU build has none): "
+                           "tests/gpu/test_vllm_engine.py (level 2 then a full sync), "
+                           "tests/unit/test_rollout_vllm_engine.py (the level reaches LLM.sleep)",
     "rollout.enforce_eager": "CUDA graphs in vLLM on CUDA; vLLM's CPU build turns false into an inductor compile of "
                              "minutes; no GPU test sets it yet (the GPU runs keep the default true)",
 }
@@ -30,6 +33,9 @@ NO_EFFECT_ON_CPU: dict[str, str] = {
                        "tests/gpu/test_policy_gpu.py::test_te_recompute_builds_and_runs",
     "rollout.weight_sync_bucket_mb": "the toy's weights fit one bucket even at the minimum (1 MiB): only peak memory "
                                      "of a sync would change; tests/unit/test_rollout_weight_sync.py counts buckets",
+    "train.logprob_chunk_tokens": "how many tokens the output layer's log-prob pass takes at a time: memory and "
+                                  "speed, not the values (tests/unit/test_policy_logprobs.py: every chunk size "
+                                  "equals log_softmax; tests/unit/test_config.py: the setting reaches the step)",
     "reward.num_workers": "toy responses score in microseconds, so workers vs inline scoring leaves no trace in a "
                           "run (the pool's own timeouts and restarts: tests/unit/test_reward.py)",
     "reward.timeout_s": "as reward.num_workers: nothing on the toy comes near a time limit (tests/unit/test_reward.py)",

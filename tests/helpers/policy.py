@@ -50,14 +50,15 @@ def tiny_cfg(*, tp=1, pp=1, vpp=None, sp=False, dist_opt=True, budget=40, micro_
         optim=OptimConfig(lr=LR, lr_warmup_steps=warmup, adam_eps=ADAM_EPS, clip_grad=CLIP, weight_decay=0.1))
 
 
-def make_samples(seed: int, shapes=SHAPES) -> list[Sample]:
-    """Random ids, per-sequence advantages of both signs, one response with a partial loss mask."""
+def make_samples(seed: int, shapes=SHAPES, vocab: int = VOCAB) -> list[Sample]:
+    """Random ids below ``vocab``, per-sequence advantages of both signs, one response with a
+    partial loss mask."""
     g = torch.Generator().manual_seed(seed)
     out = []
     for i, (p, r) in enumerate(shapes):
         mask = (torch.arange(r) < r // 2).float() if i == 1 else None  # e.g. a filtered tail
-        out.append(Sample(prompt_ids=torch.randint(0, VOCAB, (p,), generator=g),
-                          response_ids=torch.randint(0, VOCAB, (r,), generator=g),
+        out.append(Sample(prompt_ids=torch.randint(0, vocab, (p,), generator=g),
+                          response_ids=torch.randint(0, vocab, (r,), generator=g),
                           advantages=float(torch.randn((), generator=g)), loss_mask=mask))
     return out
 

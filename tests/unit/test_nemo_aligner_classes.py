@@ -172,8 +172,9 @@ def test_dapo_trainer_class_runs_a_rollout_step_with_dynamic_sampling():
                                           rm=None, batch_iterator_cls=None, logger=None, ckpt_callback=None,
                                           run_timer=None)
     data, metrics, _ = trainer.generate_rollouts()
-    assert calls == ["prepare", ("generate", 0), ("generate", 16), "finish"]
-    assert metrics["dynamic_sampling/num_gen_batches"] == 2 and metrics["consumed_samples"] == 32
+    # consumed_samples counts prompts (4 per batch of 16 rows), as the prompt sampler does
+    assert calls == ["prepare", ("generate", 0), ("generate", 4), "finish"]
+    assert metrics["dynamic_sampling/num_gen_batches"] == 2 and metrics["consumed_samples"] == 8
     assert torch.equal(data["response_tokens"], expected["response_tokens"][:4])  # the 2nd batch's first group
     assert torch.equal(data["prev_logprobs"], expected["logprobs"][:4])
     r = np.array(mixed, dtype=np.float64)

@@ -6,6 +6,8 @@ stand-ins: test_nemo_aligner_classes.py."""
 
 import ast
 import importlib.metadata
+import re
+import types
 from pathlib import Path
 
 import pytest
@@ -175,3 +177,28 @@ def test_the_example_config_has_every_key_upstream_reads():
     assert ppo_reads <= set(cfg["model"]["ppo"]), sorted(ppo_reads - set(cfg["model"]["ppo"]))
     assert model_reads <= set(cfg["model"]), sorted(model_reads - set(cfg["model"]))
     assert {"num_rollouts_per_prompt", "initial_policy_kl_penalty", "model_gbs"} <= trainer_reads
+
+
+@needs_upstream
+def test_the_example_checkpoint_name_carries_every_counter_resume_reads():
+    """Resume reads the loop's counters back from the checkpoint's file name (train_script_utils'
+    retrieve_custom_trainer_state_dict -> utils' extract_value_from_ckpt, 0 when absent): each one the
+    REINFORCE loop keeps must be in the example's filename and come back as Lightning wrote it
+    (``{k}`` -> ``k=value``). The first such resume found reinforce_optimization_step missing."""
+    _, tree = _source("nemo_aligner/utils/train_script_utils.py")
+    fn = next(n for n in ast.walk(tree)
+              if isinstance(n, ast.FunctionDef) and n.name == "retrieve_custom_trainer_state_dict")
+    keys = {kw.value.value for n in ast.walk(fn)
+            if isinstance(n, ast.Call) and ast.unparse(n.func) == "extract_value_from_ckpt"
+            for kw in n.keywords if kw.arg == "key"}
+    keys -= {"ppo_optimization_step"}  # PPOTrainer's counter; ReinforceTrainer has none of that name
+    assert keys == {"step", "consumed_samples", "epoch", "reinforce_optimization_step"}
+    text, utils = _source("nemo_aligner/utils/utils.py")
+    namespace = {"re": re, "logging": types.SimpleNamespace(warning=lambda *args: None)}
+    exec(ast.get_source_segment(text, _defs(utils)[None, "extract_value_from_ckpt"]), namespace)
+    pattern = yaml.safe_load(EXAMPLE.read_text())["exp_manager"]["checkpoint_callback_params"]["filename"]
+    values = {"step": 7, "consumed_samples": 3584, "reinforce_optimization_step": 112, "epoch": 1,
+              "val_rewards": 0.25}
+    name = re.sub(r"\{(\w+)(?::([^}]*))?\}", lambda m: f"{m[1]}={format(values[m[1]], m[2] or '')}", pattern)
+    got = {k: namespace["extract_value_from_ckpt"](key=k, ckpt_path=name + "-last") for k in keys}
+    assert got == {k: values[k] for k in keys}, name

@@ -87,7 +87,9 @@ def test_runtime_resolution(monkeypatch):
     if importlib.util.find_spec("transformer_engine") is None:
         with pytest.raises(ValueError, match="needs Transformer Engine"):
             resolve_runtime(ModelConfig(), on_gpu=True)
-        monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object())  # pretend it is there
+        from megatron.core.extensions import transformer_engine as mcore_te
+        monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object())  # pretend it is there,
+        monkeypatch.setattr(mcore_te, "HAVE_TE", True)  # and usable by megatron (tests/unit/test_te_detection.py)
     gpu = resolve_runtime(ModelConfig(), on_gpu=True)
     assert (gpu.transformer_impl, gpu.params_dtype) == ("transformer_engine", torch.bfloat16)
     cpu = resolve_runtime(ModelConfig(), on_gpu=False)

@@ -65,7 +65,7 @@ def test_sbatch_dry_run_checks_inputs_and_layout_and_prints_the_job_step(recipe,
     out = _dry(recipe / "train.sbatch", DATA_DIR=str(data_dir))
     assert out.returncode == 0, out.stderr
     assert f"input: {data_dir}/train.parquet" in out.stdout and f"input: {data_dir}/eval.parquet" in out.stdout
-    assert f"layout at world size {nodes * 8}: TP" in out.stdout and "of 80 GB per GPU" in out.stdout
+    assert f"layout at world size {nodes * 8}: TP" in out.stdout and "of 85.06 GB per GPU" in out.stdout
     assert f"job step (one task per node, {nodes} nodes: node001" in out.stdout
     step = _step(out.stdout)
     conf = re.search(r"^RECIPE=(\S+)$", (recipe / "recipe.env").read_text(), re.M).group(1)

@@ -11,6 +11,7 @@ from megatron_dapo.rollout import (
     score_logprobs,
     sequence_seed,
 )
+from megatron_dapo.rollout import hf_engine
 from megatron_dapo.rollout.hf_engine import HFEngine, sample_next, truncate_logits
 from tests.helpers.rollout import VOCAB, tiny_qwen2
 
@@ -91,6 +92,23 @@ def test_left_padded_batch_equals_one_at_a_time(engine, top_p, top_k):
     expected = engine.sample([p for p in PROMPTS for _ in range(2)],
                              [sequence_seed(5, i, k) for i in range(len(PROMPTS)) for k in range(2)], params)
     assert_same([r for g in groups for r in g], expected)
+
+
+def test_random_streams_drawn_in_blocks_equal_one_draw_per_step(engine, monkeypatch):
+    """_RaceBlocks draws several steps' exponentials per call; the reference draws one step at a
+    time inside sample_next (race_BV=None, the per-step path). Same responses, bit for bit, with a
+    block of 1, of 3 (a budget that splits the 12 steps unevenly) and of all 12 steps."""
+    params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=12, seed=9)
+    prompts, seeds = [p for p in PROMPTS for _ in range(2)], list(range(2 * len(PROMPTS)))
+    monkeypatch.setattr(hf_engine._RaceBlocks, "at", lambda self, step: None)  # sample_next draws itself
+    reference = engine.sample(prompts, seeds, params)
+    monkeypatch.undo()
+    vocab = engine.model.config.vocab_size
+    for steps_per_block in (1, 3, 12):
+        budget = steps_per_block * len(prompts) * vocab
+        monkeypatch.setattr(hf_engine._RaceBlocks.__init__, "__defaults__", (budget,))
+        assert hf_engine._RaceBlocks([torch.Generator()] * len(prompts), 12, vocab).block == steps_per_block
+        assert_same(engine.sample(prompts, seeds, params), reference, atol=0.0)
 
 
 @pytest.mark.parametrize("temperature,top_p,top_k",

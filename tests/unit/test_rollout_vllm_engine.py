@@ -23,6 +23,7 @@ from megatron_dapo.config import (
     TrainConfig,
 )
 from megatron_dapo.rollout import SamplingParams, get_engine_cls, score_logprobs, sync_weights
+from megatron_dapo.rollout import vllm_checks
 from megatron_dapo.rollout import vllm_engine as ve
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
@@ -161,7 +162,7 @@ def max_diff(model, rollouts, temperature) -> float:
 def test_cpu_head_sizes_match_vllm():
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
-    assert tuple(CPUAttentionBackend.get_supported_head_sizes()) == ve.CPU_HEAD_SIZES
+    assert tuple(CPUAttentionBackend.get_supported_head_sizes()) == vllm_checks.CPU_HEAD_SIZES
 
 
 @pytest.mark.slow
@@ -174,6 +175,8 @@ def test_from_config_settings(engines):
     assert model_config.dtype == torch.float32 and model_config.seed == cfg.seed
     assert eng.llm.llm_engine.vllm_config.cache_config.kv_cache_memory_bytes == KV_MB << 20
     assert not eng.enable_sleep_mode and eng.mode == "standalone" and eng.dp_size == 1
+    assert eng.sleep_level == cfg.rollout.sleep_level == 2  # the loop's default: every wake follows a full sync
+    assert eng.model_runner == "v1"  # vLLM's CPU build; 0.33 on CUDA runs v2 (tests/gpu)
     # Building restored what vLLM changes in this process.
     assert torch.set_num_threads is SET_NUM_THREADS
 
@@ -318,3 +321,27 @@ def test_bad_inputs_fail_clearly(engines, models, tmp_path):
                 num_hidden_layers=1).save_pretrained(tmp_path)  # config.json only; head_dim 16
     with pytest.raises(ValueError, match="head_dim 16 is not supported by vLLM's CPU attention"):
         ve.VLLMEngine(str(tmp_path), mode="standalone", kv_cache_memory_bytes=1 << 20)
+
+
+class _RecordingLLM:
+    """What VLLMEngine asks of vllm.LLM around a sync (sleep mode is CUDA-only: the real engine
+    cannot show it here)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def sleep(self, level):
+        self.calls.append(("sleep", level))
+
+    def wake_up(self, tags=None):
+        self.calls.append(("wake_up", tags))
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_sleep_passes_the_configured_level_and_wakes_in_order(level):
+    eng = object.__new__(ve.VLLMEngine)  # the methods under test, without building vLLM
+    eng.llm, eng.enable_sleep_mode, eng.sleep_level, eng._asleep, eng._reloading = _RecordingLLM(), True, level, set(), False
+    eng.sleep()
+    eng.sleep()  # already asleep: nothing more
+    eng.wake_up()
+    assert eng.llm.calls == [("sleep", level), ("wake_up", None)]

@@ -1,0 +1,49 @@
+"""The vLLM engine's checks before it builds anything (no vllm import): the device memory its
+start-up rule will ask for, and what vLLM's CPU build supports. Re-exported by vllm_engine."""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_dapo.errors import ConfigError
+
+# vllm/v1/attention/backends/cpu_attn.py CPUAttentionBackend.get_supported_head_sizes() in 0.32.0
+# (a unit test checks this copy against the installed vLLM).
+CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+
+def check_device_memory(fraction: float, free_bytes: int, total_bytes: int) -> None:
+    """vLLM's start-up rule on CUDA: the engine may take ``fraction`` of the device's total memory,
+    and that much must be free when it is built (the trainer's memory counts against it)."""
+    want = fraction * total_bytes
+    if free_bytes < want:
+        gib = 1 << 30
+        raise ConfigError(
+            f"rollout.gpu_memory_utilization={fraction} asks for {want / gib:.2f} GiB of the device's "
+            f"{total_bytes / gib:.2f} GiB, but only {free_bytes / gib:.2f} GiB is free now: lower it to "
+            f"<= {free_bytes / total_bytes:.2f}, or set rollout.kv_cache_memory_mb")
+
+
+def device_memory() -> tuple[int, int]:
+    """(free, total) bytes of this process's CUDA device as vLLM's start-up check sees them: vLLM
+    empties torch's allocator cache before it measures (v1/worker/gpu_worker.py), so blocks the
+    trainer freed but torch still caches count as free; without emptying, the check here would
+    refuse memory vLLM then gets."""
+    torch.cuda.empty_cache()
+    return torch.cuda.mem_get_info()
+
+
+def check_cpu_kv_cache(kv_cache_memory_bytes: int | None) -> None:
+    """On CPU the KV cache must be sized explicitly (rollout.kv_cache_memory_mb)."""
+    if kv_cache_memory_bytes is None:
+        raise ConfigError(
+            "vLLM on CPU needs an explicit KV-cache size: set rollout.kv_cache_memory_mb (e.g. 64 for the "
+            "toy, as in conf/cpu_tiny_vllm.yaml; VLLMEngine(kv_cache_memory_bytes=...)): vLLM's CPU build "
+            "counts this whole process, trainer included, against rollout.gpu_memory_utilization")
+
+
+def check_cpu_head_dim(head_dim: int, model_path: str) -> None:
+    if head_dim not in CPU_HEAD_SIZES:
+        raise ConfigError(f"{model_path}: head_dim {head_dim} is not supported by vLLM's CPU attention "
+                         f"(supported: {list(CPU_HEAD_SIZES)}); use a model with one of those head sizes "
+                         "(hidden_size / num_attention_heads), or rollout.engine=hf")
