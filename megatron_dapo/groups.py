@@ -149,22 +149,27 @@ def generate_groups(placement: RolloutPlacement, prompt_ids: list[list[int]], in
 
 
 def to_samples(groups: list[Group], cfg: DAPOConfig):
-    """Kept groups -> trainer samples with GRPO advantages (per response) and loss masks."""
+    """Kept groups -> trainer samples with GRPO advantages (per response) and loss masks, and the
+    engine's log-probs where it returned them (for truncated importance sampling, loss.tis_cap, and
+    train.old_log_probs=rollout). One tensor per kind for the whole batch, split into per-sample
+    views: a tensor per sample and kind was a visible cost of the CPU demo's step."""
     rewards = torch.tensor([g.rewards for g in groups], dtype=torch.float32)  # [P, G]
     advantages = get_advantage_fn(cfg.algorithm.adv_estimator)(rewards, eps=cfg.algorithm.adv_eps)
-    samples = []
-    for g, adv_row in zip(groups, advantages):
-        for r, adv in zip(g.rollouts, adv_row.tolist()):
-            keep = 1.0
-            if cfg.reward.overlong_filter:
-                keep = float(overlong_filter_mask(torch.tensor([r.finish_reason == "length"]))[0])
-            response = torch.tensor(r.response_ids, dtype=torch.long)
-            # The engine's log-probs, for truncated importance sampling (loss.tis_cap).
-            engine_lp = torch.tensor(r.logprobs, dtype=torch.float32) if r.logprobs else None
-            samples.append(Sample(prompt_ids=torch.tensor(r.prompt_ids, dtype=torch.long), response_ids=response,
-                                  advantages=adv, loss_mask=torch.full((len(response),), keep),
-                                  rollout_log_probs=engine_lp))
-    return samples
+    rollouts = [r for g in groups for r in g.rollouts]
+    resp_n = [len(r.response_ids) for r in rollouts]
+    prompts = torch.tensor([t for r in rollouts for t in r.prompt_ids], dtype=torch.long).split(
+        [len(r.prompt_ids) for r in rollouts])
+    responses = torch.tensor([t for r in rollouts for t in r.response_ids], dtype=torch.long).split(resp_n)
+    keep = torch.ones(len(rollouts))
+    if cfg.reward.overlong_filter:
+        keep = overlong_filter_mask(torch.tensor([r.finish_reason == "length" for r in rollouts])).float()
+    masks = keep.repeat_interleave(torch.tensor(resp_n, dtype=torch.long)).split(resp_n)
+    with_lp = [bool(r.logprobs) for r in rollouts]
+    engine = iter(torch.tensor([lp for r in rollouts for lp in r.logprobs], dtype=torch.float32).split(
+        [n for n, has in zip(resp_n, with_lp) if has]))
+    return [Sample(prompt_ids=p, response_ids=resp, advantages=adv, loss_mask=mask,
+                   rollout_log_probs=next(engine) if has else None)
+            for p, resp, adv, mask, has in zip(prompts, responses, advantages.reshape(-1).tolist(), masks, with_lp)]
 
 
 def rollout_metrics(groups: list[Group]) -> dict[str, float]:

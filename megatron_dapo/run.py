@@ -341,12 +341,15 @@ def check_rollout(cfg: DAPOConfig, world_size: int) -> None:
 def make_reward_pool(cfg: DAPOConfig):
     """One RewardPool for every scorer the run uses: reward.fn (the default, for training),
     eval.reward_fn and our value scorer (both for evaluation), picked per call by name. One set of
-    reward.num_workers processes serves them all (no pool per scorer on small machines)."""
-    from megatron_dapo.reward import VALUE_REWARD_FN, RewardPool, get_reward_fn
+    reward.num_workers processes serves them all (no pool per scorer on small machines). What a
+    scorer's quick companion decides is scored in this process (reward.QUICK_FNS)."""
+    from megatron_dapo.reward import QUICK_FNS, VALUE_REWARD_FN, RewardPool, get_reward_fn
 
     names = {cfg.reward.fn, cfg.eval.reward_fn, VALUE_REWARD_FN}
+    quick = {n: QUICK_FNS.get(n) for n in names}
     return RewardPool(num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s,
-                      score_fn=get_reward_fn(cfg.reward.fn), score_fns={n: get_reward_fn(n) for n in names})
+                      score_fn=get_reward_fn(cfg.reward.fn), score_fns={n: get_reward_fn(n) for n in names},
+                      quick_fns={None: quick[cfg.reward.fn], **quick})
 
 
 def _prompts(key: str, files, tokenizer, cfg: DAPOConfig, *, dedup: bool) -> tuple[list[list[int]], list[str]]:

@@ -108,8 +108,12 @@ def initialize_parallel(hf_config, *, parallel: ParallelConfig, model: ModelConf
 
 def all_gather_rows(local: torch.Tensor, group) -> torch.Tensor:
     """[n] on every rank of ``group`` (same n and dtype everywhere) -> [group size, n], in rank
-    order: the one DP gather of the package (batch counts, metrics, inference log-probs)."""
-    gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    order: the one DP gather of the package (batch counts, metrics, inference log-probs). A group
+    of one gathers nothing (two such gathers per update were a visible cost on the CPU demo)."""
+    size = dist.get_world_size(group)
+    if size == 1:
+        return local[None].clone()
+    gathered = [torch.empty_like(local) for _ in range(size)]
     dist.all_gather(gathered, local, group=group)
     return torch.stack(gathered)
 

@@ -10,10 +10,11 @@ Two scorers are registered (docs/reward.md):
 
 from megatron_dapo.registry import Registry
 from megatron_dapo.reward import paper_rule
-from megatron_dapo.reward.math_dapo import compute_score
+from megatron_dapo.reward.math_dapo import compute_score, quick_score
 from megatron_dapo.reward.pool import RewardPool
 
-__all__ = ["PAPER_REWARD_FN", "REWARD_FNS", "VALUE_REWARD_FN", "RewardPool", "compute_score", "get_reward_fn"]
+__all__ = ["PAPER_REWARD_FN", "QUICK_FNS", "REWARD_FNS", "VALUE_REWARD_FN", "RewardPool", "compute_score",
+           "get_reward_fn"]
 
 VALUE_REWARD_FN = "dapo_math"
 PAPER_REWARD_FN = "math_dapo_paper"
@@ -24,6 +25,9 @@ PAPER_REWARD_FN = "math_dapo_paper"
 REWARD_FNS: Registry = Registry("reward fn")
 REWARD_FNS.register(VALUE_REWARD_FN)(compute_score)
 REWARD_FNS.register(PAPER_REWARD_FN)(paper_rule.compute_score)
+# Quick companions (RewardPool's quick_fns): bounded pure Python, run in the trainer's process; a
+# None goes to the workers. The paper's rule is string work on 300 characters, always decided.
+QUICK_FNS = {VALUE_REWARD_FN: quick_score, PAPER_REWARD_FN: paper_rule.compute_score}
 
 
 def get_reward_fn(name: str):

@@ -144,13 +144,35 @@ def compute_score(response: str, ground_truth: str, *, sympy_only: bool = False)
     every expression to sympy, uncached, as before exact_forms.py (benchmarks and tests compare).
     """
     try:
-        answer = extract_answer(response)
-        if answer is None:
-            return _result(False, "")
-        pred = normalize_answer(answer)
-        return _result(answer_matches(pred, ground_truth, sympy_only=sympy_only), pred[:MAX_PRED_CHARS])
+        return _score(response, ground_truth, sympy_only=sympy_only)
     except Exception:  # noqa: BLE001 - a reward must never crash the trainer
         return _result(False, "")
+
+
+class NeedsSympy(Exception):
+    """Only math-verify's parser can decide this answer (quick_score's signal to the pool)."""
+
+
+def quick_score(response: str, ground_truth: str) -> dict | None:
+    """compute_score's result wherever it is reached without math-verify, else None.
+
+    Everything before sympy is pure Python bounded by the tail and the answer caps (extraction,
+    normalisation, the number and fraction fast paths, the screen, exact_forms' evaluator), so
+    RewardPool runs this in the trainer's own process and sends only the None items to its
+    time-bounded workers. Raises only what compute_score would turn into an incorrect score.
+    """
+    try:
+        return _score(response, ground_truth, sympy=False)
+    except NeedsSympy:
+        return None
+
+
+def _score(response: str, ground_truth: str, *, sympy_only: bool = False, sympy: bool = True) -> dict:
+    answer = extract_answer(response)
+    if answer is None:
+        return _result(False, "")
+    pred = normalize_answer(answer)
+    return _result(answer_matches(pred, ground_truth, sympy_only=sympy_only, sympy=sympy), pred[:MAX_PRED_CHARS])
 
 
 def _result(correct: bool, pred: str) -> dict:
@@ -312,8 +334,9 @@ def _name_is_harmless(lhs: str) -> bool:
     return all(w.lower() in _HARMLESS_WORDS for w in words)
 
 
-def answer_matches(pred: str, ground_truth: str, *, sympy_only: bool = False) -> bool:
-    """True iff the normalised answer `pred` has the value of `ground_truth` (see compute_score)."""
+def answer_matches(pred: str, ground_truth: str, *, sympy_only: bool = False, sympy: bool = True) -> bool:
+    """True iff the normalised answer `pred` has the value of `ground_truth` (see compute_score).
+    ``sympy=False``: raises NeedsSympy where only math-verify could decide."""
     target = _parse_integer(ground_truth)
     if target is None:
         return _matches_non_integer(pred, ground_truth)
@@ -329,7 +352,12 @@ def answer_matches(pred: str, ground_truth: str, *, sympy_only: bool = False) ->
         return den != 0 and Fraction(num, den) == target
     if not _expression_is_safe(pred):
         return False
-    value = _sympy_value(pred) if sympy_only else _expression_value(pred)
+    if sympy_only:
+        value = _sympy_value(pred)
+    elif sympy:
+        value = _expression_value(pred)
+    else:
+        value = _exact_value(pred)
     return value is not None and value == target
 
 
@@ -337,11 +365,20 @@ def answer_matches(pred: str, ground_truth: str, *, sympy_only: bool = False) ->
 def _expression_value(expr: str) -> int | None:
     """Integer value of a screened expression (None: not an integer, or rejected)."""
     try:
+        return _exact_value(expr)
+    except NeedsSympy:  # no power, factorial or juxtaposition: sympy's work is small
+        return _sympy_value(expr)
+
+
+def _exact_value(expr: str) -> int | None:
+    """exact_forms' value of a screened expression (None: not an integer, or rejected); NeedsSympy
+    where it cannot decide."""
+    try:
         return exact_forms.integer_value(expr)
     except exact_forms.Rejected:
         return None
-    except exact_forms.Undecided:  # no power, factorial or juxtaposition: sympy's work is small
-        return _sympy_value(expr)
+    except exact_forms.Undecided:
+        raise NeedsSympy(expr) from None
 
 
 @functools.lru_cache(maxsize=4096)  # ground truths repeat: 16 responses per prompt

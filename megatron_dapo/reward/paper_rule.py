@@ -57,6 +57,13 @@ _REGEX_STEPS = (
 
 def normalize_final_answer(answer: str) -> str:
     """The paper rule's normalisation of an answer string (module docstring, step 3)."""
+    if (digits := answer.strip()).isascii() and digits.isdigit():
+        return digits  # "Answer: 42", the prompted form: no step of the rule changes an ASCII digit string
+    return normalize_steps(answer)
+
+
+def normalize_steps(answer: str) -> str:
+    """normalize_final_answer's steps, every one of them (its fast path's reference)."""
     s = answer.split("=")[-1]
     for old, new in SUBSTITUTIONS:
         s = s.replace(old, new)

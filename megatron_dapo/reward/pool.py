@@ -28,6 +28,11 @@ Design:
 - One pool can hold several score functions (`score_fns`, by name); each call of score() picks
   one (`fn`), and each chunk names it. So training and evaluation scorers share the same worker
   processes instead of one pool per scorer (2-core machines).
+- A score function may have a quick companion (`quick_fns`, same names): bounded pure Python that
+  returns the result where it can decide without the slow path (math-verify), else None. It runs
+  in the calling process first and only its None items go to the workers: the prompted
+  "Answer: 42" costs microseconds inline against a round trip to a worker, and what could hang
+  still runs under the time limit.
 """
 
 import collections
@@ -53,6 +58,15 @@ _READY = "ready"
 
 def _failed(timed_out: bool) -> dict:
     return {"score": -1.0, "acc": False, "pred": "", "timed_out": timed_out}
+
+
+def _quick_one(quick_fn, response, ground_truth) -> dict | None:
+    """The quick companion's result (None: undecided, or it raised: the worker decides)."""
+    try:
+        result = quick_fn(response, ground_truth)
+    except Exception:  # noqa: BLE001 - the full score fn, in a worker, has the last word
+        return None
+    return None if result is None else {**result, "timed_out": False}
 
 
 def _score_one(score_fn, response, ground_truth) -> dict:
@@ -151,6 +165,9 @@ class RewardPool:
     num_workers=0 scores inline in the calling process. That mode has NO timeout protection.
     It is meant for tests and debugging.
 
+    `quick_fns` (by the names of `score_fns`, None for `score_fn`): bounded companions run inline
+    first (module docstring); `num_quick` counts the items they decided (all calls).
+
     Thread-safe: calls from several threads are serialised. Use as a context manager or call
     close(). `score_fn` (the default of score()) and the values of `score_fns` (more scorers by
     name, picked with score(..., fn=name)) must be module-level functions, because workers import
@@ -166,6 +183,7 @@ class RewardPool:
         chunk_size: int = 32,
         start_timeout_s: float = 120.0,
         score_fns: dict | None = None,
+        quick_fns: dict | None = None,
     ):
         if num_workers < 0 or timeout_s <= 0 or chunk_size < 1:
             raise ValueError(f"bad RewardPool args: {num_workers=}, {timeout_s=}, {chunk_size=}")
@@ -173,6 +191,11 @@ class RewardPool:
         self.timeout_s = timeout_s
         self.score_fn = score_fn
         self.score_fns = {None: score_fn, **(score_fns or {})}
+        self.quick_fns = {k: v for k, v in (quick_fns or {}).items() if v is not None}
+        unknown = sorted(map(str, set(self.quick_fns) - set(self.score_fns)))
+        if unknown:
+            raise ValueError(f"quick_fns {unknown} name no score fn of this pool")
+        self.num_quick = 0
         self.max_response_chars = max_response_chars
         self.chunk_size = chunk_size
         self.start_timeout_s = start_timeout_s
@@ -222,12 +245,20 @@ class RewardPool:
             if self._closed:
                 raise RuntimeError("RewardPool is closed")
             self.last_num_timeouts = 0
-            if self.num_workers == 0:
-                return [_score_one(self.score_fns[fn], r, g) for r, g in zip(responses, ground_truths)]
             if self.max_response_chars is not None:
                 responses = [r[-self.max_response_chars:] for r in responses]
+            quick = self.quick_fns.get(fn)
+            results = [_quick_one(quick, r, g) if quick else None for r, g in zip(responses, ground_truths)]
+            todo = [i for i, r in enumerate(results) if r is None]
+            self.num_quick += len(results) - len(todo)
+            if not todo:
+                return results
+            if self.num_workers == 0:
+                for i in todo:
+                    results[i] = _score_one(self.score_fns[fn], responses[i], ground_truths[i])
+                return results
             try:
-                results = self._score_in_workers(responses, ground_truths, fn)
+                slow = self._score_in_workers([responses[i] for i in todo], [ground_truths[i] for i in todo], fn)
             except BaseException:
                 # E.g. KeyboardInterrupt: busy workers would later answer for indices of this
                 # aborted call, so they are replaced.
@@ -237,6 +268,8 @@ class RewardPool:
                     self._workers[self._workers.index(worker)] = _Worker(self._ctx, self.score_fns)
                 raise
             self.num_timeouts += self.last_num_timeouts
+            for i, result in zip(todo, slow):
+                results[i] = result
             return results
 
     def _score_in_workers(self, responses, ground_truths, fn) -> list[dict]:

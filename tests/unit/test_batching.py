@@ -199,3 +199,19 @@ def test_fp8_on_cpu_is_refused_in_one_line(tmp_path, capsys):
     err = capsys.readouterr().err
     assert rc == 2 and "model.fp8" in err and "Traceback" not in err, err
     assert not (tmp_path / "run").exists()
+
+
+def test_samples_without_old_log_probs_get_zeros_there():
+    """A forward-only pass builds micro-batches from samples without pi_old: zeros on their span,
+    the others' values on theirs (the rows are filled by one scatter, not row by row)."""
+    xs = samples(4, 6)
+    xs = [dataclasses.replace(x, old_log_probs=None) if i % 2 else x for i, x in enumerate(xs)]
+    mb = build_micro_batch(xs, list(range(len(xs))), multiple=4, shape=(8, 32))
+    for row, x in enumerate(xs):
+        p, r = x.num_prompt_tokens, x.num_response_tokens
+        expect = torch.zeros(32)
+        if x.old_log_probs is not None:
+            expect[p - 1: p - 1 + r] = x.old_log_probs
+        assert torch.equal(mb.old_log_probs[row], expect)
+        assert torch.equal(mb.input_ids[row, : p + r], torch.cat([x.prompt_ids, x.response_ids]))
+    assert mb.input_ids[len(xs):].count_nonzero() == 0 and mb.sample_index[len(xs):] == (-1, -1)
