@@ -51,7 +51,9 @@ def _args(run_dir: Path, train: Path, steps: int) -> list[str]:
             f"model.hf_path={run_dir / 'toy_base'}", f"data.train_files=[{train}]",
             f"data.val_files=[{run_dir / 'small_val.parquet'}]", "rollout.engine=planted_hf",
             "reward.fn=planted_easy", "reward.num_workers=0", "alarms.audit_fn=math_dapo_paper",
-            "rollout.check_logprob_mismatch=false", "data.skip_solved_after=1", f"train.total_steps={steps}",
+            # planted responses come with no engine log-probs: pi_old from the trainer's pass
+            "rollout.check_logprob_mismatch=false", "train.old_log_probs=trainer",
+            "data.skip_solved_after=1", f"train.total_steps={steps}",
             "eval.every=1", "eval.before_train=false", "checkpoint.save_every=0", "logging.tensorboard=false",
             f"alarms.max_samples={MAX_SAMPLES}", "algorithm.filter_groups.max_num_gen_batches=20"]
 

@@ -75,7 +75,8 @@ REAL = {"toy.enable": "false", "model.hf_path": "{base}/toy_base", "data.train_f
 DECIMAL = REAL | {"data.train_files": "[{root}/decimal_train.jsonl]", "data.val_files": "[{root}/decimal_val.jsonl]"}
 END_TIME = str(int(time.time()) + 36_000)  # a job end 10 h away (time_limit.py)
 # The planted hack (tests/helpers/planted.py): a quarter of the responses "Answer: Answer: <digit>".
-PLANT = {"rollout.engine": "planted_hf", "reward.fn": "planted_easy", "rollout.check_logprob_mismatch": "false"}
+PLANT = {"rollout.engine": "planted_hf", "reward.fn": "planted_easy", "rollout.check_logprob_mismatch": "false",
+         "train.old_log_probs": "trainer"}  # planted responses carry no engine log-probs
 ALL_CORRECT = {"reward.fn": "planted_all"}
 SHORT = {"rollout.max_response_length": "1", "eval.max_response_length": "1", "reward.overlong_buffer.len": "1"}  # no answer line fits
 
@@ -146,6 +147,11 @@ def alarm(name: str, raised_by_value: bool = True) -> Callable:  # raised with t
     return lambda a, b: (line in a.logs, line in b.logs) == (raised_by_value, not raised_by_value)
 
 
+def timed(r, phase: str) -> bool:  # the step timed this phase (timing_s/* are not in Result.records)
+    path = r.dir / "metrics.jsonl"
+    return path.exists() and f"timing_s/{phase}" in json.loads(path.read_text().splitlines()[-1])
+
+
 def dump_rows(r, name: str = "samples/step_00000001.jsonl") -> int:
     path = r.dir / name
     return len(path.read_text().splitlines()) if path.exists() else 0
@@ -207,7 +213,8 @@ CASES: dict[str, Case] = {
     "loss.clip_ratio_high": C("0.01", metric("actor/pg_clipfrac_high")),
     "loss.clip_ratio_c": C("1.3", metric("actor/pg_clipfrac_dual"), {"optim.lr": "0.05"}),
     "loss.loss_agg_mode": C("seq-mean-token-mean", metric("actor/pg_loss")),
-    "loss.tis_cap": C("2.0", lambda a, b: "actor/tis_weight_mean" in a.last and "actor/tis_weight_mean" not in b.last),
+    "loss.tis_cap": C("2.0", lambda a, b: "actor/tis_weight_mean" in a.last and "actor/tis_weight_mean" not in b.last,
+                      {"train.old_log_probs": "trainer"}),  # TIS corrects a recomputed pi_old
     "reward.fn": C("dapo_math", metric("reward/acc_mean"), DECIMAL),
     "reward.overlong_buffer.enable": C("false", metric("reward/overlong_penalty_mean")),
     "reward.overlong_buffer.len": C("8", metric("reward/overlong_penalty_mean")),
@@ -226,7 +233,7 @@ CASES: dict[str, Case] = {
     "train.ppo_epochs": C("2", metric("actor/num_updates")),
     "train.micro_batch_size": C("4", metric("actor/num_micro_batches")),
     "train.max_tokens_per_micro_batch": C("200", metric("actor/num_micro_batches")),
-    "train.old_log_probs": C("trainer", lambda a, b: "timing_s/old_log_probs" in a.last.keys() - b.last.keys()),
+    "train.old_log_probs": C("trainer", lambda a, b: timed(a, "old_log_probs") and not timed(b, "old_log_probs")),
     "actor.offload_during_rollout": C("true", lambda a, b: "actor/offloaded_gb" in a.last.keys() - b.last.keys()),
     "actor.offload_weights": C("true", metric("actor/offloaded_gb"), {"actor.offload_during_rollout": "true"}),
     "train.generation_budget": C("1", lambda a, b: (len(a.records), len(b.records)) == (1, 2), TWO),
