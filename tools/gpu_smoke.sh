@@ -50,10 +50,7 @@ extra_arg() {
 }
 smoke_parse "$@"
 
-mkdir -p "$OUT"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-# No network on the lent machine: never let a library try to reach a hub or send usage stats.
-export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
+smoke_env
 
 has_cuda=$("$PY" -c 'import torch; print(int(torch.cuda.is_available()))' 2>/dev/null) \
   || smoke_die "'$PY' cannot import torch"

@@ -53,11 +53,7 @@ extra_arg() {
 smoke_parse "$@"
 case "$SHAPE" in 1.5B | tiny) ;; *) smoke_die "--shape is 1.5B or tiny, got '$SHAPE'" ;; esac
 
-mkdir -p "$OUT" || smoke_die "cannot make --out '$OUT'"
-OUT=$(cd "$OUT" && pwd)
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-# No network on the lent machine: never let a library try to reach a hub or send usage stats.
-export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
+smoke_env
 # As recipes/lib/launch.sh sets them for a GPU run.
 export CUDA_DEVICE_MAX_CONNECTIONS="${CUDA_DEVICE_MAX_CONNECTIONS:-1}" NCCL_DEBUG="${NCCL_DEBUG:-WARN}"
 export TORCH_NCCL_ASYNC_ERROR_HANDLING="${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}" OMP_NUM_THREADS="${OMP_NUM_THREADS:-8}"

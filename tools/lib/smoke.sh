@@ -49,6 +49,15 @@ smoke_parse() {
   command -v "$PY" > /dev/null || smoke_die "--python '$PY' is not a command"
 }
 
+# smoke_env: OUT made and absolute, the checkout importable, and no library reaching for the network
+# (there is none on the lent machine: no hub downloads, no usage stats).
+smoke_env() {
+  mkdir -p "$OUT" || smoke_die "cannot make --out '$OUT'"
+  OUT=$(cd "$OUT" && pwd)
+  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+  export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
+}
+
 # smoke_run: every step of ORDER (those of --only), each in its box; prints and writes the summary,
 # then exits 1 if a step failed, else 0.
 smoke_run() {
