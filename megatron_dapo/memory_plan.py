@@ -155,10 +155,10 @@ class SaveHost:
     """Host bytes of a checkpoint with the distributed optimizer (docs/checkpoints_memory.md): its
     fully reshardable format gathers the TP x PP shard's fp32 master + Adam m, v (12 B/param)."""
 
-    dp_rank0: float  # a DP-rank-0 rank's peak during a save: the gathered shard, its own slice, a bucket
-    other: float  # any other rank's (memory_efficient_save: its slice only; else as DP rank 0)
+    dp_rank0: float  # a DP-rank-0 rank's peak during a save: the gathered shard, its slice of a bucket, a bucket
+    other: float  # any other rank's (memory_efficient_save: its slice of a bucket only; else as DP rank 0)
     worst_node: float  # the node that holds the DP-rank-0 ranks of a pipeline stage
-    resume: float  # every rank on a resume, either setting: the whole shard's state beside its own slice
+    resume: float  # every rank on a resume, either setting: the whole shard's state beside a bucket's slice
 
 
 def save_host(on_rank: float, *, tp: int, dp: int, gpus_per_node: int, memory_efficient: bool) -> SaveHost:
@@ -166,10 +166,14 @@ def save_host(on_rank: float, *, tp: int, dp: int, gpus_per_node: int, memory_ef
     (parallel_state's tp-cp-ep-dp-pp), so a node holds min(TP, its GPUs) ranks of DP index 0."""
     state = 12 * on_rank  # fp32 master, exp_avg, exp_avg_sq
     bucket = 12 * min(on_rank, max(DDP_BUCKET_PARAMS, DDP_BUCKET_PARAMS_PER_DP * dp))
-    rank0 = state + state / dp + bucket
-    other = state / dp if memory_efficient else rank0
+    # A rank's own slices are made one bucket at a time (megatron-core 0.19.2 distrib_optimizer.py:1340,
+    # inside the loop over buckets): 1/DP of a bucket, not of the shard. The CPU measurements had one
+    # bucket, where the two are the same.
+    own = bucket / dp
+    rank0 = state + own + bucket
+    other = own if memory_efficient else rank0
     zeros = min(tp, gpus_per_node)
-    return SaveHost(rank0, other, zeros * rank0 + (gpus_per_node - zeros) * other, state + state / dp)
+    return SaveHost(rank0, other, zeros * rank0 + (gpus_per_node - zeros) * other, state + own)
 
 
 @dataclass(frozen=True)
@@ -267,12 +271,14 @@ def _activations(cfg: DAPOConfig, hf: dict, tokens: int, in_flight: int) -> floa
     return in_flight * layers * per_layer
 
 
-def _output_layer(hf: dict, tokens: int, v_local: int, weight_bytes: int) -> tuple[float, float, int]:
+def _output_layer(hf: dict, tokens: int, v_local: int, weight_bytes: int,
+                  chunk_tokens: int = 0) -> tuple[float, float, int]:
     """(chunk buffer bytes, early-gradient bytes, chunk tokens) of logprobs.py's fused output layer
-    on a [tokens, H] micro-batch with a [V_local, H] weight shard (module docstring)."""
+    on a [tokens, H] micro-batch with a [V_local, H] weight shard (module docstring);
+    ``chunk_tokens``: train.logprob_chunk_tokens (0: logprobs.py's default rule; set, it has no byte cap)."""
     from megatron_dapo.mcore.logprobs import DEFAULT_CHUNK_BYTES, DEFAULT_CHUNK_TOKENS
 
-    chunk = max(1, min(DEFAULT_CHUNK_TOKENS, DEFAULT_CHUNK_BYTES // (4 * v_local), tokens))
+    chunk = min(chunk_tokens or max(1, min(DEFAULT_CHUNK_TOKENS, DEFAULT_CHUNK_BYTES // (4 * v_local))), tokens)
     buffers = chunk * v_local * (weight_bytes + 2 * 4)
     h = hf["hidden_size"]
     early = 2 * tokens * h * weight_bytes + v_local * h * 4 + tokens * 4  # grad, reordered copy; weight grad
@@ -335,7 +341,8 @@ def _trainer_items(cfg: DAPOConfig, hf: dict, lay: _Layout, comms: list[Communic
         items.append(Item("activations_last", "activations, last stage (x1 in flight)",
                           _activations(cfg, hf, lay.tokens, 1), False, "last"))
     v_local = lay.padded_vocab // lay.tp
-    buffers, early, chunk = _output_layer(hf, lay.tokens, v_local, lay.weight_bytes)
+    buffers, early, chunk = _output_layer(hf, lay.tokens, v_local, lay.weight_bytes,
+                                          chunk_tokens=cfg.train.logprob_chunk_tokens)
     stage = "last stage, " if lay.pp > 1 else ""
     return [*items,
             Item("logprob_buffers", f"log-prob chunk buffers ({stage}[{chunk}, {v_local}] x3; logprobs.py)",
@@ -351,10 +358,14 @@ def _rollout(cfg: DAPOConfig, hf: dict, lay: _Layout, items: list[Item], device:
     rtp = r.tensor_parallel_size
     vocab = -(-hf["vocab_size"] // (VLLM_VOCAB_PADDING * rtp)) * VLLM_VOCAB_PADDING * rtp
     engine_weights = count_parameters(hf, tp=rtp, pp=1, padded_vocab=vocab).on_rank * lay.weight_bytes
-    share = r.gpu_memory_utilization * device.reported_bytes
     activations = gm.vllm_activation_bytes(hf, rtp, dtype_bytes=lay.weight_bytes)
-    engine = [Item("vllm_generating", f"vLLM's share: gpu_memory_utilization {r.gpu_memory_utilization} x "
-                   f"{device.reported_bytes / GB:.2f} GB", share, True, "none"),
+    if r.kv_cache_memory_mb:  # vLLM sizes the KV cache from it and ignores gpu_memory_utilization
+        share = engine_weights + activations + (r.kv_cache_memory_mb << 20)
+        what = f"weights + activations + rollout.kv_cache_memory_mb {r.kv_cache_memory_mb}"
+    else:
+        share = r.gpu_memory_utilization * device.reported_bytes
+        what = f"gpu_memory_utilization {r.gpu_memory_utilization} x {device.reported_bytes / GB:.2f} GB"
+    engine = [Item("vllm_generating", f"vLLM's share: {what}", share, True, "none"),
               Item("vllm_asleep", f"vLLM asleep (sleep level {r.sleep_level}: what sleep leaves)",
                    SLEEP_RESIDUE_BYTES, False, "all")]
     parts = {i.key: i.bytes for i in items}
@@ -438,15 +449,22 @@ def check_fits(result: Plan, cfg: DAPOConfig) -> None:
     """ConfigError naming the knob when either phase exceeds the reported capacity, then when vLLM's
     share leaves no KV cache for one sequence of data.max_prompt_length + rollout.max_response_length."""
     r, cap = result.rollout, result.capacity_gb
-    util = cfg.rollout.gpu_memory_utilization
+    knob = _kv_knob(cfg)
     worst = max(result.generating_gb, result.training_gb)
     if worst > cap:
         raise ConfigError(_over_capacity(result, cfg, worst))
     if r is not None and r.tokens(r.kv) < r.max_sequence:
         raise ConfigError(
             f"vLLM's KV cache would hold {r.tokens(r.kv):,.0f} tokens per replica, less than one "
-            f"{r.max_sequence}-token sequence (vLLM refuses to start): raise rollout.gpu_memory_utilization="
-            f"{util} or rollout.tensor_parallel_size={cfg.rollout.tensor_parallel_size}")
+            f"{r.max_sequence}-token sequence (vLLM refuses to start): raise {knob} or "
+            f"rollout.tensor_parallel_size={cfg.rollout.tensor_parallel_size}")
+
+
+def _kv_knob(cfg: DAPOConfig) -> str:
+    """The setting that sizes vLLM's KV cache, with its value."""
+    r = cfg.rollout
+    return (f"rollout.kv_cache_memory_mb={r.kv_cache_memory_mb}" if r.kv_cache_memory_mb
+            else f"rollout.gpu_memory_utilization={r.gpu_memory_utilization}")
 
 
 def _over_capacity(result: Plan, cfg: DAPOConfig, worst: float) -> str:
@@ -458,17 +476,20 @@ def _over_capacity(result: Plan, cfg: DAPOConfig, worst: float) -> str:
         kept = "what the offload leaves" if cfg.actor.offload_during_rollout else "the trainer's state"
         fix = (f"lower rollout.gpu_memory_utilization={util} to <= {most:.2f} ({kept} stays resident while "
                "vLLM generates)")
+        if cfg.rollout.kv_cache_memory_mb:  # that one sizes vLLM's share instead
+            fix = f"lower {_kv_knob(cfg)} ({kept} stays resident while vLLM generates)"
         if r is not None and not cfg.actor.offload_during_rollout:
             fix += (f", or set actor.offload_during_rollout=true (moves {r.offload / GB:.1f} GB off the GPU "
                     f"while generating; then up to {result.max_utilization(True):.2f})")
         elif r is not None and not cfg.actor.offload_weights:
             fix += f", or set actor.offload_weights=true (another {parts['weights'] / GB:.1f} GB)"
     elif parts["activations"] >= max(parts["weights"], parts.get("master", 0.0) + parts["adam"]):
-        fix = "set model.recompute=full or lower train.max_tokens_per_micro_batch"
+        fix = ("set model.recompute=full or lower train.max_tokens_per_micro_batch" if cfg.model.recompute != "full"
+               else "lower train.max_tokens_per_micro_batch")
     elif not cfg.parallel.use_distributed_optimizer:
         fix = "set parallel.use_distributed_optimizer=true"
     else:
-        fix = "raise parallel.tensor_model_parallel_size or pipeline_model_parallel_size"
+        fix = "raise parallel.tensor_model_parallel_size or parallel.pipeline_model_parallel_size"
     phase = "generating" if generating else "training"
     return (f"the layout needs {worst:.1f} GB per GPU while {phase}, over the {result.capacity_gb:.1f} GB "
             f"{result.gpu.name} reports: {fix}")

@@ -75,11 +75,13 @@ class Run(Prepared):
     def close(self) -> None:
         """Ends the reward workers and the engine (before cli tears the process group down: an
         in-process vLLM tears its own groups down first) and releases the run directory."""
-        if self.pool is not None:
-            self.pool.close()
-            self.pool = None
-        self.placement.engine.shutdown()
-        self.release()
+        try:
+            if self.pool is not None:
+                self.pool.close()
+                self.pool = None
+            self.placement.engine.shutdown()
+        finally:  # a failing engine teardown must not keep the run directory locked
+            self.release()
 
 
 def prepare_run(cfg: DAPOConfig, *, lock: bool = True) -> Prepared:

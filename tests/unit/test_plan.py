@@ -29,7 +29,7 @@ from megatron_dapo.generation_model import (
     kv_bytes_per_token,
 )
 from megatron_dapo.gpu_models import GPU_MODELS
-from megatron_dapo.memory_plan import GB, count_parameters, plan
+from megatron_dapo.memory_plan import GB, count_parameters, plan, save_host
 from megatron_dapo.plan_report import README_BEGIN, readme_block, readme_table
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -219,6 +219,13 @@ def test_the_output_layers_buffers_kept_from_forward_to_backward():
         parts["logprob_buffers"] + parts["early_grads"] + parts["activations_last"] - parts["activations"])
 
 
+def test_a_set_chunk_size_is_planned_without_the_byte_cap():
+    """train.logprob_chunk_tokens is used as it is (logprobs.py caps only its own default): 8192
+    tokens of a 19008-wide shard are 8192 x 19008 x (2 + 4 + 4) B, ~1.56 GB, not the default's 48 MB."""
+    parts = _paper("train.logprob_chunk_tokens=8192").parts
+    assert parts["logprob_buffers"] == 8192 * 19008 * (2 + 4 + 4)
+
+
 def test_kv_bytes_per_token_and_the_kv_cache_of_a_qwen25_32b_replica_by_hand():
     """2 (K, V) x 64 layers x 8 KV heads x 128 head_dim x 2 B = 262,144 B a token, 65,536 on each GPU
     at rollout TP 4. The engine's weights are the published 32,763,876,352 parameters x 2 B / 4 (the
@@ -268,23 +275,28 @@ def test_sleep_level_1_keeps_the_replicas_weight_shard_in_host_memory_level_2_no
 
 
 def test_a_saves_host_memory_by_hand_at_the_paper_layout(capsys):
-    """12 B/param (fp32 master, m, v) of the rank's TP x PP shard: gathered on DP rank 0 with its own
-    1/DP slice and one DDP bucket (40M params) of receive buffers; with memory_efficient_save the other
-    DP ranks hold only their slice; a resume builds the whole shard's state beside the slice on every
-    rank (docs/checkpoints_memory.md measured each on CPU). TP 8 fills a node, so one node holds 8
-    DP-rank-0 ranks."""
+    """12 B/param (fp32 master, m, v) of the rank's TP x PP shard: gathered on DP rank 0 with one DDP
+    bucket (40M params) of receive buffers and its own 1/DP slice of that bucket (megatron makes the
+    slices bucket by bucket); with memory_efficient_save the other DP ranks hold only that slice; a
+    resume builds the whole shard's state beside it on every rank (docs/checkpoints_memory.md measured
+    each on CPU, with one bucket). TP 8 fills a node, so one node holds 8 DP-rank-0 ranks."""
     shard = count_parameters(QWEN25_CONFIGS["32B"], tp=8, pp=2, padded_vocab=152064).on_rank
-    rank0 = 12 * shard + 12 * shard / 8 + 12 * 40e6
+    own = 12 * 40e6 / 8
+    rank0 = 12 * shard + own + 12 * 40e6
     on = _paper().save
-    assert (on.dp_rank0, on.other, on.worst_node, on.resume) == pytest.approx((rank0, 12 * shard / 8, 8 * rank0,
-                                                                                12 * shard * (1 + 1 / 8)))
+    assert (on.dp_rank0, on.other, on.worst_node, on.resume) == pytest.approx((rank0, own, 8 * rank0,
+                                                                                12 * shard + own))
+    # one bucket (a shard under 40M params, as on the CPU): the slice is 1/DP of the whole shard
+    small = save_host(30e6, tp=1, dp=2, gpus_per_node=8, memory_efficient=True)
+    assert (small.dp_rank0, small.other, small.resume) == pytest.approx((12 * 30e6 * 2.5, 12 * 30e6 / 2,
+                                                                         12 * 30e6 * 1.5))
     off = _paper("checkpoint.memory_efficient_save=false").save
     assert off.other == off.dp_rank0 == pytest.approx(rank0)
     assert _paper("parallel.use_distributed_optimizer=false").save is None
     tp2 = plan(load_config(PAPER, ["parallel.tensor_model_parallel_size=2"]), QWEN25_CONFIGS["32B"], 128).save
     assert tp2.worst_node == pytest.approx(2 * tp2.dp_rank0 + 6 * tp2.other)  # 2 ranks of DP index 0 per node
     assert cli.main(["plan", "--config", str(PAPER), "--world-size", "128", "--shape", "32B"]) == 0
-    assert f"{rank0 / 1e9:.2f} GB on a DP-rank-0 rank, {12 * shard / 8 / 1e9:.2f} GB on the others" in \
+    assert f"{rank0 / 1e9:.2f} GB on a DP-rank-0 rank, {own / 1e9:.2f} GB on the others" in \
         capsys.readouterr().out
 
 
@@ -358,3 +370,13 @@ def test_readme_memory_table_is_the_generated_one():
     assert block is not None, f"README.md has lost its {README_BEGIN!r} block"
     assert block == readme_table(ROOT), ("README.md's memory table drifted from the plan: regenerate it with "
                                         "`.venv/bin/python -m megatron_dapo.plan_report --write README.md`")
+
+
+def test_a_set_kv_cache_size_replaces_the_utilization_share(capsys):
+    """rollout.kv_cache_memory_mb: vLLM's share is its weights + activations + that many MiB (it ignores
+    gpu_memory_utilization then), and a layout that does not fit names that key."""
+    r = _paper("rollout.kv_cache_memory_mb=20000").rollout
+    assert r.share == r.weights + r.activations + 20000 * 2**20 and r.kv == 20000 * 2**20
+    base = ["plan", "--config", str(PAPER), "--world-size", "128", "--shape", "32B"]
+    assert cli.main([*base, "rollout.kv_cache_memory_mb=90000"]) == 2
+    assert "lower rollout.kv_cache_memory_mb=90000 (the trainer's state" in capsys.readouterr().err
