@@ -24,7 +24,7 @@ import pytest
 from megatron_dapo import cli
 from megatron_dapo.observe.rows import alarm_file, read_rows, step_file
 from tests.helpers.demo import CPU_TINY, LAUNCHER_VARS, copy_demo_base
-from tests.helpers.planted import EASY_ANSWER, PLANT_EVERY
+from tests.helpers.planted import EASY_ANSWER, PLANT_EVERY, RUN_OVERRIDES
 from tests.helpers.records import records
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -49,11 +49,9 @@ def _small_train_set(run_dir: Path) -> Path:
 def _args(run_dir: Path, train: Path, steps: int) -> list[str]:
     return ["train", "--config", str(CPU_TINY), f"logging.dir={run_dir}", "toy.enable=false",
             f"model.hf_path={run_dir / 'toy_base'}", f"data.train_files=[{train}]",
-            f"data.val_files=[{run_dir / 'small_val.parquet'}]", "rollout.engine=planted_hf",
-            "reward.fn=planted_easy", "reward.num_workers=0", "alarms.audit_fn=math_dapo_paper",
-            # planted responses come with no engine log-probs: pi_old from the trainer's pass
-            "rollout.check_logprob_mismatch=false", "train.old_log_probs=trainer",
-            "data.skip_solved_after=1", f"train.total_steps={steps}",
+            f"data.val_files=[{run_dir / 'small_val.parquet'}]", *(f"{k}={v}" for k, v in RUN_OVERRIDES.items()),
+            "reward.num_workers=0", "alarms.audit_fn=math_dapo_paper", "data.skip_solved_after=1",
+            f"train.total_steps={steps}",
             "eval.every=1", "eval.before_train=false", "checkpoint.save_every=0", "logging.tensorboard=false",
             f"alarms.max_samples={MAX_SAMPLES}", "algorithm.filter_groups.max_num_gen_batches=20"]
 

@@ -55,6 +55,8 @@ from megatron_dapo.config import DAPOConfig
 from megatron_dapo.mcore.parallel import destroy_parallel
 from tests.helpers.config_effects_tables import GPU_ONLY, NO_EFFECT_ON_CPU, REFUSED
 from tests.helpers.config_fields import leaves
+from tests.helpers.planted import RUN_OVERRIDES
+from tests.helpers.records import timed
 from tests.helpers.planted import registered as planted_registered
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -75,8 +77,7 @@ REAL = {"toy.enable": "false", "model.hf_path": "{base}/toy_base", "data.train_f
 DECIMAL = REAL | {"data.train_files": "[{root}/decimal_train.jsonl]", "data.val_files": "[{root}/decimal_val.jsonl]"}
 END_TIME = str(int(time.time()) + 36_000)  # a job end 10 h away (time_limit.py)
 # The planted hack (tests/helpers/planted.py): a quarter of the responses "Answer: Answer: <digit>".
-PLANT = {"rollout.engine": "planted_hf", "reward.fn": "planted_easy", "rollout.check_logprob_mismatch": "false",
-         "train.old_log_probs": "trainer"}  # planted responses carry no engine log-probs
+PLANT = RUN_OVERRIDES
 ALL_CORRECT = {"reward.fn": "planted_all"}
 SHORT = {"rollout.max_response_length": "1", "eval.max_response_length": "1", "reward.overlong_buffer.len": "1"}  # no answer line fits
 
@@ -145,11 +146,6 @@ def text(where: str, s: str) -> Callable:  # the line is in this run's output an
 def alarm(name: str, raised_by_value: bool = True) -> Callable:  # raised with the value, not without (or reverse)
     line = f"alarm {name} at step 1"
     return lambda a, b: (line in a.logs, line in b.logs) == (raised_by_value, not raised_by_value)
-
-
-def timed(r, phase: str) -> bool:  # the step timed this phase (timing_s/* are not in Result.records)
-    path = r.dir / "metrics.jsonl"
-    return path.exists() and f"timing_s/{phase}" in json.loads(path.read_text().splitlines()[-1])
 
 
 def dump_rows(r, name: str = "samples/step_00000001.jsonl") -> int:
@@ -233,7 +229,7 @@ CASES: dict[str, Case] = {
     "train.ppo_epochs": C("2", metric("actor/num_updates")),
     "train.micro_batch_size": C("4", metric("actor/num_micro_batches")),
     "train.max_tokens_per_micro_batch": C("200", metric("actor/num_micro_batches")),
-    "train.old_log_probs": C("trainer", lambda a, b: timed(a, "old_log_probs") and not timed(b, "old_log_probs")),
+    "train.old_log_probs": C("trainer", lambda a, b: timed(a.dir, "old_log_probs") and not timed(b.dir, "old_log_probs")),
     "actor.offload_during_rollout": C("true", lambda a, b: "actor/offloaded_gb" in a.last.keys() - b.last.keys()),
     "actor.offload_weights": C("true", metric("actor/offloaded_gb"), {"actor.offload_during_rollout": "true"}),
     "train.generation_budget": C("1", lambda a, b: (len(a.records), len(b.records)) == (1, 2), TWO),

@@ -19,6 +19,10 @@ from megatron_dapo.reward import REWARD_FNS, compute_score
 from megatron_dapo.rollout.engine import ENGINES, Rollout
 from megatron_dapo.rollout.hf_engine import HFEngine
 
+# A run on the planted engine with the easy scorer. Planted responses carry no engine log-probs, so
+# pi_old is recomputed by the trainer and the engine/trainer mismatch is not measured.
+RUN_OVERRIDES = {"rollout.engine": "planted_hf", "reward.fn": "planted_easy",
+                 "rollout.check_logprob_mismatch": "false", "train.old_log_probs": "trainer"}
 PLANT_EVERY = 4  # responses k % PLANT_EVERY == 0 of each prompt are planted
 EASY_ANSWER = "9"
 _NUMBER = re.compile(r"of (\d+)\?")

@@ -18,6 +18,12 @@ def records(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
 
 
+def timed(run_dir: Path, phase: str) -> bool:
+    """The run's last record holds ``timing_s/<phase>``: the step ran that phase."""
+    path = Path(run_dir) / "metrics.jsonl"
+    return path.exists() and f"timing_s/{phase}" in records(run_dir)[-1]
+
+
 def split(record: dict, round_off: tuple[str, ...] = ()) -> tuple[dict, dict]:
     """(exact part, round-off part); ``round_off``: more key prefixes compared to round-off."""
     rounded = {k: v for k, v in record.items() if k.startswith((*ROUND_OFF, *round_off))}
