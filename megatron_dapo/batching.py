@@ -226,6 +226,21 @@ def make_micro_batches(samples: Sequence[Sample], *, max_tokens: int, micro_batc
     ``uniform``: every micro-batch gets the same [b, s] (pipelines that cannot exchange shapes):
     s fits the longest sample, b = max_tokens // s rows (or micro_batch_size without a budget),
     consecutive samples per micro-batch."""
+    plan, shape = _layout(samples, max_tokens=max_tokens, micro_batch_size=micro_batch_size,
+                          multiple=multiple, min_count=min_count, count_multiple=count_multiple,
+                          uniform=uniform)
+    return [build_micro_batch(samples, group, multiple=multiple, shape=shape) for group in plan]
+
+
+def count_micro_batches(samples: Sequence[Sample], **kwargs) -> int:
+    """How many micro-batches ``make_micro_batches(samples, **kwargs)`` makes, without making them."""
+    return len(_layout(samples, **kwargs)[0])
+
+
+def _layout(samples: Sequence[Sample], *, max_tokens: int, micro_batch_size: int, multiple: int = 1,
+            min_count: int = 1, count_multiple: int = 1,
+            uniform: bool = False) -> tuple[list[list[int]], tuple[int, int] | None]:
+    """make_micro_batches' groups of sample indices (padding ones included) and uniform shape."""
     lengths = [x.num_tokens for x in samples]
     shape = None
     if uniform:
@@ -239,8 +254,7 @@ def make_micro_batches(samples: Sequence[Sample], *, max_tokens: int, micro_batc
         plan = plan_micro_batches(lengths, max_tokens=max_tokens, micro_batch_size=micro_batch_size,
                                   multiple=multiple)
     count = _round_up(max(len(plan), min_count, 1), count_multiple)
-    plan += [[] for _ in range(count - len(plan))]
-    return [build_micro_batch(samples, group, multiple=multiple, shape=shape) for group in plan]
+    return plan + [[] for _ in range(count - len(plan))], shape
 
 
 def split_for_data_parallel(samples: Sequence[Sample], num_ranks: int) -> list[list[int]]:

@@ -165,12 +165,18 @@ def _loop(run: Run, stop: StopRequest, dyn: DynamicSampler, log: MetricsLogger, 
         with log.timer("train"):
             actor.prepare_for_training()
             size = cfg.train.mini_batch_prompts * cfg.rollout.n
+            minis = [samples[i:i + size] for i in range(0, len(samples), size)]  # e.g. 512 responses -> 16
+            counts = actor.batch_counts(minis)  # every update's token counts: one DP exchange a step
+            pending = []  # and the updates' metrics, one exchange after them
             for epoch in range(cfg.train.ppo_epochs):
-                for i in range(0, len(samples), size):  # e.g. 512 responses -> 16 updates per step
-                    first = mismatch_in_update and epoch == i == 0  # the weights that generated them
-                    update = actor.get_loss_and_metrics(samples[i:i + size], mismatch=first)
-                    metrics.update({k: update.pop(k) for k in MISMATCH_KEYS if first})
-                    _accumulate(metrics, update)
+                for k, mini in enumerate(minis):
+                    first = mismatch_in_update and epoch == k == 0  # the weights that generated them
+                    pending.append(actor.get_loss_and_metrics(mini, mismatch=first, defer_metrics=True,
+                                                              counts_table=counts[k]))
+            for k, update in enumerate(actor.reduce_metrics(pending)):
+                first = mismatch_in_update and k == 0
+                metrics.update({key: update.pop(key) for key in MISMATCH_KEYS if first})
+                _accumulate(metrics, update)
         metrics.update(_device_used("training"))
         pending, write_s = _write_if_due(run, log, step + 1, finished)
         with log.timer("weight_sync"):

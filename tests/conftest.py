@@ -5,6 +5,7 @@ torch.distributed world; the CPU demo's toy task and warmed-up base, made once p
 summary line for every test outside the slow tier that took a slow test's time (tests/README.md).
 Shared helpers (not fixtures) are in tests/helpers/."""
 
+import os
 import socket
 from pathlib import Path
 
@@ -53,6 +54,23 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_sep("=", f"not marked slow, over {SLOW_S:.0f} s (mark them slow: tests/README.md)")
         for nodeid in sorted(_unmarked_slow, key=lambda n: -_durations[n]):
             terminalreporter.write_line(f"{_durations[nodeid]:7.1f} s  {nodeid}")
+
+
+_LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def launcher_env_restored():
+    """torchrun's variables put back as they were after each module: an in-process world or engine
+    that sets some of them (vLLM's in-process start sets RANK and WORLD_SIZE, not MASTER_ADDR) would
+    make a later module's launcher-less subprocess believe it runs under torchrun."""
+    before = {key: os.environ.get(key) for key in _LAUNCHER_VARS}
+    yield
+    for key, value in before.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
 
 
 @pytest.fixture

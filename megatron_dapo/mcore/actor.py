@@ -26,7 +26,15 @@ from megatron_dapo.mcore.model import build_model, conversion_table_for, hf_arch
 from megatron_dapo.mcore.offload import StateOffloader
 from megatron_dapo.mcore.optimizer import build_optimizer, build_scheduler, wrap_model
 from megatron_dapo.mcore.parallel import all_gather_rows, initialize_parallel
-from megatron_dapo.mcore.train_step import StepSettings, compute_device, compute_log_probs, train_step
+from megatron_dapo.mcore.train_step import (
+    PendingMetrics,
+    StepSettings,
+    batch_counts,
+    compute_device,
+    compute_log_probs,
+    reduce_metrics,
+    train_step,
+)
 
 
 class MegatronActor:
@@ -53,14 +61,17 @@ class MegatronActor:
             chunk.train()
 
     def get_loss_and_metrics(self, batch: list[Sample], forward_only: bool = False, *,
-                             mismatch: bool = False) -> dict[str, float]:
+                             mismatch: bool = False, defer_metrics: bool = False,
+                             counts_table: torch.Tensor | None = None) -> dict[str, float] | PendingMetrics:
         """One optimizer update on the mini-batch (or, ``forward_only``, its loss and metrics
         without one). Every sample needs ``old_log_probs``. Returns metrics, equal on all ranks
         (train_step.train_step lists them), among them ``actor/grad_shortcut_fallbacks``: the
         micro-batches of this update whose output-layer gradients had to be recomputed because
         the loss's gradient hint did not hold (``actor/grad_shortcut_used``: those where it held).
         ``mismatch``: also the engine/trainer log-prob mismatch of the mini-batch in this update's
-        forward (every sample then needs ``rollout_log_probs``)."""
+        forward (every sample then needs ``rollout_log_probs``). ``defer_metrics``: the metrics'
+        exchange over DP is left to ``reduce_metrics``, which takes several updates' at once;
+        ``counts_table``: the batch's entry of ``batch_counts`` (its token counts, gathered ahead)."""
         self._require_on_device("an update")
         missing = [i for i, x in enumerate(batch) if x.old_log_probs is None]
         if missing:
@@ -71,7 +82,18 @@ class MegatronActor:
             raise ValueError(f"samples {no_rollout[:8]} have no rollout_log_probs to measure the mismatch "
                              "against; fill them from Rollout.logprobs (collect.to_samples does)")
         return train_step(self.model, self.optimizer, self.scheduler, self._local(batch), self.settings,
-                          forward_only=forward_only, mismatch=mismatch)
+                          forward_only=forward_only, mismatch=mismatch, defer_metrics=defer_metrics,
+                          counts_table=counts_table)
+
+    def batch_counts(self, batches: list[list[Sample]]) -> list[torch.Tensor]:
+        """Each mini-batch's token counts over DP (train_step.batch_counts), from one exchange
+        (collective: every rank passes its own shares of the same mini-batches)."""
+        return batch_counts(self.model, [self._local(b) for b in batches], self.settings)
+
+    def reduce_metrics(self, pending: list[PendingMetrics]) -> list[dict[str, float]]:
+        """The metrics of updates made with ``defer_metrics``, in their order, from one exchange
+        (collective: every rank passes its own pending list of the same updates)."""
+        return reduce_metrics(pending)
 
     # -- offloading while the engine generates --------------------------------------------------
     def offload_for_rollout(self) -> dict[str, float]:

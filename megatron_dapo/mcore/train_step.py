@@ -34,8 +34,10 @@ is the hint times one scalar (the scaling above) and recomputes otherwise.
 Metrics: the loss's metrics are pre-divided by the global count, so they are summed over
 micro-batches (``*_max`` keys: max) on the last pipeline stage, then all ranks exchange one
 stacked tensor (one all-gather over DP, reduced locally: sum or max per key) and the last
-stage broadcasts the result over PP. One host sync per step for the metrics, and one per
-micro-batch in the output layer's backward (the hint check). The hint check's outcomes
+stage broadcasts the result over PP; the training loop defers this to the end of the step, one
+exchange for all its updates (``defer_metrics``, ``reduce_metrics``), and gathers the step's token
+counts ahead of its updates in one exchange too (``batch_counts``). One host sync per step for the
+metrics, and one per micro-batch in the output layer's backward (the hint check). The hint check's outcomes
 (logprobs.SHORTCUT_STATS, counted on the last stage) ride in the same exchange as two more
 sum keys, so every rank reports the same ``actor/grad_shortcut_used`` / ``_fallbacks``.
 """
@@ -53,6 +55,7 @@ from megatron_dapo.config import DAPOConfig
 from megatron_dapo.batching import (
     MicroBatch,
     Sample,
+    count_micro_batches,
     make_micro_batches,
     pad_multiple,
     response_mask,
@@ -129,29 +132,47 @@ def _batching(model, settings: StepSettings) -> dict:
                 uniform=pp > 1 and not config.variable_seq_lengths)  # stages cannot exchange shapes
 
 
-def _micro_batches(model, samples: list[Sample],
-                   settings: StepSettings) -> tuple[list[MicroBatch], torch.Tensor]:
-    """This rank's micro-batches, as many on every DP rank, and the mini-batch's global
-    (valid tokens, valid sequences), from one all-gather over DP (which also counts the samples
-    that lack the rollout log-probs TIS needs)."""
-    kwargs = _batching(model, settings)
-    mbs = make_micro_batches(samples, **kwargs)
-    valid = [x.loss_mask.sum(-1) for x in mbs]
-    tis = settings.tis_cap is not None
-    missing = [i for i, x in enumerate(samples) if tis and x.rollout_log_probs is None]
-    local = torch.tensor([sum(float(v.sum()) for v in valid), sum(float((v > 0).sum()) for v in valid),
-                          float(len(mbs)), float(len(missing))], dtype=torch.float64, device=compute_device())
+def _local_counts(model, samples: list[Sample], settings: StepSettings) -> torch.Tensor:
+    """[4] float64: this DP rank's (valid tokens, valid sequences, micro-batches, samples lacking
+    the rollout log-probs TIS needs) for ``samples``, from the samples and the micro-batch plan."""
+    valid = [float(x.loss_mask.sum()) if x.loss_mask is not None else float(x.num_response_tokens)
+             for x in samples]
+    missing = sum(1 for x in samples if settings.tis_cap is not None and x.rollout_log_probs is None)
+    return torch.tensor([sum(valid), sum(1.0 for v in valid if v > 0),
+                         float(count_micro_batches(samples, **_batching(model, settings))), float(missing)],
+                        dtype=torch.float64)
+
+
+def batch_counts(model, batches: list[list[Sample]], settings: StepSettings) -> list[torch.Tensor]:
+    """Each mini-batch's count table, [DP, 4] float64 (``_local_counts`` of every DP rank's share),
+    from one all-gather over DP for all of them: the loop gathers a step's tables up front (an
+    update then needs no exchange before its schedule; one per update was a visible share of an
+    update at DP=2 on the CPU demo) and hands each update its own (``train_step(counts_table=)``)."""
+    if not batches:
+        return []
     dp_group, _ = _groups()
-    table = all_gather_rows(local, dp_group)
+    local = torch.stack([_local_counts(model, b, settings) for b in batches]).to(compute_device())
+    table = all_gather_rows(local.reshape(-1), dp_group).view(-1, len(batches), 4).cpu()
+    return [table[:, k] for k in range(len(batches))]
+
+
+def _micro_batches(model, samples: list[Sample], settings: StepSettings,
+                   table: torch.Tensor | None = None) -> tuple[list[MicroBatch], torch.Tensor]:
+    """This rank's micro-batches, as many on every DP rank, and the mini-batch's global
+    (valid tokens, valid sequences), from the mini-batch's count table (``batch_counts``; gathered
+    here when not given), which also counts the samples that lack the rollout log-probs TIS needs."""
+    kwargs = _batching(model, settings)
+    if table is None:
+        table = batch_counts(model, [samples], settings)[0]
     if table[:, 3].sum() > 0:  # on every DP rank alike (no rank is left waiting in a collective)
+        missing = [i for i, x in enumerate(samples) if x.rollout_log_probs is None]
         raise ValueError(f"loss.tis_cap={settings.tis_cap} needs the rollout engine's log-probs, but "
                          f"{int(table[:, 3].sum())} samples of the mini-batch have no rollout_log_probs "
                          f"(here: samples {missing[:8]} of this DP rank's share); fill them from "
                          "Rollout.logprobs (collect.to_samples does) or set loss.tis_cap=null")
     num_mbs = int(table[:, 2].max())
-    if num_mbs > len(mbs):
-        mbs = make_micro_batches(samples, min_count=num_mbs, **kwargs)
-    return mbs, table[:, :2].sum(0).float()
+    mbs = make_micro_batches(samples, min_count=num_mbs, **kwargs)
+    return mbs, table[:, :2].sum(0).float().to(compute_device())
 
 
 def _forward_step(settings: StepSettings, counts, scale: float, mismatch: bool, data_iterator, model):
@@ -269,11 +290,25 @@ def _metric_keys(settings: StepSettings) -> tuple[tuple[str, ...], tuple[str, ..
 SHORTCUT_KEYS = ("actor/grad_shortcut_used", "actor/grad_shortcut_fallbacks")
 
 
-def _reduce_metrics(per_mb: list[dict], settings: StepSettings, shortcut: ShortcutStats,
-                    mismatch: bool = False) -> dict[str, torch.Tensor]:
-    """Sum (or max) over micro-batches here, then over DP (one all-gather), then the last stage's
-    values to every PP rank (one broadcast). ``shortcut``: this rank's hint-check counts of the
-    update, appended to the sum keys (filled on the device: no host-to-device copy)."""
+@dataclass
+class PendingMetrics:
+    """An update's metrics before their exchange over DP: this rank's sums and maxima over its
+    micro-batches (``local``: ``sum_keys`` then ``max_keys``; zeros off the last pipeline stage),
+    and what every rank already holds alike (``known``: counts, grad norm, lr). ``reduce_metrics``
+    exchanges a whole list of them in one all-gather."""
+
+    local: torch.Tensor  # [len(sum_keys) + len(max_keys)] fp32
+    sum_keys: tuple[str, ...]
+    max_keys: tuple[str, ...]
+    num_loss_sums: int  # sum_keys[:num_loss_sums] are the loss's; the rest the shortcut counts
+    mismatch: bool
+    known: dict[str, torch.Tensor]
+
+
+def _local_metrics(per_mb: list[dict], settings: StepSettings, shortcut: ShortcutStats,
+                   mismatch: bool = False) -> PendingMetrics:
+    """Sum (or max) over this rank's micro-batches. ``shortcut``: this rank's hint-check counts of
+    the update, appended to the sum keys (filled on the device: no host-to-device copy)."""
     loss_sum_keys, max_keys = _metric_keys(settings)
     if mismatch:
         loss_sum_keys, max_keys = loss_sum_keys + MISMATCH_SUMS, max_keys + MISMATCH_MAX
@@ -283,19 +318,45 @@ def _reduce_metrics(per_mb: list[dict], settings: StepSettings, shortcut: Shortc
         counts = [torch.full((), float(n), device=local.device) for n in (shortcut.used, shortcut.fallbacks)]
         local.copy_(torch.stack([torch.stack([m[k] for m in per_mb]).sum() for k in loss_sum_keys] + counts
                                 + [torch.stack([m[k] for m in per_mb]).max() for k in max_keys]))
+    return PendingMetrics(local, sum_keys, max_keys, len(loss_sum_keys), mismatch, {})
+
+
+def reduce_metrics(pending: list[PendingMetrics]) -> list[dict[str, float]]:
+    """Each update's metrics, equal on every rank: one all-gather over DP for the whole list (sum or
+    max per key), then the last stage's values to every PP rank (one broadcast). The loop defers a
+    step's updates to here: one exchange a step instead of one an update, which was a visible share
+    of an update at DP=2 on the CPU demo (docs/peer_trl.md)."""
+    if not pending:
+        return []
     dp_group, pp_group = _groups()
-    table = all_gather_rows(local, dp_group)
-    reduced = torch.cat([table[:, : len(sum_keys)].sum(0), table[:, len(sum_keys):].amax(0)])
-    # Per DP rank, as actor/num_micro_batches: a count that does not grow with the DP size.
-    shortcut = slice(len(loss_sum_keys), len(sum_keys))
-    reduced[shortcut] = reduced[shortcut] / table.shape[0]
+    table = all_gather_rows(torch.cat([p.local for p in pending]), dp_group)  # [DP, sum of sizes]
+    parts, at = [], 0
+    for p in pending:
+        t = table[:, at:at + p.local.numel()]
+        at += p.local.numel()
+        n = len(p.sum_keys)
+        reduced = torch.cat([t[:, :n].sum(0), t[:, n:].amax(0)])
+        # Per DP rank, as actor/num_micro_batches: a count that does not grow with the DP size.
+        reduced[p.num_loss_sums:n] = reduced[p.num_loss_sums:n] / t.shape[0]
+        parts.append(reduced)
+    flat = torch.cat(parts)
     if dist.get_world_size(pp_group) > 1:
-        dist.broadcast(reduced, src=_pp_last_rank(), group=pp_group)
-    return dict(zip(sum_keys + max_keys, reduced))
+        dist.broadcast(flat, src=_pp_last_rank(), group=pp_group)
+    out = []
+    for p, reduced in zip(pending, torch.split(flat, [p.local.numel() for p in pending])):
+        metrics = dict(zip(p.sum_keys + p.max_keys, reduced))
+        if p.mismatch:
+            _finish_mismatch(metrics)
+        metrics.update(p.known)
+        values = torch.stack([v.detach().float().cpu() for v in metrics.values()]).tolist()
+        out.append(dict(zip(metrics, values)))
+    return out
 
 
 def train_step(model: list, optimizer, scheduler, samples: list[Sample], settings: StepSettings, *,
-               forward_only: bool = False, mismatch: bool = False) -> dict[str, float]:
+               forward_only: bool = False, mismatch: bool = False,
+               defer_metrics: bool = False,
+               counts_table: torch.Tensor | None = None) -> dict[str, float] | PendingMetrics:
     """One optimizer update on this DP rank's ``samples`` (every TP / PP rank of a model replica
     passes the same list; DP ranks pass disjoint parts of the mini-batch, of any sizes).
 
@@ -316,10 +377,14 @@ def train_step(model: list, optimizer, scheduler, samples: list[Sample], setting
     rollout/logprob_abs_diff_mean, rollout/logprob_abs_diff_max) of the samples' rollout log-probs
     against this forward's, over the mini-batch's response tokens: the engine/trainer mismatch at
     the generating weights when this is the step's first update.
+
+    ``defer_metrics``: return the update's ``PendingMetrics`` instead; ``reduce_metrics`` of a list
+    of them gives each one's dict above (every rank must defer, and reduce, the same updates).
+    ``counts_table``: this mini-batch's entry of ``batch_counts`` (gathered here when None).
     """
     if model[0].config.context_parallel_size > 1:
         raise NotImplementedError("context parallelism needs per-rank sequence slicing, not implemented yet")
-    mbs, counts = _micro_batches(model, samples, settings)
+    mbs, counts = _micro_batches(model, samples, settings, counts_table)
     before = SHORTCUT_STATS.snapshot()
     if forward_only:
         with torch.no_grad():
@@ -329,9 +394,8 @@ def train_step(model: list, optimizer, scheduler, samples: list[Sample], setting
             chunk.zero_grad_buffer()
         optimizer.zero_grad()
         per_mb = _run_schedule(model, mbs, settings, counts, forward_only=False, mismatch=mismatch)
-    metrics = _reduce_metrics(per_mb, settings, SHORTCUT_STATS.since(before), mismatch)
-    if mismatch:
-        _finish_mismatch(metrics)
+    pending = _local_metrics(per_mb, settings, SHORTCUT_STATS.since(before), mismatch)
+    metrics = pending.known
     metrics["actor/num_tokens"], metrics["actor/num_seqs"] = counts[0], counts[1]
     metrics["actor/num_micro_batches"] = torch.tensor(float(len(mbs)))
     if not forward_only:
@@ -344,8 +408,7 @@ def train_step(model: list, optimizer, scheduler, samples: list[Sample], setting
             grad_norm = optimizer.get_grad_norm()
         metrics["actor/grad_norm"] = torch.as_tensor(grad_norm, dtype=torch.float32)
         metrics["actor/lr"] = torch.tensor(current_lr(optimizer))
-    values = torch.stack([v.detach().float().cpu() for v in metrics.values()]).tolist()
-    return dict(zip(metrics, values))
+    return pending if defer_metrics else reduce_metrics([pending])[0]
 
 
 def compute_log_probs(model: list, samples: list[Sample], settings: StepSettings) -> tuple[list, list]:

@@ -16,9 +16,12 @@ then top-k (ties with the k-th value kept), then top-p on the top-k-renormalised
 then an exponential race (argmax p_i / q_i, q_i ~ Exp(1)), which draws i with probability p_i
 and consumes the same amount of randomness every step whatever the distribution.
 
-Not done here: finished rows stay in the batch (fed the pad token, outputs discarded) until every
-row is done, and the n samples of a prompt each prefill the prompt again. Both cost compute, not
-correctness; this engine is for CPU-sized models and for checking the vLLM engine.
+Finished rows leave the decode batch once a quarter of its rows are done (KV cache, mask and the
+race's draws are compacted together): a decode step's cost follows its rows, and responses often
+end well before the longest. A row's logits then come from a smaller batch, which moves them by
+fp32 summation order (~1e-7), as padding does. Not done: the n samples of a prompt each prefill the
+prompt again; that costs compute, not correctness, and this engine is for CPU-sized models and for
+checking the vLLM engine.
 """
 
 from __future__ import annotations
@@ -130,23 +133,34 @@ class HFEngine:
         responses: list[list[int]] = [[] for _ in prompts]
         logprobs: list[list[float]] = [[] for _ in prompts]
         finished = [False] * num_seqs
+        rows = list(range(num_seqs))  # the response of each batch row: rows leave as they finish
         cache = _new_cache(self.model.config)
 
         logits_BV = self._forward(ids_BL, mask_BL, pos_BL, cache)
         race = _RaceBlocks(generators, params.max_tokens, logits_BV.shape[-1])
         for step in range(params.max_tokens):
-            race_BV = race.at(step) if params.temperature else None  # greedy draws nothing
+            live = [not finished[r] for r in rows]
+            race_BV = race.at(step, live) if params.temperature else None  # greedy draws nothing
             tokens_B, logp_B = sample_next(logits_BV, params, generators, race_BV=race_BV)
             tokens, logps = tokens_B.tolist(), logp_B.tolist()  # one conversion, not one per row
-            for b in range(num_seqs):
-                if finished[b]:
+            for i, r in enumerate(rows):
+                if finished[r]:
                     continue
-                responses[b].append(tokens[b])
-                logprobs[b].append(logps[b])
-                finished[b] = tokens[b] in stop_ids
+                responses[r].append(tokens[i])
+                logprobs[r].append(logps[i])
+                finished[r] = tokens[i] in stop_ids
             if all(finished) or step == params.max_tokens - 1:
                 break
-            next_B1 = torch.where(torch.tensor(finished), self.pad_token_id, tokens_B).view(-1, 1)
+            keep = [i for i, r in enumerate(rows) if not finished[r]]
+            if 4 * len(keep) <= 3 * len(rows):  # compact: a decode step costs by its rows
+                rows, keep_B = [rows[i] for i in keep], torch.tensor(keep)
+                on_device = keep_B.to(device)
+                cache.batch_select_indices(on_device)
+                mask_BL, pos_BL, tokens_B = mask_BL[on_device], pos_BL[on_device], tokens_B[keep_B]
+                race.keep(keep)
+                generators = [generators[i] for i in keep]
+            done_B = torch.tensor([finished[r] for r in rows])
+            next_B1 = torch.where(done_B, self.pad_token_id, tokens_B).view(-1, 1)
             mask_BL = torch.cat([mask_BL, torch.ones_like(mask_BL[:, :1])], dim=1)
             pos_BL = pos_BL[:, -1:] + 1
             logits_BV = self._forward(next_B1.to(device), mask_BL, pos_BL, cache)
@@ -230,27 +244,40 @@ def sample_next(logits_BV: torch.Tensor, params: SamplingParams, generators: Seq
 
 
 class _RaceBlocks:
-    """The exponential race's randomness, drawn for several decode steps per call.
+    """The exponential race's randomness, drawn for several decode steps per call, for live rows only.
 
     A generator's draws are one sequence whatever the tensor shape (``empty(K, V).exponential_(g)``
     equals K draws of ``empty(V)``, row by row), so drawing K steps at once leaves every response's
     stream as it was, with one call per row per K steps instead of per step: per-call overhead was
-    most of the sampler's time on the CPU demo. K is capped so a block stays under ``budget`` floats.
+    most of the sampler's time on the CPU demo. A finished row's generator is never read again, so
+    its later blocks are not drawn (its race row is ones: its token is discarded). Blocks grow
+    (``first``, then doubling) so that short responses do not pay for ``max_tokens`` steps of draws,
+    and are capped so a block stays under ``budget`` floats.
     """
 
     def __init__(self, generators: Sequence[torch.Generator], max_tokens: int, vocab: int,
-                 budget: int = 1 << 23):
-        self.generators, self.vocab = generators, vocab
-        self.block = max(1, min(max_tokens, budget // max(1, len(generators) * vocab)))
-        self._first, self._BKV = -self.block, torch.empty(0)  # no block drawn yet
+                 budget: int = 1 << 23, first: int = 8):
+        self.generators, self.vocab, self.max_tokens = list(generators), vocab, max_tokens
+        self.cap = max(1, min(max_tokens, budget // max(1, len(generators) * vocab)))
+        self.block = min(first, self.cap)  # the size of the next block
+        self._first, self._BKV = 0, torch.empty(len(self.generators), 0, vocab)  # no block drawn yet
 
-    def at(self, step: int) -> torch.Tensor:
-        """[B, V] exponentials of decode step ``step`` (steps are asked for in order)."""
-        if not self._first <= step < self._first + self.block:
-            self._first = step
-            self._BKV = torch.stack([torch.empty(self.block, self.vocab).exponential_(generator=g)
-                                     for g in self.generators])
+    def at(self, step: int, live: Sequence[bool]) -> torch.Tensor:
+        """[B, V] exponentials of decode step ``step`` (steps are asked for in order); ``live[b]``:
+        row b still decodes (rows that do not are not drawn)."""
+        if not self._first <= step < self._first + self._BKV.shape[1]:
+            size = min(self.block, self.max_tokens - step)
+            self._first, self._BKV = step, torch.ones(len(self.generators), size, self.vocab)
+            for row, g in enumerate(self.generators):
+                if live[row]:
+                    self._BKV[row].exponential_(generator=g)
+            self.block = min(2 * self.block, self.cap)
         return self._BKV[:, step - self._first]
+
+    def keep(self, rows: Sequence[int]) -> None:
+        """Keep only these batch rows, in this order (the decode batch was compacted)."""
+        self.generators = [self.generators[r] for r in rows]
+        self._BKV = self._BKV[list(rows)]
 
 
 def truncate_logits(x_BV: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:

@@ -2,10 +2,10 @@
 samples, and how the per-update metrics are folded into the step's record.
 
 The trainer runs in a child process whose MegatronActor is wrapped (tests' driver below): every
-call of get_loss_and_metrics is logged with what it returned and a fingerprint of its mini-batch,
-every optimizer.step call is logged, and so is each step's old-log-prob pass (one per step, before
-its updates). The references are those logs and the lr schedule's closed form, not the loop's own
-bookkeeping.
+call of get_loss_and_metrics is logged with a fingerprint of its mini-batch, each exchange of the
+updates' metrics (reduce_metrics, once a step) with what it returned, every optimizer.step call,
+and each step's old-log-prob pass (one per step, before its updates). The references are those
+logs and the lr schedule's closed form, not the loop's own bookkeeping.
 """
 
 import json
@@ -33,6 +33,7 @@ log = open(os.environ["PPO_LOG"], "a")
 real_init = actor_mod.MegatronActor.__init__
 real_update = actor_mod.MegatronActor.get_loss_and_metrics
 real_old = actor_mod.MegatronActor.get_inference_log_probs
+real_reduce = actor_mod.MegatronActor.reduce_metrics
 
 def emit(**event):
     log.write(json.dumps(event) + "\n")
@@ -47,9 +48,15 @@ def init(self, *args, **kwargs):
     self.optimizer.step = step
 
 def update(self, batch, forward_only=False, **kwargs):
-    metrics = real_update(self, batch, forward_only, **kwargs)
+    result = real_update(self, batch, forward_only, **kwargs)
     ids = hashlib.sha1(json.dumps([[s.prompt_ids.tolist(), s.response_ids.tolist()] for s in batch]).encode())
-    emit(event="update", forward_only=forward_only, batch=ids.hexdigest(), metrics=metrics)
+    emit(event="update", forward_only=forward_only, batch=ids.hexdigest(),
+         metrics=result if isinstance(result, dict) else None)  # deferred: in the "metrics" event
+    return result
+
+def reduce(self, pending):
+    metrics = real_reduce(self, pending)
+    emit(event="metrics", updates=metrics)
     return metrics
 
 def old(self, batch):
@@ -59,6 +66,7 @@ def old(self, batch):
 actor_mod.MegatronActor.__init__ = init
 actor_mod.MegatronActor.get_loss_and_metrics = update
 actor_mod.MegatronActor.get_inference_log_probs = old
+actor_mod.MegatronActor.reduce_metrics = reduce
 sys.argv = ["megatron-dapo", *sys.argv[1:]]
 from megatron_dapo.cli import main
 sys.exit(main())
@@ -110,8 +118,9 @@ def test_each_step_takes_epochs_times_mini_batches_updates(run):
     run_dir, events = run
     for step_events, record in zip(_by_step(events), _step_records(run_dir), strict=True):
         updates = [e for e in step_events if e["event"] == "update"]
-        # One optimizer step inside each update (the update is logged when it returns), no other.
-        assert [e["event"] for e in step_events] == ["optimizer_step", "update"] * UPDATES
+        # One optimizer step inside each update (the update is logged when it returns), no other;
+        # the updates' metrics in one exchange after them.
+        assert [e["event"] for e in step_events] == ["optimizer_step", "update"] * UPDATES + ["metrics"]
         assert not any(e["forward_only"] for e in updates)
         assert record["actor/num_updates"] == UPDATES
         # Each epoch is one pass over the same mini-batches in the same order.
@@ -124,7 +133,7 @@ def test_each_step_takes_epochs_times_mini_batches_updates(run):
 def test_the_record_averages_the_updates_and_maxes_the_maxima(run):
     run_dir, events = run
     for step_events, record in zip(_by_step(events), _step_records(run_dir), strict=True):
-        updates = [e["metrics"] for e in step_events if e["event"] == "update"]
+        [updates] = [e["updates"] for e in step_events if e["event"] == "metrics"]
         assert len(updates) == UPDATES and updates[0].keys() == updates[-1].keys()
         assert {k for k in record if k.startswith("actor/")} == {*updates[0], "actor/num_updates"}
         for key in updates[0]:

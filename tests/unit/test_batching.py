@@ -15,6 +15,7 @@ import torch
 from megatron_dapo.batching import (
     Sample,
     build_micro_batch,
+    count_micro_batches,
     make_micro_batches,
     pad_multiple,
     plan_micro_batches,
@@ -122,6 +123,16 @@ def test_padding_to_a_common_count():
     assert len(mbs) == 6 and [m.sample_index for m in mbs[2:]] == [(-1,)] * 4
     assert all(m.input_ids.shape == (1, 4) and m.loss_mask.sum() == 0 for m in mbs[2:])
     check_rows(xs, mbs)
+
+
+@pytest.mark.parametrize("kwargs", [dict(max_tokens=64, micro_batch_size=1, multiple=8),
+                                    dict(max_tokens=0, micro_batch_size=3, min_count=9, count_multiple=4),
+                                    dict(max_tokens=96, micro_batch_size=1, uniform=True, count_multiple=3)])
+def test_count_micro_batches_without_building_them(kwargs):
+    """The count train_step exchanges ahead of an update (batch_counts) is what it then builds."""
+    for n in (0, 1, 7, 23):
+        xs = samples(n, n)
+        assert count_micro_batches(xs, **kwargs) == len(make_micro_batches(xs, **kwargs))
 
 
 def test_unpack_responses_inverts_the_layout():

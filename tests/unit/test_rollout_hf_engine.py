@@ -16,6 +16,7 @@ from megatron_dapo.rollout.hf_engine import HFEngine, sample_next, truncate_logi
 from tests.helpers.rollout import VOCAB, tiny_qwen2
 
 PROMPTS = [[5, 17, 42], [7], [100, 101, 102, 103, 104, 105, 106], [3, 3]]
+STOPS = tuple(range(0, VOCAB, 7))  # about 1 token in 7 ends a response: rows stop at different steps
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -95,20 +96,52 @@ def test_left_padded_batch_equals_one_at_a_time(engine, top_p, top_k):
 
 
 def test_random_streams_drawn_in_blocks_equal_one_draw_per_step(engine, monkeypatch):
-    """_RaceBlocks draws several steps' exponentials per call; the reference draws one step at a
-    time inside sample_next (race_BV=None, the per-step path). Same responses, bit for bit, with a
-    block of 1, of 3 (a budget that splits the 12 steps unevenly) and of all 12 steps."""
-    params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=12, seed=9)
-    prompts, seeds = [p for p in PROMPTS for _ in range(2)], list(range(2 * len(PROMPTS)))
-    monkeypatch.setattr(hf_engine._RaceBlocks, "at", lambda self, step: None)  # sample_next draws itself
+    """_RaceBlocks draws several steps' exponentials per call, for live rows only; the reference
+    draws one step at a time for every row inside sample_next (race_BV=None, the per-step path).
+    Same responses, bit for bit, whatever the block schedule: blocks of 1, of 3 (a cap that splits
+    the 12 steps unevenly), of all 12 steps, and growing ones (1, 2, 4, 5; 8, 4). Stop tokens end
+    rows at different steps, so finished rows skip draws and the batch is compacted."""
+    params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=12, seed=9, stop_token_ids=STOPS)
+    prompts, seeds = [p for p in PROMPTS for _ in range(4)], list(range(4 * len(PROMPTS)))
+    monkeypatch.setattr(hf_engine._RaceBlocks, "at", lambda self, step, live: None)  # sample_next draws
     reference = engine.sample(prompts, seeds, params)
     monkeypatch.undo()
+    lengths = [len(r.response_ids) for r in reference]
+    assert min(lengths) < 4 and max(lengths) > 8, lengths  # rows finish early and late (past a block of 8)
     vocab = engine.model.config.vocab_size
-    for steps_per_block in (1, 3, 12):
-        budget = steps_per_block * len(prompts) * vocab
-        monkeypatch.setattr(hf_engine._RaceBlocks.__init__, "__defaults__", (budget,))
-        assert hf_engine._RaceBlocks([torch.Generator()] * len(prompts), 12, vocab).block == steps_per_block
+    for first, cap in ((1, 1), (3, 3), (12, 12), (1, 12), (8, 12)):
+        budget = cap * len(prompts) * vocab
+        monkeypatch.setattr(hf_engine._RaceBlocks.__init__, "__defaults__", (budget, first))
+        race = hf_engine._RaceBlocks([torch.Generator()] * len(prompts), 12, vocab)
+        assert (race.cap, race.block) == (cap, min(first, cap))
         assert_same(engine.sample(prompts, seeds, params), reference, atol=0.0)
+
+
+def test_race_blocks_draw_only_live_rows():
+    """A row that has finished draws nothing more: its generator stays where it was."""
+    gens = [torch.Generator().manual_seed(s) for s in (1, 2)]
+    race = hf_engine._RaceBlocks(gens, max_tokens=6, vocab=5, first=2)
+    first = race.at(0, [True, True])
+    assert race.at(1, [True, True]).shape == (2, 5)
+    state = gens[1].get_state()
+    third = race.at(2, [True, False])  # row 1 finished before the second block
+    assert torch.equal(gens[1].get_state(), state) and torch.equal(third[1], torch.ones(5))
+    expected = torch.empty(3, 5).exponential_(generator=torch.Generator().manual_seed(1))
+    assert torch.equal(first[0], expected[0]) and torch.equal(third[0], expected[2])
+    race.keep([0])
+    assert race.at(3, [True]).shape == (1, 5)
+
+
+def test_compacted_batch_equals_one_at_a_time(engine):
+    """Rows that finish leave the decode batch (KV cache, mask and race compacted); the responses
+    still equal each row decoded alone (tokens exactly, log-probs to fp32 summation order)."""
+    params = SamplingParams(temperature=1.0, max_tokens=12, stop_token_ids=STOPS)
+    prompts, seeds = [p for p in PROMPTS for _ in range(4)], [100 + i for i in range(4 * len(PROMPTS))]
+    batched = engine.sample(prompts, seeds, params)
+    lengths = sorted(len(r.response_ids) for r in batched)
+    middle = lengths[len(lengths) // 2]
+    assert middle < 12 and lengths[-1] > middle, lengths  # rows finished at different steps: compaction ran
+    assert_same(batched, [engine.sample([p], [s], params)[0] for p, s in zip(prompts, seeds)])
 
 
 @pytest.mark.parametrize("temperature,top_p,top_k",
