@@ -16,7 +16,7 @@ TRL its one process), held-out avg@4
 per seed; at DP=2 (torchrun, 2 processes) the step seconds. What cannot be matched is listed in
 the markdown (UNMATCHED).
 
-    python benchmarks/peer_trl.py            # 80 steps, seeds 1 2 3, then DP=2 on each (~10 min)
+    python benchmarks/peer_trl.py            # 80 steps, seeds 1 2 3, then DP=2 on each (~6 min)
     python benchmarks/peer_trl.py --quick    # 20 steps, seed 1
     python benchmarks/peer_trl.py --profile  # by phase and by op, demo size and a larger toy (~3 min)
 TRL comes from the ``peer`` extra (``./install.sh peer``); without it the benchmark says so and stops.
