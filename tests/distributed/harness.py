@@ -30,12 +30,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def spawn(fn, *args, world_size: int = 2) -> None:
-    """Run fn(rank, *args) in world_size fresh processes over gloo; re-raise the first failure."""
-    mp.spawn(_entry, args=(fn, world_size, _free_port(), args), nprocs=world_size, join=True)
+def spawn(fn, *args, world_size: int = 2, init: bool = True) -> None:
+    """Run fn(rank, *args) in world_size fresh processes over gloo; re-raise the first failure.
+    ``init=False``: the launcher's variables only, fn starts torch.distributed itself."""
+    mp.spawn(_entry, args=(fn, world_size, _free_port(), args, init), nprocs=world_size, join=True)
 
 
-def _entry(rank, fn, world_size, port, args):
+def _entry(rank, fn, world_size, port, args, init=True):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)  # 2 ranks on 2 cores
@@ -46,7 +47,8 @@ def _entry(rank, fn, world_size, port, args):
     apply_cpu_compat()  # a fresh interpreter: before anything imports megatron.core
     from megatron_dapo.mcore.parallel import destroy_parallel
 
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    if init:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
         fn(rank, *args)
     except BaseException:
