@@ -145,6 +145,10 @@ class RolloutConfig:
     check_logprob_mismatch: bool = _f(True, "log rollout/logprob_mismatch (engine vs trainer) every step")
     sleep_level: int = _f(2, "vLLM sleep while the trainer works: 2 discards the engine's weights (valid here: every "
                              "wake is followed by a full weight sync), 1 copies them to pinned host memory and back")
+    placement: str = _f("colocated", "colocated: every rank trains and holds a replica's share (engines sleep while "
+                                      "the trainer works); separate: the last rollout.num_ranks ranks hold only engines")
+    num_ranks: int = _f(0, "with placement=separate: the engines' ranks, a multiple of tensor_parallel_size, fewer "
+                           "than the world")
 
     def __post_init__(self):
         if self.sleep_level not in (1, 2):
@@ -163,6 +167,15 @@ class RolloutConfig:
                  weight_sync_bucket_mb=_at_least(1))
         if not 0 < self.gpu_memory_utilization < 1:
             _fail(f"rollout.gpu_memory_utilization must be in (0, 1), got {self.gpu_memory_utilization}")
+        if self.placement not in ("colocated", "separate"):
+            _fail(f"rollout.placement must be colocated or separate, got {self.placement!r}")
+        if (self.placement == "separate") != (self.num_ranks > 0) or self.num_ranks < 0:
+            _fail(f"rollout.num_ranks={self.num_ranks} with rollout.placement={self.placement}: separate placement "
+                  "needs the engines' ranks (rollout.num_ranks >= 1), colocated none (0)")
+        if self.placement == "separate" and self.engine != "hf":
+            _fail(f"rollout.engine={self.engine} with rollout.placement=separate: only the hf engine serves from ranks "
+                  "of its own so far (vLLM's launcher would read the whole launch's ranks); use rollout.engine=hf "
+                  "or rollout.placement=colocated")
 
 
 @dataclass(frozen=True, kw_only=True)

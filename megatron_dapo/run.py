@@ -56,6 +56,7 @@ class Prepared:
     inputs: Inputs
     resume: TrainerState | None  # the state of the checkpoint the run resumes from, None for a fresh start
     lock: Any = None  # run_lock.RunDirLock on rank 0 of a trainer
+    engines: Any = None  # rollout.separate.Engines with rollout.placement=separate, else None
 
     def release(self) -> None:
         if self.lock is not None:
@@ -84,11 +85,12 @@ class Run(Prepared):
             self.release()
 
 
-def prepare_run(cfg: DAPOConfig, *, lock: bool = True) -> Prepared:
+def prepare_run(cfg: DAPOConfig, *, lock: bool = True, engines=None) -> Prepared:
     """Steps (1) to (3) of the module docstring, and the resume point's trainer state. ``lock``:
-    take the run directory (training); evaluation reads a live run without it."""
+    take the run directory (training); evaluation reads a live run without it. ``engines``: the
+    remote engines of a separate placement (this process is then a trainer of its own world)."""
     rank, world = ranks.rank(), ranks.world_size()
-    check_rollout(cfg, world)
+    check_rollout(cfg, world if engines is None else engines.split.num_engines)
     check_model(cfg)
     if cfg.num_threads:
         import torch
@@ -133,7 +135,7 @@ def prepare_run(cfg: DAPOConfig, *, lock: bool = True) -> Prepared:
             run_lock.release()
         raise
     return Prepared(cfg=cfg, rank=rank, world_size=world, dir=run_dir, ckpt_dir=ckpt_dir, inputs=inputs,
-                    resume=resume, lock=run_lock)
+                    resume=resume, lock=run_lock, engines=engines)
 
 
 def build_run(prep: Prepared) -> Run:
@@ -257,8 +259,14 @@ def _build(prep: Prepared) -> Run:
     # trainer's state off the device, as every generation later will; the engine then sleeps, so the
     # state can come back for the first weight sync.
     actor.offload_for_rollout()
-    engine = get_engine_cls(cfg.rollout.engine).from_config(str(hf_path), cfg)
-    placement = RolloutPlacement(engine, tensor_parallel_size=cfg.rollout.tensor_parallel_size)
+    if prep.engines is not None:  # the engines hold ranks of their own: they build theirs from this config
+        from megatron_dapo.rollout.separate import SeparatePlacement
+
+        placement = SeparatePlacement(prep.engines, tensor_parallel_size=cfg.rollout.tensor_parallel_size)
+        placement.start(cfg)
+    else:
+        engine = get_engine_cls(cfg.rollout.engine).from_config(str(hf_path), cfg)
+        placement = RolloutPlacement(engine, tensor_parallel_size=cfg.rollout.tensor_parallel_size)
     if cfg.actor.offload_during_rollout:
         placement.sleep()
         actor.onload_after_rollout()

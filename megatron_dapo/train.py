@@ -47,6 +47,7 @@ class TrainResult:
     checkpoint: str | None = None  # the newest checkpoint when stopped by a signal
     already_complete: bool = False  # nothing to do: the run was at train.total_steps when started
     stop_latency_s: float = 0.0  # from the signal to the saved checkpoint
+    engine_rank: bool = False  # rollout.placement=separate: this rank served generations only
 
 
 def train(cfg: DAPOConfig, stop: StopRequest | None = None) -> TrainResult:
@@ -54,11 +55,19 @@ def train(cfg: DAPOConfig, stop: StopRequest | None = None) -> TrainResult:
     step with a checkpoint (preemption.py); ``stop``: handlers installed by the caller, else here."""
     own = stop is None
     stop = StopRequest().install() if own else stop
-    run = None
+    run = engines = None
     try:
+        if cfg.rollout.placement == "separate":  # the engines' ranks leave here (rollout/separate.py)
+            from megatron_dapo.rollout.separate import Engines, serve
+            from megatron_dapo.rollout.worlds import split_world
+
+            split = split_world(cfg.rollout.num_ranks, tensor_parallel_size=cfg.rollout.tensor_parallel_size)
+            if not split.is_trainer:
+                return TrainResult(final_eval={}, step=serve(split), engine_rank=True)
+            engines = Engines(split)  # told to stop however the trainers end
         # From here on only the config as set-up resolved it (the demo's data files and base
         # filled in): what runs, and what config.yaml and W&B record.
-        prep = prepare_run(cfg)
+        prep = prepare_run(cfg, engines=engines)
         cfg = prep.cfg
         if prep.resume is not None and _finished(cfg, prep.resume.step, prep.resume.responses_generated):
             prep.release()  # nothing to build: the checkpoint it would resume from ends the run
@@ -75,6 +84,8 @@ def train(cfg: DAPOConfig, stop: StopRequest | None = None) -> TrainResult:
             stop.restore()
         if run is not None:
             run.close()
+        if engines is not None:
+            engines.shutdown()
 
 
 def _train(run: Run, stop: StopRequest) -> TrainResult:
@@ -373,7 +384,7 @@ def main(cfg: DAPOConfig, stop: StopRequest | None = None) -> int:
 
     setup_logging()
     result = train(cfg, stop)
-    if ranks.rank() != 0:  # a finished run never starts torch.distributed
+    if result.engine_rank or ranks.rank() != 0:  # a finished run never starts torch.distributed
         return 0
     if result.already_complete:
         budget = f" or train.generation_budget={cfg.train.generation_budget}" if cfg.train.generation_budget else ""

@@ -37,9 +37,9 @@ stacked tensor (one all-gather over DP, reduced locally: sum or max per key) and
 stage broadcasts the result over PP; the training loop defers this to the end of the step, one
 exchange for all its updates (``defer_metrics``, ``reduce_metrics``), and gathers the step's token
 counts ahead of its updates in one exchange too (``batch_counts``). One host sync per step for the
-metrics, and one per micro-batch in the output layer's backward (the hint check). The hint check's outcomes
-(logprobs.SHORTCUT_STATS, counted on the last stage) ride in the same exchange as two more
-sum keys, so every rank reports the same ``actor/grad_shortcut_used`` / ``_fallbacks``.
+metrics, and one per micro-batch in the output layer's backward (the hint check). The hint
+check's outcomes (logprobs.SHORTCUT_STATS, counted on the last stage) ride in the same exchange
+as two more sum keys, so every rank reports the same ``actor/grad_shortcut_used`` / ``_fallbacks``.
 """
 
 from __future__ import annotations

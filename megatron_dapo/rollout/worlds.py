@@ -1,4 +1,4 @@
-"""Separate placement's process groups and weight stream (issue 22, item 1; not yet wired to the loop).
+"""Separate placement's process groups and weight stream (issue 22, item 1; used by rollout/separate.py).
 
 With ``rollout.placement=separate`` the last ``rollout.num_ranks`` ranks of a launch hold only
 engines. Megatron must not see them: its groups are made over the default process group's world.
@@ -107,7 +107,7 @@ def _broadcast(split: WorldSplit, tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def _broadcast_object(split: WorldSplit, obj=None) -> object:
+def broadcast_object(split: WorldSplit, obj=None) -> object:
     """Rank 0's ``obj`` on every member (pickled: a length, then the bytes)."""
     data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8) if split.rank == 0 else None
     size = _broadcast(split, torch.tensor([data.numel() if data is not None else 0], dtype=torch.int64))
@@ -156,10 +156,10 @@ def send_weights(split: WorldSplit, weights: Iterable[tuple[str, torch.Tensor]],
         if split.transfer is None:
             continue
         header, flat = pack(bucket)
-        _broadcast_object(split, header)
+        broadcast_object(split, header)
         _broadcast(split, flat)
     if split.transfer is not None:
-        _broadcast_object(split, _END)
+        broadcast_object(split, _END)
     return stats
 
 
@@ -167,7 +167,7 @@ def receive_weights(split: WorldSplit, engine) -> dict[str, int]:
     """Engine side: the buckets of one ``send_weights``, each into ``engine.update_weights`` as
     it arrives, then ``engine.finish_weight_update()``. Returns the same counts."""
     stats = {"num_buckets": 0, "num_tensors": 0, "num_bytes": 0}
-    while (header := _broadcast_object(split)) != _END:
+    while (header := broadcast_object(split)) != _END:
         flat = _broadcast(split, torch.empty(_num_bytes(header), dtype=torch.uint8, device=split.device))
         bucket = unpack(header, flat)
         engine.update_weights(bucket)

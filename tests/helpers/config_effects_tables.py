@@ -13,6 +13,10 @@ REFUSED: dict[str, tuple[str, dict]] = {  # key -> (value, context)
     "loss.policy_loss": ("ppo", {}),
     "toy.enable": ("false", {}),  # then model.hf_path is empty: "... or set toy.enable=true"
     "toy.max_position_embeddings": ("32", {}),  # shorter than prompt + response; longer values only reach config.json
+    # Without the engines' ranks; with them (torchrun, 4 processes) tests/functional/test_separate_placement.py
+    # shows the run equal to the colocated one, which is the point of staleness 0.
+    "rollout.placement": ("separate", {}),
+    "rollout.num_ranks": ("1", {}),  # engines' ranks in a colocated run
 }
 
 GPU_ONLY: dict[str, str] = {

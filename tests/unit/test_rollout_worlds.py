@@ -30,3 +30,16 @@ def test_a_split_that_cannot_run_is_refused(world, engines, tp, fix):
     with pytest.raises(ConfigError, match=fix):
         check_split(world, engines, tp)
     assert check_split(4, 2, 2) == 2
+
+
+@pytest.mark.parametrize("overrides,fix", [(["rollout.placement=nearby"], "colocated or separate"),
+                                           (["rollout.placement=separate"], "needs the engines' ranks"),
+                                           (["rollout.num_ranks=2"], "colocated none"),
+                                           (["rollout.placement=separate", "rollout.num_ranks=-1"], "needs"),
+                                           (["rollout.placement=separate", "rollout.num_ranks=1",
+                                             "rollout.engine=vllm"], "only the hf engine")])
+def test_placement_settings_are_checked_with_the_config(overrides, fix):
+    from megatron_dapo.config_loading import load_config
+
+    with pytest.raises(ConfigError, match=fix):
+        load_config(None, overrides)
