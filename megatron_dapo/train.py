@@ -47,7 +47,7 @@ class TrainResult:
     checkpoint: str | None = None  # the newest checkpoint when stopped by a signal
     already_complete: bool = False  # nothing to do: the run was at train.total_steps when started
     stop_latency_s: float = 0.0  # from the signal to the saved checkpoint
-    engine_rank: bool = False  # rollout.placement=separate: this rank served generations only
+    engine_rank: bool = False  # rollout.placement=separate: this rank served generations only (step 0)
 
 
 def train(cfg: DAPOConfig, stop: StopRequest | None = None) -> TrainResult:
@@ -63,7 +63,17 @@ def train(cfg: DAPOConfig, stop: StopRequest | None = None) -> TrainResult:
 
             split = split_world(cfg.rollout.num_ranks, tensor_parallel_size=cfg.rollout.tensor_parallel_size)
             if not split.is_trainer:
-                return TrainResult(final_eval={}, step=serve(split), engine_rank=True)
+                try:
+                    served = serve(split)
+                except Exception:
+                    if stop.signum is None:
+                        raise
+                    # A signal's grace ran out and the trainers left mid-exchange: as they do, exit 0
+                    # (the launcher requeues on 0), the checkpoint is theirs.
+                    logger.warning("engine rank %d: the trainers left after %s", split.side_rank, stop.name)
+                    served = -1
+                logger.info("engine rank %d: served %d generation requests", split.side_rank, served)
+                return TrainResult(final_eval={}, step=0, engine_rank=True)
             engines = Engines(split)  # told to stop however the trainers end
         # From here on only the config as set-up resolved it (the demo's data files and base
         # filled in): what runs, and what config.yaml and W&B record.
@@ -80,12 +90,14 @@ def train(cfg: DAPOConfig, stop: StopRequest | None = None) -> TrainResult:
                          + (f", by {result.stopped_by}; checkpoint {result.checkpoint}" if result.stopped_by else ""))
         return result
     finally:
-        if own:
-            stop.restore()
-        if run is not None:
-            run.close()
-        if engines is not None:
-            engines.shutdown()
+        try:
+            if own:
+                stop.restore()
+            if run is not None:
+                run.close()
+        finally:
+            if engines is not None:  # told even when the run's own teardown raised
+                engines.shutdown()
 
 
 def _train(run: Run, stop: StopRequest) -> TrainResult:

@@ -118,7 +118,8 @@ class SeparatePlacement:
 
 def serve(split: WorldSplit) -> int:
     """An engine rank's whole run: build the engine at ``start``, answer until ``stop``; returns
-    the number of generation requests served."""
+    the number of generation requests served. The engine's alarm-dump share differs from a colocated
+    run's: one leader caps flagged rows over the whole batch (observe/observer.py), not per replica."""
     from megatron_dapo.rollout.engine import get_engine_cls
 
     engine, served = None, 0
@@ -127,6 +128,8 @@ def serve(split: WorldSplit) -> int:
         kind = request[0]
         if kind == "start":
             cfg = request[1]
+            if cfg.num_threads:  # what prepare_run does on the trainers (engines never run it)
+                torch.set_num_threads(cfg.num_threads)
             tp = cfg.rollout.tensor_parallel_size
             replica, num_replicas, leader = replica_layout(split.side_rank, split.num_engines, tp)
             engine = get_engine_cls(cfg.rollout.engine).from_config(str(cfg.model.hf_path), cfg)

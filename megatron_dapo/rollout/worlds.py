@@ -14,8 +14,8 @@ trainer ranks never touch it. Weights travel on it as the colocated sync's strea
 rank runs the export (its gathers are collectives of the training world), trainer rank 0
 broadcasts each bucket of (HF name, full tensor) pairs, and every engine rank hands it to the same
 ``engine.update_weights`` a colocated sync uses, then ``finish_weight_update``. A bucket travels as
-a small header (names, shapes, dtypes, pickled) and one flat byte tensor, so a step's sync is two
-broadcasts a bucket whatever the number of tensors in it.
+a small header (names, shapes, dtypes, pickled: its size, then its bytes) and one flat byte
+tensor, so a step's sync is three broadcasts a bucket whatever the number of tensors in it.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megatron_dapo import ranks
 from megatron_dapo.errors import ConfigError
 from megatron_dapo.rollout.weight_sync import bucketed, tensor_bytes
 
@@ -58,6 +59,9 @@ class WorldSplit:
 
 def check_split(world_size: int, num_engine_ranks: int, tensor_parallel_size: int) -> int:
     """The number of trainer ranks; a ConfigError naming the keys when the split cannot run."""
+    if world_size < 2:
+        raise ConfigError(f"rollout.placement=separate needs at least 2 ranks, this launch has {world_size}: "
+                          "start it under torchrun (--nproc-per-node) or srun, or use rollout.placement=colocated")
     if num_engine_ranks < 1 or num_engine_ranks >= world_size:
         raise ConfigError(f"rollout.num_ranks={num_engine_ranks} with {world_size} ranks leaves "
                           f"{world_size - num_engine_ranks} to train; give the engines 1 to "
@@ -77,9 +81,12 @@ def split_world(num_engine_ranks: int, *, tensor_parallel_size: int = 1, backend
     torch.distributed."""
     if dist.is_initialized():
         raise RuntimeError("split_world must start torch.distributed itself (it is already initialised)")
+    check_split(ranks.world_size(), num_engine_ranks, tensor_parallel_size)  # before any rendezvous
     store, rank, world_size = next(dist.rendezvous("env://"))
     num_trainers = check_split(world_size, num_engine_ranks, tensor_parallel_size)
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if backend == "nccl":  # as initialize_parallel does for a world it starts: one GPU a process
+        torch.cuda.set_device(ranks.local_rank())
     timeout = datetime.timedelta(minutes=timeout_minutes)
     store.set_timeout(timeout)
     is_trainer = rank < num_trainers
@@ -92,8 +99,12 @@ def split_world(num_engine_ranks: int, *, tensor_parallel_size: int = 1, backend
         members = 1 + num_engine_ranks
         group_rank = 0 if rank == 0 else rank - num_trainers + 1
         prefix = dist.PrefixStore("transfer/", store)
-        transfer = (dist.ProcessGroupNCCL(prefix, group_rank, members) if backend == "nccl"
-                    else dist.ProcessGroupGloo(prefix, group_rank, members, timeout))
+        if backend == "nccl":
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = timeout  # the same limit as the worlds' (NCCL's own default is shorter)
+            transfer = dist.ProcessGroupNCCL(prefix, group_rank, members, options)
+        else:
+            transfer = dist.ProcessGroupGloo(prefix, group_rank, members, timeout)
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
     return WorldSplit(is_trainer, rank, world_size, num_trainers, num_engine_ranks, transfer, device)
 
@@ -168,6 +179,9 @@ def receive_weights(split: WorldSplit, engine) -> dict[str, int]:
     it arrives, then ``engine.finish_weight_update()``. Returns the same counts."""
     stats = {"num_buckets": 0, "num_tensors": 0, "num_bytes": 0}
     while (header := broadcast_object(split)) != _END:
+        if isinstance(header, tuple):  # a request instead of a bucket: the trainers gave up mid-stream
+            raise RuntimeError(f"engine rank {split.side_rank}: the trainers sent {header[0]!r} in the middle of a "
+                               "weight stream (a trainer failed while exporting; its own error says why)")
         flat = _broadcast(split, torch.empty(_num_bytes(header), dtype=torch.uint8, device=split.device))
         bucket = unpack(header, flat)
         engine.update_weights(bucket)

@@ -25,7 +25,8 @@ def test_a_bucket_of_mixed_dtypes_round_trips_bit_for_bit():
 
 
 @pytest.mark.parametrize("world,engines,tp,fix", [(4, 4, 1, "give the engines 1 to 3"), (4, 0, 1, "1 to 3"),
-                                                  (6, 3, 2, "not a multiple of rollout.tensor_parallel_size=2")])
+                                                  (6, 3, 2, "not a multiple of rollout.tensor_parallel_size=2"),
+                                                  (1, 1, 1, "needs at least 2 ranks")])
 def test_a_split_that_cannot_run_is_refused(world, engines, tp, fix):
     with pytest.raises(ConfigError, match=fix):
         check_split(world, engines, tp)
