@@ -282,9 +282,9 @@ def test_the_jobs_end_stops_the_run_before_it_with_a_checkpoint(reference, tmp_p
     # that lands inside the steps is found by trying earlier ones while a run still finishes first.
     for attempt, offset in enumerate((7, 6, 5, 4)):
         run_dir = copy_demo_base(reference, tmp_path / f"run{attempt}")
-        end = time.time() + offset
+        end = int(time.time() + offset)  # whole seconds, as SLURM gives it: the run's end is exactly this one
         out = subprocess.run(_cmd(run_dir, "checkpoint.time_limit_margin_s=0"), cwd=ROOT, capture_output=True,
-                             text=True, timeout=600, env={**ENV, "MEGATRON_DAPO_END_TIME": f"{end:.0f}"})
+                             text=True, timeout=600, env={**ENV, "MEGATRON_DAPO_END_TIME": str(end)})
         assert out.returncode == 0, out.stderr[-3000:]
         step = _records(run_dir)[-1]["step"] if _records(run_dir) else 0
         if step < STEPS:
