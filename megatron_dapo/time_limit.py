@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 END_TIME_ENV = "MEGATRON_DAPO_END_TIME"
 STATUS_FILE_ENV = "MEGATRON_DAPO_STATUS_FILE"
 _END = re.compile(r"\bEndTime=(\S+)")
-RECENT_STEPS = 3  # the estimate of the next step is the slowest of the last few (eval steps are slower)
+RECENT_STEPS = 3  # the estimate of the next step is the slowest of the last few (their evaluation apart)
 
 
 def parse_end_time(scontrol_job_line: str) -> float | None:
@@ -79,23 +79,32 @@ def write_status(state: str, detail: str, env: dict[str, str] | None = None) -> 
 
 @dataclass
 class StepClock:
-    """Measured step and save durations (seconds), kept in the trainer state so that a resumed run
-    knows them before its first step."""
+    """Measured step, evaluation and save durations (seconds), kept in the trainer state so that a
+    resumed run knows them before its first step. A step's evaluation is counted apart: it comes
+    every eval.every steps, so a window of recent steps would miss it, or count it for every step."""
 
     steps: deque = field(default_factory=lambda: deque(maxlen=RECENT_STEPS))
     save: float | None = None  # the last checkpoint save
+    eval: float | None = None  # the last evaluation (the one before training included)
     step_started: float | None = None  # time.monotonic() at the start of the step in flight
+    step_evaluates: bool = False  # the step in flight ends with an evaluation
 
-    def start_step(self) -> None:
-        self.step_started = time.monotonic()
+    def start_step(self, evaluates: bool = False) -> None:
+        self.step_started, self.step_evaluates = time.monotonic(), evaluates
 
-    def end_step(self) -> None:
+    def end_step(self, eval_seconds: float = 0.0) -> None:
+        """``eval_seconds``: the step's evaluation, recorded as such and left out of the step."""
         if self.step_started is not None:
-            self.steps.append(time.monotonic() - self.step_started)
-        self.step_started = None
+            self.steps.append(time.monotonic() - self.step_started - eval_seconds)
+        if eval_seconds:
+            self.record_eval(eval_seconds)
+        self.step_started, self.step_evaluates = None, False
 
     def record_save(self, seconds: float) -> None:
         self.save = seconds
+
+    def record_eval(self, seconds: float) -> None:
+        self.eval = seconds
 
     @property
     def step_estimate(self) -> float | None:
@@ -106,18 +115,26 @@ class StepClock:
         est = self.step_estimate
         if est is None:
             return None
-        left = est - (time.monotonic() - self.step_started) if self.step_started is not None else 0.0
+        if self.step_started is not None:
+            est += (self.eval or 0.0) if self.step_evaluates else 0.0
+            left = est - (time.monotonic() - self.step_started)
+        else:
+            left = 0.0
         return max(left, 0.0) + (self.save or 0.0)
 
-    def next_step_fits(self, end_time: float, margin_s: float, now: float | None = None) -> bool:
-        """Whether one more step and the save after it end ``margin_s`` before ``end_time`` (wall
-        clock). Before anything was measured (the first step of a fresh run) only the margin counts."""
+    def next_step_fits(self, end_time: float, margin_s: float, now: float | None = None,
+                       evaluates: bool = False) -> bool:
+        """Whether one more step (``evaluates``: with its evaluation) and the save after it end
+        ``margin_s`` before ``end_time`` (wall clock). What was not measured yet counts 0: before the
+        first step of a fresh run only the margin counts."""
         now = time.time() if now is None else now
-        return now + (self.step_estimate or 0.0) + (self.save or 0.0) + margin_s <= end_time
+        step = (self.step_estimate or 0.0) + ((self.eval or 0.0) if evaluates else 0.0)
+        return now + step + (self.save or 0.0) + margin_s <= end_time
 
     def state_dict(self) -> dict:
-        return {"step_seconds": list(self.steps), "save_seconds": self.save}
+        return {"step_seconds": list(self.steps), "save_seconds": self.save, "eval_seconds": self.eval}
 
     def load_state_dict(self, state: dict) -> None:
         self.steps.extend(state.get("step_seconds", []))
         self.save = state.get("save_seconds")
+        self.eval = state.get("eval_seconds")

@@ -144,18 +144,22 @@ def _loop(run: Run, stop: StopRequest, dyn: DynamicSampler, log: MetricsLogger, 
     final = {}
     if cfg.eval.before_train and start == 0:
         actor.offload_for_rollout()  # the engine generates: the state goes off as for a step's rollouts
+        eval_start = time.monotonic()
         metrics = _evaluate(run, obs)
+        clock.record_eval(time.monotonic() - eval_start)  # the time limit's estimate of the first eval step
         final = _log(log, 0, metrics | obs.end_step(0, metrics, [], []), cfg, start)
 
     done = saved = start  # completed steps; the step the newest checkpoint holds
     generated = run.resume.responses_generated if run.resume else 0  # every response generated so far, kept or not
     finished = False  # at total_steps, or the generation budget spent
     for step in range(start, cfg.train.total_steps):
-        if end_time is not None and not clock.next_step_fits(end_time, cfg.checkpoint.time_limit_margin_s):
-            stop.request(TIME_LIMIT)  # the next step and its save would end past the job's end
+        evaluates = _evaluates(cfg, step + 1)
+        if end_time is not None and not clock.next_step_fits(end_time, cfg.checkpoint.time_limit_margin_s,
+                                                             evaluates=evaluates):
+            stop.request(TIME_LIMIT)  # the next step (its evaluation too) and its save would end past the job's end
         if stop.agreed():  # every rank stops after the same step
             break
-        clock.start_step()
+        clock.start_step(evaluates)
         prof.begin_step(step + 1)
         metrics: dict[str, float] = {}
         step_start = time.perf_counter()
@@ -204,10 +208,13 @@ def _loop(run: Run, stop: StopRequest, dyn: DynamicSampler, log: MetricsLogger, 
         pending, write_s = _write_if_due(run, log, step + 1, finished)
         with log.timer("weight_sync"):
             _sync(run)
-        if cfg.eval.every and (step + 1) % cfg.eval.every == 0 or finished:
+        eval_s = 0.0
+        if _evaluates(cfg, step + 1) or finished:
+            eval_start = time.monotonic()
             with log.timer("eval"):
                 actor.offload_for_rollout()  # off until the next old log-probs (publish reads no state)
                 metrics.update(_evaluate(run, obs))
+            eval_s = time.monotonic() - eval_start
         metrics["timing_s/step"] = time.perf_counter() - step_start
         metrics.update(obs.end_step(step + 1, metrics, groups, [s.advantages for s in samples]))
         # Log before saving: a crash between the two resumes from the previous checkpoint and
@@ -215,7 +222,7 @@ def _loop(run: Run, stop: StopRequest, dyn: DynamicSampler, log: MetricsLogger, 
         final = _log(log, step + 1, metrics, cfg, start) or final
         done = step + 1
         prof.end_step(done)
-        clock.end_step()
+        clock.end_step(eval_seconds=eval_s)
         if pending is not None:
             _save(run, dyn, obs, done, generated, clock, pending, write_s)
             saved = done
@@ -267,6 +274,12 @@ def _save(run: Run, dyn: DynamicSampler, obs: Observer, step: int, generated: in
     else:
         run.actor.publish_checkpoint(pending, state.to_json())
     clock.record_save(write_s + time.monotonic() - started)
+
+
+def _evaluates(cfg: DAPOConfig, step: int) -> bool:
+    """Whether step ``step`` (from 1) ends with an evaluation (eval.every, and the last step; a
+    generation budget's last step is known only once it ran)."""
+    return bool(cfg.eval.every and step % cfg.eval.every == 0) or step == cfg.train.total_steps
 
 
 def _finished(cfg: DAPOConfig, steps: int, generated: int) -> bool:

@@ -278,22 +278,27 @@ def test_a_step_that_cannot_finish_within_the_grace_is_abandoned_with_exit_0(ref
 def test_the_jobs_end_stops_the_run_before_it_with_a_checkpoint(reference, tmp_path):
     """MEGATRON_DAPO_END_TIME (what recipes/lib/launch.sh exports from SLURM): the run stops when the
     next step and its save would end past it, saves, exits 0; the rerun completes it exactly."""
-    # Start-up takes ~5 s here and 10 steps 2-3 s on a quiet machine, both with the load: a job end
-    # that lands inside the steps is found by trying earlier ones while a run still finishes first.
-    for attempt, offset in enumerate((7, 6, 5, 4)):
+    # The promise holds once the clock has measured a step and a save (time_limit.StepClock: before
+    # that only the margin counts), i.e. for a stop after step 3 or later (saves every 2 steps). Start-up
+    # takes ~5 s here and 10 steps 2-3 s, both with the load: the job's end is moved a second at a time
+    # until the run stops inside that window (earlier when it finished first, later when it stopped
+    # before step 3).
+    offset = 7
+    for attempt in range(8):
         run_dir = copy_demo_base(reference, tmp_path / f"run{attempt}")
         end = int(time.time() + offset)  # whole seconds, as SLURM gives it: the run's end is exactly this one
         out = subprocess.run(_cmd(run_dir, "checkpoint.time_limit_margin_s=0"), cwd=ROOT, capture_output=True,
                              text=True, timeout=600, env={**ENV, "MEGATRON_DAPO_END_TIME": str(end)})
         assert out.returncode == 0, out.stderr[-3000:]
         step = _records(run_dir)[-1]["step"] if _records(run_dir) else 0
-        if step < STEPS:
+        if 3 <= step < STEPS:
             break
-    assert step < STEPS and f"stopped by the job's time limit after step {step} of {STEPS}" in out.stdout
-    if step:  # (a slow start-up may leave no time for any step: nothing to save then)
-        ckpt = run_dir / "checkpoints" / f"step_{step:08d}"
-        assert (run_dir / "checkpoints" / "latest").read_text().strip() == ckpt.name
-        assert (ckpt / "checkpoint.json").stat().st_mtime <= end  # the step and its save ended before the end
+        offset += -1 if step >= STEPS else 1
+    assert 3 <= step < STEPS and f"stopped by the job's time limit after step {step} of {STEPS}" in out.stdout, \
+        (step, offset)
+    ckpt = run_dir / "checkpoints" / f"step_{step:08d}"
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == ckpt.name
+    assert (ckpt / "checkpoint.json").stat().st_mtime <= end  # the step and its save ended before the end
     out = _run(run_dir)
     assert out.returncode == 0, out.stderr[-5000:]
     _assert_same_as_reference(run_dir, reference)

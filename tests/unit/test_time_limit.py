@@ -55,6 +55,24 @@ def test_the_next_step_fits_only_with_its_save_and_the_margin():
     assert clock.step_estimate == 8.0
 
 
+def test_an_evaluation_counts_for_the_steps_that_evaluate():
+    """eval.every steps apart, an evaluation would fall out of the recent steps' window (or count for
+    every step): it is measured apart and added to the steps that end with one."""
+    clock = StepClock()
+    clock.start_step(evaluates=True)
+    clock.step_started -= 30.0  # a step of 30 s, 25 of them its evaluation
+    clock.end_step(eval_seconds=25.0)
+    assert 4.9 < clock.step_estimate < 5.1 and clock.eval == 25.0
+    clock.record_save(2.0)
+    assert clock.next_step_fits(end_time=100.0, margin_s=0.0, now=92.0)  # 92 + 5 + 2 <= 100
+    assert not clock.next_step_fits(end_time=100.0, margin_s=0.0, now=92.0, evaluates=True)  # + 25
+    restored = StepClock()
+    restored.load_state_dict(clock.state_dict())
+    assert restored.eval == 25.0
+    restored.start_step(evaluates=True)
+    assert 31.9 < restored.seconds_to_finish() < 32.1  # the step, its evaluation, the save
+
+
 def test_the_clock_survives_a_resume_and_estimates_the_step_in_flight():
     clock = StepClock()
     assert clock.seconds_to_finish() is None
