@@ -262,7 +262,7 @@ def _build(prep: Prepared) -> Run:
     if prep.engines is not None:  # the engines hold ranks of their own: they build theirs from this config
         from megatron_dapo.rollout.separate import SeparatePlacement
 
-        placement = SeparatePlacement(prep.engines, tensor_parallel_size=cfg.rollout.tensor_parallel_size)
+        placement = SeparatePlacement(prep.engines)
         placement.start(cfg)
     else:
         engine = get_engine_cls(cfg.rollout.engine).from_config(str(hf_path), cfg)

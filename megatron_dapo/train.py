@@ -209,7 +209,7 @@ def _loop(run: Run, stop: StopRequest, dyn: DynamicSampler, log: MetricsLogger, 
         with log.timer("weight_sync"):
             _sync(run)
         eval_s = 0.0
-        if _evaluates(cfg, step + 1) or finished:
+        if evaluates or finished:
             eval_start = time.monotonic()
             with log.timer("eval"):
                 actor.offload_for_rollout()  # off until the next old log-probs (publish reads no state)

@@ -141,7 +141,7 @@ class HFEngine:
         for step in range(params.max_tokens):
             live = [not finished[r] for r in rows]
             race_BV = race.at(step, live) if params.temperature else None  # greedy draws nothing
-            tokens_B, logp_B = sample_next(logits_BV, params, generators, race_BV=race_BV)
+            tokens_B, logp_B = sample_next(logits_BV, params, race.generators, race_BV=race_BV)
             tokens, logps = tokens_B.tolist(), logp_B.tolist()  # one conversion, not one per row
             for i, r in enumerate(rows):
                 if finished[r]:
@@ -157,8 +157,7 @@ class HFEngine:
                 on_device = keep_B.to(device)
                 cache.batch_select_indices(on_device)
                 mask_BL, pos_BL, tokens_B = mask_BL[on_device], pos_BL[on_device], tokens_B[keep_B]
-                race.keep(keep)
-                generators = [generators[i] for i in keep]
+                race.keep(keep)  # and with it the rows' generators
             done_B = torch.tensor([finished[r] for r in rows])
             next_B1 = torch.where(done_B, self.pad_token_id, tokens_B).view(-1, 1)
             mask_BL = torch.cat([mask_BL, torch.ones_like(mask_BL[:, :1])], dim=1)

@@ -45,6 +45,16 @@ def replica_layout(rank: int, world_size: int, tensor_parallel_size: int) -> tup
     return rank // tensor_parallel_size, world_size // tensor_parallel_size, rank % tensor_parallel_size == 0
 
 
+def gather_all(item: Any, world_size: int, group: Any) -> list:
+    """Every rank's ``item`` of ``group`` (None: the default world of ``world_size`` ranks), in rank
+    order, on every rank."""
+    if world_size == 1:
+        return [item]
+    parts: list = [None] * world_size
+    dist.all_gather_object(parts, item, group=group)
+    return parts
+
+
 def shard_range(num_items: int, shard: int, num_shards: int) -> range:
     """Shard ``shard`` of ``num_items`` split into ``num_shards`` contiguous, balanced ranges
     (the first ``num_items % num_shards`` shards hold one more)."""
@@ -110,11 +120,7 @@ class RolloutPlacement:
 
     def gather_all(self, item: Any) -> list:
         """Every rank's ``item``, in rank order, on every rank (small objects: names, counts)."""
-        if self.world_size == 1:
-            return [item]
-        parts: list = [None] * self.world_size
-        dist.all_gather_object(parts, item, group=self._group)
-        return parts
+        return gather_all(item, self.world_size, self._group)
 
     def sync(self, weights: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> dict[str, int]:
         """Stream (HF name, full tensor) pairs into this rank's engine (every rank runs it, so every

@@ -18,7 +18,6 @@ with the engines idle while the trainers update.
 from __future__ import annotations
 
 import logging
-import pickle
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -26,25 +25,16 @@ import torch
 import torch.distributed as dist
 
 from megatron_dapo.rollout.engine import Rollout, SamplingParams
-from megatron_dapo.rollout.placement import replica_layout, shard_range
-from megatron_dapo.rollout.worlds import WorldSplit, broadcast_object, receive_weights, send_weights
+from megatron_dapo.rollout.placement import gather_all, replica_layout, shard_range
+from megatron_dapo.rollout.worlds import (
+    WorldSplit,
+    allgather_objects,
+    broadcast_object,
+    receive_weights,
+    send_weights,
+)
 
 logger = logging.getLogger(__name__)
-
-
-def _allgather_objects(split: WorldSplit, obj: Any) -> list:
-    """Every transfer-group member's ``obj``, in group rank order (trainer rank 0 first)."""
-    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(split.device)
-    members = 1 + split.num_engines
-    sizes = [torch.zeros(1, dtype=torch.int64, device=split.device) for _ in range(members)]
-    mine = torch.tensor([data.numel()], dtype=torch.int64, device=split.device)
-    split.transfer.allgather([sizes], [mine]).wait()
-    longest = int(max(s.item() for s in sizes))
-    padded = torch.zeros(longest, dtype=torch.uint8, device=split.device)
-    padded[:data.numel()] = data
-    parts = [torch.empty(longest, dtype=torch.uint8, device=split.device) for _ in range(members)]
-    split.transfer.allgather([parts], [padded]).wait()
-    return [pickle.loads(p[:int(s.item())].cpu().numpy().tobytes()) for p, s in zip(parts, sizes)]
 
 
 class Engines:
@@ -63,10 +53,9 @@ class Engines:
 class SeparatePlacement:
     """The trainers' rollout placement when the engines hold ranks of their own (module doc)."""
 
-    def __init__(self, engines: Engines, tensor_parallel_size: int):
+    def __init__(self, engines: Engines):
         split = self.split = engines.split
         self.rank, self.world_size = split.side_rank, split.num_trainers
-        self.engine_replicas = split.num_engines // tensor_parallel_size
         self.replica, self.num_replicas, self.is_leader = 0, 1, split.side_rank == 0
         self.engine = engines  # Run.close shuts it down
 
@@ -75,16 +64,13 @@ class SeparatePlacement:
         if self.split.transfer is not None:
             broadcast_object(self.split, ("start", cfg))
 
-    def share(self, num_items: int) -> range:
-        return range(num_items) if self.is_leader else range(0)
-
     def generate(self, prompt_ids: Sequence[Sequence[int]], n: int,
                  params: SamplingParams) -> tuple[range, list[list[Rollout]]]:
         """On the leader every prompt's rollouts (from the engine replicas); elsewhere none."""
         if not self.is_leader:
             return range(0), []
         broadcast_object(self.split, ("generate", [list(p) for p in prompt_ids], n, params))
-        parts = _allgather_objects(self.split, None)[1:]  # the engines', in engine rank order
+        parts = allgather_objects(self.split, None)[1:]  # the engines', in engine rank order
         return range(len(prompt_ids)), [group for part in parts if part is not None for group in part]
 
     def gather(self, local: list) -> list:
@@ -97,11 +83,7 @@ class SeparatePlacement:
 
     def gather_all(self, item: Any) -> list:
         """Every trainer rank's ``item``, in rank order, on every trainer rank."""
-        if self.world_size == 1:
-            return [item]
-        parts: list = [None] * self.world_size
-        dist.all_gather_object(parts, item)
-        return parts
+        return gather_all(item, self.world_size, None)
 
     def sync(self, weights: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> dict[str, int]:
         """Every trainer rank runs the export; trainer rank 0 streams it to every engine rank."""
@@ -139,7 +121,7 @@ def serve(split: WorldSplit) -> int:
             prompt_ids, n, params = request[1:]
             share = shard_range(len(prompt_ids), replica, num_replicas)
             out = engine.generate([prompt_ids[i] for i in share], n, params, prompt_indices=list(share))
-            _allgather_objects(split, out if leader else None)
+            allgather_objects(split, out if leader else None)
             served += 1
         elif kind == "weights":
             receive_weights(split, engine)

@@ -43,16 +43,31 @@ def sync_weights(engine: RolloutEngine, weights: Iterable[tuple[str, torch.Tenso
     Then ``engine.finish_weight_update()`` (when the engine has it: minimal engines may apply
     every bucket at once). Returns counts for logging: num_buckets, num_tensors, num_bytes.
     """
-    stats = {"num_buckets": 0, "num_tensors": 0, "num_bytes": 0}
+    stats = new_counts()
     for bucket in bucketed(weights, bucket_bytes):
         engine.update_weights(bucket)
-        stats["num_buckets"] += 1
-        stats["num_tensors"] += len(bucket)
-        stats["num_bytes"] += sum(tensor_bytes(t) for _, t in bucket)
+        count_bucket(stats, bucket)
+    finish_update(engine)
+    return stats
+
+
+def new_counts() -> dict[str, int]:
+    """A weight stream's counts for logging (sync_weights and the separate placement's stream)."""
+    return {"num_buckets": 0, "num_tensors": 0, "num_bytes": 0}
+
+
+def count_bucket(counts: dict[str, int], bucket: Bucket) -> None:
+    counts["num_buckets"] += 1
+    counts["num_tensors"] += len(bucket)
+    counts["num_bytes"] += sum(tensor_bytes(t) for _, t in bucket)
+
+
+def finish_update(engine) -> None:
+    """``engine.finish_weight_update()`` when the engine has it (minimal engines apply every bucket
+    at once)."""
     finish = getattr(engine, "finish_weight_update", None)
     if finish is not None:
         finish()
-    return stats
 
 
 # logprob_mismatch's figures (also measured inside an update: mcore/train_step.py).

@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from megatron_dapo import ranks
 from megatron_dapo.errors import ConfigError
-from megatron_dapo.rollout.weight_sync import bucketed, tensor_bytes
+from megatron_dapo.rollout.weight_sync import bucketed, count_bucket, finish_update, new_counts
 
 _END = "end"  # the header that closes a weight stream
 
@@ -118,12 +118,35 @@ def _broadcast(split: WorldSplit, tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def _pickled(obj) -> torch.Tensor:
+    return torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+
+
+def _unpickled(data: torch.Tensor):
+    return pickle.loads(data.cpu().numpy().tobytes())
+
+
 def broadcast_object(split: WorldSplit, obj=None) -> object:
     """Rank 0's ``obj`` on every member (pickled: a length, then the bytes)."""
-    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8) if split.rank == 0 else None
+    data = _pickled(obj) if split.rank == 0 else None
     size = _broadcast(split, torch.tensor([data.numel() if data is not None else 0], dtype=torch.int64))
-    data = _broadcast(split, data if data is not None else torch.empty(int(size), dtype=torch.uint8))
-    return pickle.loads(data.cpu().numpy().tobytes())
+    return _unpickled(_broadcast(split, data if data is not None else torch.empty(int(size), dtype=torch.uint8)))
+
+
+def allgather_objects(split: WorldSplit, obj) -> list:
+    """Every transfer-group member's ``obj``, in group rank order (trainer rank 0 first): the
+    lengths, then the bytes padded to the longest."""
+    data = _pickled(obj).to(split.device)
+    members = 1 + split.num_engines
+    sizes = [torch.zeros(1, dtype=torch.int64, device=split.device) for _ in range(members)]
+    mine = torch.tensor([data.numel()], dtype=torch.int64, device=split.device)
+    split.transfer.allgather([sizes], [mine]).wait()
+    longest = int(max(s.item() for s in sizes))
+    padded = torch.zeros(longest, dtype=torch.uint8, device=split.device)
+    padded[:data.numel()] = data
+    parts = [torch.empty(longest, dtype=torch.uint8, device=split.device) for _ in range(members)]
+    split.transfer.allgather([parts], [padded]).wait()
+    return [_unpickled(p[:int(s.item())]) for p, s in zip(parts, sizes)]
 
 
 Header = list[tuple[str, tuple[int, ...], torch.dtype]]
@@ -137,19 +160,16 @@ def pack(bucket: list[tuple[str, torch.Tensor]]) -> tuple[Header, torch.Tensor]:
     return header, flat
 
 
-def _itemsizes(header: Header) -> list[int]:
-    return [torch.empty((), dtype=dtype).element_size() for _, _, dtype in header]
-
-
-def _num_bytes(header: Header) -> int:
-    return sum(torch.Size(shape).numel() * item for (_, shape, _), item in zip(header, _itemsizes(header)))
+def _sizes(header: Header) -> tuple[list[int], list[int]]:
+    """(each tensor's element size, its bytes)."""
+    items = [torch.empty((), dtype=dtype).element_size() for _, _, dtype in header]
+    return items, [torch.Size(shape).numel() * item for (_, shape, _), item in zip(header, items)]
 
 
 def unpack(header: Header, flat: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
     """``pack``'s inverse: views into ``flat`` where aligned (a piece after a narrower dtype may
     start off its own alignment, and is copied then)."""
-    items = _itemsizes(header)
-    sizes = [torch.Size(shape).numel() * item for (_, shape, _), item in zip(header, items)]
+    items, sizes = _sizes(header)
     pieces = [p if p.storage_offset() % item == 0 else p.clone()
               for p, item in zip(torch.split(flat, sizes), items)]
     return [(name, piece.view(dtype).view(shape)) for (name, shape, dtype), piece in zip(header, pieces)]
@@ -159,11 +179,9 @@ def send_weights(split: WorldSplit, weights: Iterable[tuple[str, torch.Tensor]],
                  bucket_bytes: int) -> dict[str, int]:
     """Trainer side: every trainer rank consumes ``weights`` (the export's collectives), rank 0
     broadcasts each bucket to the engines. Returns the counts sync_weights returns."""
-    stats = {"num_buckets": 0, "num_tensors": 0, "num_bytes": 0}
+    stats = new_counts()
     for bucket in bucketed(weights, bucket_bytes):
-        stats["num_buckets"] += 1
-        stats["num_tensors"] += len(bucket)
-        stats["num_bytes"] += sum(tensor_bytes(t) for _, t in bucket)
+        count_bucket(stats, bucket)
         if split.transfer is None:
             continue
         header, flat = pack(bucket)
@@ -177,18 +195,14 @@ def send_weights(split: WorldSplit, weights: Iterable[tuple[str, torch.Tensor]],
 def receive_weights(split: WorldSplit, engine) -> dict[str, int]:
     """Engine side: the buckets of one ``send_weights``, each into ``engine.update_weights`` as
     it arrives, then ``engine.finish_weight_update()``. Returns the same counts."""
-    stats = {"num_buckets": 0, "num_tensors": 0, "num_bytes": 0}
+    stats = new_counts()
     while (header := broadcast_object(split)) != _END:
         if isinstance(header, tuple):  # a request instead of a bucket: the trainers gave up mid-stream
-            raise RuntimeError(f"engine rank {split.side_rank}: the trainers sent {header[0]!r} in the middle of a "
-                               "weight stream (a trainer failed while exporting; its own error says why)")
-        flat = _broadcast(split, torch.empty(_num_bytes(header), dtype=torch.uint8, device=split.device))
+            raise RuntimeError(f"engine rank {split.side_rank}: the trainers sent {header[0]!r} in the middle "
+                               "of a weight stream (a trainer failed while exporting; its own error says why)")
+        flat = _broadcast(split, torch.empty(sum(_sizes(header)[1]), dtype=torch.uint8, device=split.device))
         bucket = unpack(header, flat)
         engine.update_weights(bucket)
-        stats["num_buckets"] += 1
-        stats["num_tensors"] += len(bucket)
-        stats["num_bytes"] += flat.numel()
-    finish = getattr(engine, "finish_weight_update", None)
-    if finish is not None:
-        finish()
+        count_bucket(stats, bucket)
+    finish_update(engine)
     return stats
