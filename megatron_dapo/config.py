@@ -149,6 +149,9 @@ class RolloutConfig:
                                       "the trainer works); separate: the last rollout.num_ranks ranks hold only engines")
     num_ranks: int = _f(0, "with placement=separate: the engines' ranks, a multiple of tensor_parallel_size, fewer "
                            "than the world")
+    max_staleness: int = _f(0, "with placement=separate: weight versions a trained rollout may lag behind the trainer; "
+                               "0 = generate then train (as colocated), 1 = the next step's first generation batch "
+                               "is generated while this step trains, k = up to k steps ahead")
 
     def __post_init__(self):
         if self.sleep_level not in (1, 2):
@@ -172,6 +175,12 @@ class RolloutConfig:
         if (self.placement == "separate") != (self.num_ranks > 0) or self.num_ranks < 0:
             _fail(f"rollout.num_ranks={self.num_ranks} with rollout.placement={self.placement}: separate placement "
                   "needs the engines' ranks (rollout.num_ranks >= 1), colocated none (0)")
+        if self.max_staleness < 0:
+            _fail(f"rollout.max_staleness must be >= 0, got {self.max_staleness}")
+        if self.max_staleness and self.placement != "separate":
+            _fail(f"rollout.max_staleness={self.max_staleness} with rollout.placement={self.placement}: colocated "
+                  "engines share the trainers' devices, so generation cannot overlap training; use "
+                  "rollout.placement=separate with rollout.num_ranks, or rollout.max_staleness=0")
         if self.placement == "separate" and self.engine != "hf":
             _fail(f"rollout.engine={self.engine} with rollout.placement=separate: only the hf engine serves from ranks "
                   "of its own so far (vLLM's launcher would read the whole launch's ranks); use rollout.engine=hf "

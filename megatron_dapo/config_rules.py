@@ -62,6 +62,11 @@ def validate_cross_section(cfg: Any) -> None:
         # TIS weighs by pi_old / pi_rollout, which is 1 when pi_old is the rollout's: it would do nothing.
         _fail(f"loss.tis_cap={cfg.loss.tis_cap} corrects pi_old against the engine's log-probs, which "
               "train.old_log_probs=rollout makes pi_old itself; set loss.tis_cap=null or train.old_log_probs=trainer")
+    if r.max_staleness and t.old_log_probs == "rollout":
+        # Stale rollouts come from older weights: pi_old must be the trainer's weights of this step,
+        # with TIS correcting the drift (docs/DESIGN.md "Separate placement and asynchronous rollouts").
+        _fail(f"rollout.max_staleness={r.max_staleness} with train.old_log_probs=rollout: a stale rollout's "
+              "log-probs are an older policy's, not this step's pi_old; set train.old_log_probs=trainer")
     seq_len = d.max_prompt_length + r.max_response_length
     if 0 < t.max_tokens_per_micro_batch < seq_len:
         _fail(f"train.max_tokens_per_micro_batch={t.max_tokens_per_micro_batch} cannot hold one sequence of "

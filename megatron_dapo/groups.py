@@ -81,16 +81,18 @@ def shape_groups(indices: list[int], outputs: list[list[Rollout]], results: list
 
 def generate_scored(placement: RolloutPlacement, prompt_ids: list[list[int]], n: int, params: SamplingParams, *,
                     ground_truths: list[str], tokenizer, pool, fns: tuple[str | None, ...] = (None,),
-                    summarise: Callable[[int, list[Rollout], list[list[dict]], list[str]], T]) -> list[T]:
+                    summarise: Callable[[int, list[Rollout], list[list[dict]], list[str]], T],
+                    fetch: Callable[[], tuple[range, list[list[Rollout]]]] | None = None) -> list[T]:
     """Generate -> score -> gather, the one protocol of training and evaluation.
 
     Every replica generates its share of ``prompt_ids`` (``n`` responses each; ``ground_truths``
     aligned with them); its leader scores the share with each reward fn of ``fns`` and summarises
     each prompt: ``summarise(position in prompt_ids, its n rollouts, per fn its n reward dicts, the n
     decoded responses)``. Only the summaries travel; returns one per prompt, in prompt order, on
-    every rank.
+    every rank. ``fetch``: where the rollouts come from instead (a batch asked for ahead,
+    rollout/pipeline.py), in ``placement.generate``'s form.
     """
-    share, outputs = placement.generate(prompt_ids, n, params)
+    share, outputs = fetch() if fetch is not None else placement.generate(prompt_ids, n, params)
     local: list[T] = []
     if placement.is_leader and share:
         texts: list[str] = []
@@ -115,12 +117,14 @@ class GenBatch:
 
 def generate_groups(placement: RolloutPlacement, prompt_ids: list[list[int]], indices: list[int], *,
                     ground_truths: list[str], tokenizer, params: SamplingParams, pool, cfg: DAPOConfig,
-                    keep: Callable[[torch.Tensor], torch.Tensor], rows: RowSpec | None = None) -> GenBatch:
+                    keep: Callable[[torch.Tensor], torch.Tensor], rows: RowSpec | None = None,
+                    fetch: Callable[[], tuple[range, list[list[Rollout]]]] | None = None) -> GenBatch:
     """One generation batch (the prompts ``indices``), split over the rollout replicas.
 
     Each replica's leader scores (with reward.fn and, when ``rows.audit_scorer``, the audit scorer)
     and shapes its share, applies ``keep`` (dynamic sampling's filter: [P, G] acc -> [P] bool) and
-    audits every group; only kept groups, counts, and the bounded dump rows travel.
+    audits every group; only kept groups, counts, and the bounded dump rows travel. ``fetch``: as
+    generate_scored's.
     """
     fns = (None, rows.audit_scorer) if rows is not None and rows.audit_scorer else (None,)
     flag_counts: dict[str, int] = {}  # this leader's share: flagged rows sent so far, per flag
@@ -142,7 +146,7 @@ def generate_groups(placement: RolloutPlacement, prompt_ids: list[list[int]], in
 
     gathered = generate_scored(placement, [prompt_ids[i] for i in indices], cfg.rollout.n, params,
                                ground_truths=[ground_truths[i] for i in indices], tokenizer=tokenizer, pool=pool,
-                               fns=fns, summarise=summarise)
+                               fns=fns, summarise=summarise, fetch=fetch)
     return GenBatch(groups=[g[1] for g in gathered], acc=torch.tensor([g[0] for g in gathered], dtype=torch.bool),
                     audits=[g[2] for g in gathered], rows=[r for g in gathered for r in g[3]],
                     flagged=[r for g in gathered for r in g[4]])
@@ -170,6 +174,14 @@ def to_samples(groups: list[Group], cfg: DAPOConfig):
     return [Sample(prompt_ids=p, response_ids=resp, advantages=adv, loss_mask=mask,
                    rollout_log_probs=next(engine) if has else None)
             for p, resp, adv, mask, has in zip(prompts, responses, advantages.reshape(-1).tolist(), masks, with_lp)]
+
+
+def version_lag(groups: list[Group], version: int) -> dict[str, float]:
+    """How many weight versions the kept batch's rollouts lag behind the trainer's ``version``
+    (steps trained so far): 0 for a synchronous step's own batches, up to rollout.max_staleness for
+    batches asked for ahead (rollout/pipeline.py), more for groups carried over (surplus=carry)."""
+    lags = torch.tensor([version - r.weight_version for g in groups for r in g.rollouts], dtype=torch.float32)
+    return {"rollout/version_lag_mean": lags.mean().item(), "rollout/version_lag_max": lags.max().item()}
 
 
 def rollout_metrics(groups: list[Group]) -> dict[str, float]:

@@ -85,11 +85,27 @@ class Run(Prepared):
             self.release()
 
 
+ASYNC_TIS_CAP = 2.0  # verl's tis_imp_ratio_cap
+
+
+def with_async_defaults(cfg: DAPOConfig) -> DAPOConfig:
+    """``cfg`` with truncated importance sampling on (loss.tis_cap=2.0) when rollouts may be stale
+    (rollout.max_staleness >= 1) and it was left off: the trainer's pi_old then differs from the
+    rollout's policy by up to max_staleness updates, not only by the engine's numerics."""
+    if not cfg.rollout.max_staleness or cfg.loss.tis_cap is not None:
+        return cfg
+    if ranks.rank() == 0:
+        logger.info("rollout.max_staleness=%d: loss.tis_cap=%s (truncated importance sampling corrects stale "
+                    "rollouts; set loss.tis_cap to choose another cap)", cfg.rollout.max_staleness, ASYNC_TIS_CAP)
+    return dataclasses.replace(cfg, loss=dataclasses.replace(cfg.loss, tis_cap=ASYNC_TIS_CAP))
+
+
 def prepare_run(cfg: DAPOConfig, *, lock: bool = True, engines=None) -> Prepared:
     """Steps (1) to (3) of the module docstring, and the resume point's trainer state. ``lock``:
     take the run directory (training); evaluation reads a live run without it. ``engines``: the
     remote engines of a separate placement (this process is then a trainer of its own world)."""
     rank, world = ranks.rank(), ranks.world_size()
+    cfg = with_async_defaults(cfg)
     check_rollout(cfg, world if engines is None else engines.split.num_engines)
     check_model(cfg)
     if cfg.num_threads:

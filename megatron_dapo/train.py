@@ -21,7 +21,7 @@ import torch
 
 from megatron_dapo import ranks
 from megatron_dapo.algo import DynamicSampler
-from megatron_dapo.groups import generate_groups, rollout_metrics, to_samples
+from megatron_dapo.groups import generate_groups, rollout_metrics, to_samples, version_lag
 from megatron_dapo.config import DAPOConfig
 from megatron_dapo.config_loading import dump_yaml, to_dict
 from megatron_dapo.eval import evaluate_with_rows
@@ -31,6 +31,7 @@ from megatron_dapo.observe.profiler import StepProfiler
 from megatron_dapo.preemption import TIME_LIMIT, StopRequest, Watch
 from megatron_dapo.reward import VALUE_REWARD_FN
 from megatron_dapo.rollout.engine import eval_sampling_params, rollout_sampling_params
+from megatron_dapo.rollout.pipeline import Ahead, RolloutPipeline
 from megatron_dapo.rollout.weight_sync import MISMATCH_KEYS, logprob_mismatch
 from megatron_dapo.run import Run, build_run, prepare_run
 from megatron_dapo.time_limit import StepClock, job_end_time, write_status
@@ -109,9 +110,11 @@ def _train(run: Run, stop: StopRequest) -> TrainResult:
     gen_batch = cfg.data.gen_prompts_per_batch if dyn.enabled else cfg.data.prompts_per_step
     resume = run.resume
     start = resume.step if resume else 0
+    pipeline = RolloutPipeline(cfg.rollout.max_staleness, cfg.train.total_steps, cfg.checkpoint.save_every)
     if resume:
         run.sampler.load_state_dict(resume.sampler)
         dyn.restore_held(resume.held_groups)
+        pipeline.restore(list(resume.ahead))
     # Records are numbered by completed steps; a checkpoint at step N already holds step N's
     # record, so a resume drops only what came after it (a fresh run drops everything).
     log = MetricsLogger(run.dir, tensorboard=cfg.logging.tensorboard, wandb=cfg.logging.wandb,
@@ -128,19 +131,20 @@ def _train(run: Run, stop: StopRequest) -> TrainResult:
                    log=log)
     try:
         with StepProfiler(cfg.profile, run.dir, run.rank) as prof:  # profile.steps: a trace of those steps
-            return _loop(run, stop, dyn, log, obs, prof, start, gen_batch, clock, end_time)
+            return _loop(run, stop, dyn, pipeline, log, obs, prof, start, gen_batch, clock, end_time)
     finally:
         log.close()
         run.actor.onload_after_rollout()  # the run's last evaluation may have left the state off
 
 
-def _loop(run: Run, stop: StopRequest, dyn: DynamicSampler, log: MetricsLogger, obs: Observer, prof: StepProfiler,
-          start: int, gen_batch: int, clock: StepClock, end_time: float | None) -> TrainResult:
+def _loop(run: Run, stop: StopRequest, dyn: DynamicSampler, pipeline: RolloutPipeline, log: MetricsLogger,
+          obs: Observer, prof: StepProfiler, start: int, gen_batch: int, clock: StepClock,
+          end_time: float | None) -> TrainResult:
     cfg, actor, placement, inputs = run.cfg, run.actor, run.placement, run.inputs
     _record_ranks(run)
     if run.rank == 0:
         (run.dir / "config.yaml").write_text(dump_yaml(cfg))
-    _sync(run)  # the engines start from the checkpoint's weights (vLLM's from dummy ones)
+    _sync(run, start)  # the engines start from the checkpoint's weights (vLLM's from dummy ones)
     final = {}
     if cfg.eval.before_train and start == 0:
         actor.offload_for_rollout()  # the engine generates: the state goes off as for a step's rollouts
@@ -169,11 +173,16 @@ def _loop(run: Run, stop: StopRequest, dyn: DynamicSampler, log: MetricsLogger, 
         with log.timer("rollout"):
             dyn.start_step()
             while not dyn.is_full:  # dynamic sampling: draw generation batches until the batch is full
-                indices = obs.draw(run.sampler, gen_batch)  # skips retired prompts (data.skip_solved_after)
-                params = rollout_sampling_params(cfg.rollout, seed=_seed(cfg, step, dyn), stop_token_ids=inputs.stops)
+                ahead = pipeline.take(step) if dyn.num_gen_batches == 0 else None  # asked for in an earlier step
+                if ahead is None:
+                    ahead = Ahead(step, obs.draw(run.sampler, gen_batch),  # skips retired prompts
+                                  _seed(cfg, step, dyn.num_gen_batches))
+                indices = ahead.indices
+                params = rollout_sampling_params(cfg.rollout, seed=ahead.seed, stop_token_ids=inputs.stops)
                 batch = generate_groups(placement, inputs.train_ids, indices, ground_truths=inputs.train_truths,
                                         tokenizer=inputs.tokenizer, params=params, pool=run.pool, cfg=cfg,
-                                        keep=dyn.keep_mask, rows=obs.row_spec(dyn.num_gen_batches))
+                                        keep=dyn.keep_mask, rows=obs.row_spec(dyn.num_gen_batches),
+                                        fetch=_fetch(placement, ahead))
                 obs.add_batch(batch, indices, dyn.num_gen_batches, gen_batch)
                 dyn.add(batch.groups, batch.acc)
             groups, ds_metrics = dyn.pop()
@@ -184,7 +193,9 @@ def _loop(run: Run, stop: StopRequest, dyn: DynamicSampler, log: MetricsLogger, 
                 actor.onload_after_rollout()
         generated += int(ds_metrics["dynamic_sampling/num_groups_generated"]) * cfg.rollout.n
         finished = _finished(cfg, step + 1, generated)
-        metrics.update(ds_metrics | rollout_metrics(groups))
+        for target in pipeline.targets(step, finished=finished):  # generated while this step trains
+            _ask_ahead(run, obs, pipeline, target, gen_batch)
+        metrics.update(ds_metrics | rollout_metrics(groups) | version_lag(groups, step))
         metrics["rollout/responses_generated_total"] = generated
         samples = to_samples(groups, cfg)
 
@@ -207,7 +218,7 @@ def _loop(run: Run, stop: StopRequest, dyn: DynamicSampler, log: MetricsLogger, 
         metrics.update(_device_used("training"))
         pending, write_s = _write_if_due(run, log, step + 1, finished)
         with log.timer("weight_sync"):
-            _sync(run)
+            _sync(run, step + 1)
         eval_s = 0.0
         if evaluates or finished:
             eval_start = time.monotonic()
@@ -215,6 +226,7 @@ def _loop(run: Run, stop: StopRequest, dyn: DynamicSampler, log: MetricsLogger, 
                 actor.offload_for_rollout()  # off until the next old log-probs (publish reads no state)
                 metrics.update(_evaluate(run, obs))
             eval_s = time.monotonic() - eval_start
+        metrics.update(placement.take_waits())
         metrics["timing_s/step"] = time.perf_counter() - step_start
         metrics.update(obs.end_step(step + 1, metrics, groups, [s.advantages for s in samples]))
         # Log before saving: a crash between the two resumes from the previous checkpoint and
@@ -224,7 +236,7 @@ def _loop(run: Run, stop: StopRequest, dyn: DynamicSampler, log: MetricsLogger, 
         prof.end_step(done)
         clock.end_step(eval_seconds=eval_s)
         if pending is not None:
-            _save(run, dyn, obs, done, generated, clock, pending, write_s)
+            _save(run, dyn, pipeline, obs, done, generated, clock, pending, write_s)
             saved = done
         if finished:
             break
@@ -232,7 +244,9 @@ def _loop(run: Run, stop: StopRequest, dyn: DynamicSampler, log: MetricsLogger, 
         return TrainResult(final_eval=final, step=done)
     if done > saved:
         actor.onload_after_rollout()  # an evaluation may have left the state off
-        _save(run, dyn, obs, done, generated, clock)
+        for ahead in pipeline.ahead:  # kept with the checkpoint: the resumed run trains on them
+            ahead.rollouts = placement.collect(ahead.request)[1]
+        _save(run, dyn, pipeline, obs, done, generated, clock)
     latest = _latest(run)
     return TrainResult(final_eval=final, step=done, stopped_by=stop.name, checkpoint=latest and str(latest),
                        stop_latency_s=stop.seconds_since())
@@ -259,15 +273,15 @@ def _write_if_due(run: Run, log: MetricsLogger, step: int, finished: bool):
     return pending, time.monotonic() - started
 
 
-def _save(run: Run, dyn: DynamicSampler, obs: Observer, step: int, generated: int, clock: StepClock,
-          pending=None, write_s: float = 0.0) -> None:
+def _save(run: Run, dyn: DynamicSampler, pipeline: RolloutPipeline, obs: Observer, step: int, generated: int,
+          clock: StepClock, pending=None, write_s: float = 0.0) -> None:
     """Publishes ``pending`` (the step's tensors, written before the sync ``write_s`` ago) with the
     trainer state; without one (a stop between steps), saves in one go. The clock records the whole
     save, both halves: it is what the stop path's one-phase save will cost (the saving step's time
     holds the write too, which only makes the time-limit estimate safer)."""
     state = TrainerState(step=step, sampler=run.sampler.state_dict(), held_groups=dyn.held,
                          responses_generated=generated, clock=clock.state_dict(), ledger=obs.ledger.state(),
-                         alarms=tuple(obs.alarms.state()))
+                         alarms=tuple(obs.alarms.state()), ahead=tuple(pipeline.to_json()))
     started = time.monotonic()
     if pending is None:
         run.actor.save_checkpoint(str(run.ckpt_dir), state.to_json())
@@ -300,12 +314,33 @@ def _last_eval(run_dir: Path) -> dict[str, float]:
     return {k: v for k, v in records[-1].items() if k.startswith("eval/") and v is not None} if records else {}
 
 
-def _sync(run: Run) -> None:
-    """Streams the trained weights into every rank's engine (so into every replica); every rank
-    runs the export's collectives. One bucket size for both halves: the export gathers a bucket of
-    full tensors at a time, and the engine loads the same buckets."""
+def _sync(run: Run, version: int | None = None) -> None:
+    """Streams the trained weights (``version``: the steps trained into them) into every rank's
+    engine (so into every replica); every rank runs the export's collectives. One bucket size for
+    both halves: the export gathers a bucket of full tensors at a time, and the engine loads the
+    same buckets."""
     bucket_bytes = run.cfg.rollout.weight_sync_bucket_mb << 20
-    run.placement.sync(run.actor.export_hf_weights(bucket_bytes=bucket_bytes), bucket_bytes)
+    run.placement.sync(run.actor.export_hf_weights(bucket_bytes=bucket_bytes), bucket_bytes, version=version)
+
+
+def _ask_ahead(run: Run, obs: Observer, pipeline: RolloutPipeline, step: int, gen_batch: int) -> None:
+    """Asks the engines for step ``step``'s first generation batch now (rollout/pipeline.py)."""
+    cfg = run.cfg
+    ahead = Ahead(step, obs.draw(run.sampler, gen_batch), _seed(cfg, step, 0))
+    params = rollout_sampling_params(cfg.rollout, seed=ahead.seed, stop_token_ids=run.inputs.stops)
+    ahead.request = run.placement.submit([run.inputs.train_ids[i] for i in ahead.indices], cfg.rollout.n, params)
+    pipeline.add(ahead)
+
+
+def _fetch(placement, ahead: Ahead):
+    """Where a generation batch's rollouts come from: a stop's saved ones, the engines' answer to
+    an earlier request, or (None) a generation now."""
+    if ahead.rollouts is not None:
+        saved = ahead.rollouts if placement.is_leader else []
+        return lambda: (range(len(saved)), saved)
+    if ahead.request is not None:
+        return lambda: placement.collect(ahead.request)
+    return None
 
 
 def _evaluate(run: Run, obs: Observer | None = None) -> dict[str, float]:
@@ -376,9 +411,10 @@ def _mismatch(engine_lp: list[torch.Tensor], trainer_lp: list[torch.Tensor]) -> 
     return {k: float(v) for k, v in out.items()}
 
 
-def _seed(cfg: DAPOConfig, step: int, dyn: DynamicSampler) -> int:
-    """Rollout seed of this step's next generation batch: reproducible across a resume."""
-    return (cfg.seed * 1_000_003 + step) * 1_009 + dyn.num_gen_batches
+def _seed(cfg: DAPOConfig, step: int, num_gen_batches: int) -> int:
+    """Rollout seed of step ``step``'s generation batch after ``num_gen_batches`` others:
+    reproducible across a resume, and the same whether asked for ahead or not."""
+    return (cfg.seed * 1_000_003 + step) * 1_009 + num_gen_batches
 
 
 def evaluate_run(cfg: DAPOConfig) -> dict[str, float]:

@@ -30,23 +30,28 @@ class TrainerState:
     """``PassRateLedger.state()``: every drawn prompt's attempts, correct responses and solved streak."""
     alarms: tuple[str, ...] = ()
     """The alarms raised at this step (observe/alarms.py): a resumed run warns where the first would."""
+    ahead: tuple[dict, ...] = ()
+    """Generation batches asked for ahead and collected at a stop (``RolloutPipeline.to_json``;
+    rollout.max_staleness >= 1): the next steps' first batches, with their rollouts."""
 
     def to_json(self) -> dict:
         return {"step": self.step, "sampler": self.sampler, "held_groups": [g.to_json() for g in self.held_groups],
                 "responses_generated": self.responses_generated, "clock": self.clock, "ledger": self.ledger,
-                "alarms": list(self.alarms)}
+                "alarms": list(self.alarms), "ahead": list(self.ahead)}
 
     @classmethod
     def from_json(cls, data: dict, where: str) -> "TrainerState":
         """The state ``to_json`` wrote; InputError naming ``where`` (the file) when a key is missing
         or unknown (a checkpoint of another version of this code). ``ledger`` and ``alarms`` came later:
-        a checkpoint without them resumes with an empty ledger and no alarm raised."""
+        a checkpoint without them resumes with an empty ledger and no alarm raised; ``ahead`` too
+        (nothing asked for ahead)."""
         keys = {"step", "sampler", "held_groups", "responses_generated", "clock"}
-        if not isinstance(data, dict) or not keys <= set(data) <= keys | {"ledger", "alarms"}:
+        if not isinstance(data, dict) or not keys <= set(data) <= keys | {"ledger", "alarms", "ahead"}:
             got = sorted(data) if isinstance(data, dict) else type(data).__name__
             raise InputError(f"{where}: trainer state with keys {got}, expected {sorted(keys)}: a checkpoint of "
                              "another version of megatron-dapo; resume it with that version, or start a new logging.dir")
         return cls(step=int(data["step"]), sampler=data["sampler"],
                    held_groups=tuple(Group.from_json(g) for g in data["held_groups"]),
                    responses_generated=int(data["responses_generated"]), clock=data["clock"],
-                   ledger=data.get("ledger", {}), alarms=tuple(data.get("alarms", ())))
+                   ledger=data.get("ledger", {}), alarms=tuple(data.get("alarms", ())),
+                   ahead=tuple(data.get("ahead", ())))

@@ -104,6 +104,7 @@ class Rollout:
     response_ids: list[int]
     logprobs: list[float] = field(default_factory=list)
     finish_reason: FinishReason = "length"
+    weight_version: int = 0  # the trainer steps in the weights that generated it (placements stamp it)
 
     def __post_init__(self):
         if self.logprobs and len(self.logprobs) != len(self.response_ids):

@@ -55,6 +55,14 @@ def gather_all(item: Any, world_size: int, group: Any) -> list:
     return parts
 
 
+def stamp(outputs: list[list[Rollout]], version: int) -> list[list[Rollout]]:
+    """``outputs`` with every rollout's ``weight_version`` set to ``version`` (in place)."""
+    for group in outputs:
+        for rollout in group:
+            rollout.weight_version = version
+    return outputs
+
+
 def shard_range(num_items: int, shard: int, num_shards: int) -> range:
     """Shard ``shard`` of ``num_items`` split into ``num_shards`` contiguous, balanced ranges
     (the first ``num_items % num_shards`` shards hold one more)."""
@@ -87,6 +95,7 @@ class RolloutPlacement:
             group = dist.new_group(backend="gloo")  # objects travel on the CPU, not through NCCL
         self._group = group
         self._asleep = False
+        self.version = 0  # the trainer steps in the engine's weights (the last sync's version)
 
     def share(self, num_items: int) -> range:
         """Global positions of this replica's share of ``num_items`` prompts."""
@@ -106,8 +115,8 @@ class RolloutPlacement:
         # replicas step in lockstep, all-reducing "anything unfinished?" every engine step over
         # the replicas (docs/DESIGN.md "Rollout placement"); a replica that skipped the call
         # would leave the others waiting in that all-reduce for ever.
-        return share, self.engine.generate([prompt_ids[i] for i in share], n, params,
-                                           prompt_indices=list(share))
+        outputs = self.engine.generate([prompt_ids[i] for i in share], n, params, prompt_indices=list(share))
+        return share, stamp(outputs, self.version)
 
     def gather(self, local: list) -> list:
         """Every replica leader's ``local`` list, concatenated in replica order, on every rank
@@ -122,10 +131,20 @@ class RolloutPlacement:
         """Every rank's ``item``, in rank order, on every rank (small objects: names, counts)."""
         return gather_all(item, self.world_size, self._group)
 
-    def sync(self, weights: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> dict[str, int]:
+    def sync(self, weights: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int,
+             version: int | None = None) -> dict[str, int]:
         """Stream (HF name, full tensor) pairs into this rank's engine (every rank runs it, so every
-        replica gets them); returns sync_weights' counts."""
-        return sync_weights(self.engine, weights, bucket_bytes)
+        replica gets them); returns sync_weights' counts. ``version``: the trainer steps in these
+        weights, stamped on the rollouts generated from them (None: unchanged)."""
+        counts = sync_weights(self.engine, weights, bucket_bytes)
+        if version is not None:
+            self.version = version
+        return counts
+
+    def take_waits(self) -> dict[str, float]:
+        """Seconds each side waited for the other since the last call: none here, the engine and
+        the trainer take turns on the same ranks (SeparatePlacement measures them)."""
+        return {}
 
     def sleep(self) -> None:
         """Release the engine's memory for the trainer (before old log-probs and updates)."""

@@ -1,23 +1,33 @@
-"""Separate placement at staleness 0: the trainers' side of the rollout protocol, and the engines' loop.
+"""Separate placement: the trainers' side of the rollout protocol, and the engines' loop.
 
-The engine ranks (rollout/worlds.py) run ``serve``: they wait for trainer rank 0's requests on the
-transfer group and answer them, and never build megatron, the data or a reward pool. Trainer rank 0
-sends the run's resolved config once the run is prepared (``start``, so the demo's files exist and
-every engine loads the same model), then per generation batch the prompts and sampling params
-(``generate``: each engine replica generates its contiguous share, seeded by the prompts' global
-positions as colocated replicas are, and the replica leaders' results come back in replica order),
-per weight sync the export's stream (``weights``), and ``stop`` when the run ends.
+The engine ranks (rollout/worlds.py) run ``serve``: they answer trainer rank 0's requests on the
+transfer group and never build megatron, the data or a reward pool. Trainer rank 0 sends the run's
+resolved config once the run is prepared (``start``, so the demo's files exist and every engine
+loads the same model); per generation batch a request (``generate``: each engine replica generates
+its contiguous share, seeded by the prompts' global positions as colocated replicas are) and, when
+it needs the results, ``collect`` (the replica leaders' results come back in replica order); per
+weight sync the export's stream (``weights``, with its version); ``stop`` when the run ends.
+
+An engine rank does the work in a thread of its own, strictly in the order asked, while its main
+thread keeps the transfer group's collectives in the trainers' order. So a ``generate`` returns at
+once and the trainers go on training (rollout.max_staleness >= 1: rollout/pipeline.py), and a
+weight stream that arrives while a batch is generating is held in host memory and loaded after
+that batch: every batch is generated from the weights that were current when it was asked for,
+and its rollouts carry that version. Each result also carries the engine's idle seconds, and the
+trainer rank measures how long it waited in ``collect``: the step's wait metrics.
 
 On the trainers, ``SeparatePlacement`` stands where ``RolloutPlacement`` stands colocated, with
-the same methods: one logical replica spanning every trainer rank, whose leader (trainer rank 0)
-receives every result and scores it; ``gather`` then hands the leader's summaries to every trainer
-rank. Generation and training alternate (staleness 0): the step runs as the colocated one does,
-with the engines idle while the trainers update.
+the same methods plus ``submit``/``collect``: one logical replica spanning every trainer rank,
+whose leader (trainer rank 0) receives every result and scores it; ``gather`` then hands the
+leader's summaries to every trainer rank.
 """
 
 from __future__ import annotations
 
 import logging
+import queue
+import threading
+import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -25,7 +35,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_dapo.rollout.engine import Rollout, SamplingParams
-from megatron_dapo.rollout.placement import gather_all, replica_layout, shard_range
+from megatron_dapo.rollout.placement import gather_all, replica_layout, shard_range, stamp
+from megatron_dapo.rollout.weight_sync import finish_update
 from megatron_dapo.rollout.worlds import (
     WorldSplit,
     allgather_objects,
@@ -58,20 +69,45 @@ class SeparatePlacement:
         self.rank, self.world_size = split.side_rank, split.num_trainers
         self.replica, self.num_replicas, self.is_leader = 0, 1, split.side_rank == 0
         self.engine = engines  # Run.close shuts it down
+        self._requests = 0  # request ids, in the order asked
+        self._waited = self._idle = 0.0  # since take_waits: trainer rank 0 in collect, the engines idle
 
     def start(self, cfg) -> None:
         """The engines build their engine from the run's resolved config (collective with them)."""
         if self.split.transfer is not None:
             broadcast_object(self.split, ("start", cfg))
 
+    def submit(self, prompt_ids: Sequence[Sequence[int]], n: int, params: SamplingParams) -> int:
+        """Asks the engines for a generation batch and returns at once: the request's id for
+        ``collect`` (every trainer rank calls it; only the leader sends)."""
+        self._requests += 1
+        if self.is_leader:
+            broadcast_object(self.split, ("generate", self._requests, [list(p) for p in prompt_ids], n, params))
+        return self._requests
+
+    def collect(self, request: int) -> tuple[range, list[list[Rollout]]]:
+        """A submitted batch's rollouts on the leader, in prompt order (waits for them); elsewhere none."""
+        if not self.is_leader:
+            return range(0), []
+        started = time.monotonic()
+        broadcast_object(self.split, ("collect", request))
+        parts = allgather_objects(self.split, None)[1:]  # the engines', in engine rank order
+        self._waited += time.monotonic() - started
+        self._idle += max(idle for _, idle in parts)
+        groups = [group for part, _ in parts if part is not None for group in part]
+        return range(len(groups)), groups
+
     def generate(self, prompt_ids: Sequence[Sequence[int]], n: int,
                  params: SamplingParams) -> tuple[range, list[list[Rollout]]]:
         """On the leader every prompt's rollouts (from the engine replicas); elsewhere none."""
-        if not self.is_leader:
-            return range(0), []
-        broadcast_object(self.split, ("generate", [list(p) for p in prompt_ids], n, params))
-        parts = allgather_objects(self.split, None)[1:]  # the engines', in engine rank order
-        return range(len(prompt_ids)), [group for part in parts if part is not None for group in part]
+        return self.collect(self.submit(prompt_ids, n, params))
+
+    def take_waits(self) -> dict[str, float]:
+        """Seconds trainer rank 0 waited in ``collect`` and the engines sat idle (the most idle
+        replica) since the last call."""
+        waits = {"timing_s/trainer_waited": self._waited, "timing_s/engines_idle": self._idle}
+        self._waited = self._idle = 0.0
+        return waits
 
     def gather(self, local: list) -> list:
         """The leader's ``local`` on every trainer rank."""
@@ -85,10 +121,12 @@ class SeparatePlacement:
         """Every trainer rank's ``item``, in rank order, on every trainer rank."""
         return gather_all(item, self.world_size, None)
 
-    def sync(self, weights: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> dict[str, int]:
-        """Every trainer rank runs the export; trainer rank 0 streams it to every engine rank."""
+    def sync(self, weights: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int,
+             version: int | None = None) -> dict[str, int]:
+        """Every trainer rank runs the export; trainer rank 0 streams it to every engine rank,
+        which loads it after the batches asked for before it."""
         if self.split.transfer is not None:
-            broadcast_object(self.split, ("weights",))
+            broadcast_object(self.split, ("weights", version))
         return send_weights(self.split, weights, bucket_bytes)
 
     def sleep(self) -> None:
@@ -98,36 +136,133 @@ class SeparatePlacement:
         """See sleep()."""
 
 
+class _Held:
+    """A weight stream received while the engine may be generating: its buckets, in host memory,
+    for the worker to load in order (the update_weights/finish_weight_update of an engine)."""
+
+    def __init__(self):
+        self.buckets: list[list[tuple[str, torch.Tensor]]] = []
+
+    def update_weights(self, bucket) -> None:
+        self.buckets.append([(name, t.cpu()) for name, t in bucket])
+
+    def finish_weight_update(self) -> None:
+        """Nothing to finish until the worker loads the buckets."""
+
+
+class _Worker(threading.Thread):
+    """An engine rank's engine, doing what it is asked strictly in order (module doc)."""
+
+    def __init__(self, split: WorldSplit):
+        super().__init__(name="engine-worker", daemon=True)
+        self.split = split
+        self.work: queue.Queue = queue.Queue()
+        self.results: dict[int, tuple[list | None, float]] = {}
+        self.error: BaseException | None = None
+        self.served = 0
+        self._done = threading.Condition()
+
+    def run(self) -> None:
+        engine, version, idle = None, 0, 0.0
+        try:
+            while True:
+                waiting = time.monotonic()
+                item = self.work.get()
+                if engine is not None:
+                    idle += time.monotonic() - waiting
+                kind = item[0]
+                if kind == "start":
+                    engine, leader, replica, num_replicas = self._build(item[1])
+                elif kind == "generate":
+                    request, prompt_ids, n, params = item[1:]
+                    share = shard_range(len(prompt_ids), replica, num_replicas)
+                    out = engine.generate([prompt_ids[i] for i in share], n, params, prompt_indices=list(share))
+                    with self._done:
+                        self.results[request] = (stamp(out, version) if leader else None, idle)
+                        self._done.notify_all()
+                    idle, self.served = 0.0, self.served + 1
+                elif kind == "weights":
+                    for bucket in item[2]:
+                        engine.update_weights(bucket)
+                    finish_update(engine)
+                    version = item[1] if item[1] is not None else version
+                else:  # stop
+                    if engine is not None:
+                        engine.shutdown()
+                    return
+        except BaseException as error:  # raised on the main thread at the next collect
+            with self._done:
+                self.error = error
+                self._done.notify_all()
+
+    def _build(self, cfg):
+        from megatron_dapo.rollout.engine import get_engine_cls
+
+        if cfg.num_threads:  # what prepare_run does on the trainers (engines never run it)
+            torch.set_num_threads(cfg.num_threads)
+        tp = cfg.rollout.tensor_parallel_size
+        replica, num_replicas, leader = replica_layout(self.split.side_rank, self.split.num_engines, tp)
+        engine = get_engine_cls(cfg.rollout.engine).from_config(str(cfg.model.hf_path), cfg)
+        logger.info("engine rank %d: rollout replica %d of %d (%s engine)%s", self.split.side_rank, replica,
+                    num_replicas, cfg.rollout.engine, ", answering" if leader else "")
+        return engine, leader, replica, num_replicas
+
+    def result(self, request: int) -> tuple[list | None, float]:
+        """The request's (rollouts on a replica leader, else None; idle seconds before it), waiting."""
+        with self._done:
+            while request not in self.results:
+                if self.error is not None:
+                    raise RuntimeError(f"engine rank {self.split.side_rank} failed") from self.error
+                self._done.wait()
+            return self.results.pop(request)
+
+    def drop_pending(self) -> int:
+        """Forgets the generation requests not yet started (a stop: nobody will collect them)."""
+        dropped = 0
+        while True:
+            try:
+                item = self.work.get_nowait()
+            except queue.Empty:
+                return dropped
+            if item[0] == "generate":
+                dropped += 1
+            # weights and the rest: nothing to generate after them any more
+
+
 def serve(split: WorldSplit) -> int:
     """An engine rank's whole run: build the engine at ``start``, answer until ``stop``; returns
     the number of generation requests served. The engine's alarm-dump share differs from a colocated
     run's: one leader caps flagged rows over the whole batch (observe/observer.py), not per replica."""
-    from megatron_dapo.rollout.engine import get_engine_cls
+    worker = _Worker(split)
+    worker.start()
+    try:
+        _answer(split, worker)
+    finally:  # the worker ends with the loop, however it ends
+        worker.work.put(("stop",))
+        worker.join(timeout=600)
+    if worker.error is not None:
+        raise RuntimeError(f"engine rank {split.side_rank} failed") from worker.error
+    return worker.served
 
-    engine, served = None, 0
+
+def _answer(split: WorldSplit, worker: _Worker) -> None:
+    """The transfer group's side of ``serve``: every request in the trainers' order; the work to the
+    worker, results back when collected."""
     while True:
         request = broadcast_object(split)
         kind = request[0]
-        if kind == "start":
-            cfg = request[1]
-            if cfg.num_threads:  # what prepare_run does on the trainers (engines never run it)
-                torch.set_num_threads(cfg.num_threads)
-            tp = cfg.rollout.tensor_parallel_size
-            replica, num_replicas, leader = replica_layout(split.side_rank, split.num_engines, tp)
-            engine = get_engine_cls(cfg.rollout.engine).from_config(str(cfg.model.hf_path), cfg)
-            logger.info("engine rank %d: rollout replica %d of %d (%s engine)%s", split.side_rank, replica,
-                        num_replicas, cfg.rollout.engine, ", answering" if leader else "")
-        elif kind == "generate":
-            prompt_ids, n, params = request[1:]
-            share = shard_range(len(prompt_ids), replica, num_replicas)
-            out = engine.generate([prompt_ids[i] for i in share], n, params, prompt_indices=list(share))
-            allgather_objects(split, out if leader else None)
-            served += 1
+        if kind in ("start", "generate"):
+            worker.work.put(request)
+        elif kind == "collect":
+            allgather_objects(split, worker.result(request[1]))
         elif kind == "weights":
-            receive_weights(split, engine)
+            held = _Held()
+            receive_weights(split, held)
+            worker.work.put(("weights", request[1], held.buckets))
         elif kind == "stop":
-            if engine is not None:
-                engine.shutdown()
-            return served
+            dropped = worker.drop_pending()
+            if dropped:
+                logger.info("engine rank %d: %d generation requests dropped at the stop", split.side_rank, dropped)
+            return
         else:
             raise RuntimeError(f"engine rank {split.side_rank}: unknown request {kind!r}")

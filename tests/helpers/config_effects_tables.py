@@ -17,6 +17,8 @@ REFUSED: dict[str, tuple[str, dict]] = {  # key -> (value, context)
     # shows the run equal to the colocated one, which is the point of staleness 0.
     "rollout.placement": ("separate", {}),
     "rollout.num_ranks": ("1", {}),  # engines' ranks in a colocated run
+    # Stale rollouts need engines of their own; with them tests/functional/test_async_rollouts.py.
+    "rollout.max_staleness": ("1", {}),
 }
 
 GPU_ONLY: dict[str, str] = {

@@ -39,7 +39,7 @@ def test_every_benchmark_has_run(name):
     assert run_all.has_run(BENCH / f"{name}.py"), f"{name}.py has no top-level run(quick)"
 
 
-@pytest.mark.parametrize("name", ["checkpoint_save", "fault_campaign", "reward_fuzz", "rollout", "table1"])
+@pytest.mark.parametrize("name", ["async_rollout", "checkpoint_save", "fault_campaign", "reward_fuzz", "rollout", "table1"])
 def test_quick_is_smaller_than_full(name):
     """No size of the quick run exceeds the full run's and at least one is smaller: QUICK != FULL
     alone would pass a quick run larger than the full one. A skip_* flag counts as smaller when
@@ -168,3 +168,43 @@ def test_table1_figures():
     assert "2 seed(s), 1280 responses" in figs[1]["figure"]
     assert "1.0 min" in m.markdown(result)
 
+
+
+def _async_records(batches: list[int], waited: float, rollout: float, lag: float) -> list[dict]:
+    """Steps of ``batches`` generation batches each, ``waited`` / ``rollout`` seconds a batch, 1 s of training."""
+    return [{"step": i + 1, "dynamic_sampling/num_gen_batches": float(b), "timing_s/trainer_waited": waited * b,
+             "timing_s/rollout": rollout * b, "timing_s/step": rollout * b + 1.0, "rollout/version_lag_mean": lag,
+             "response_length/mean": 5.0, "eval/avg@4": 0.5} for i, b in enumerate(batches)]
+
+
+def test_async_rollout_model_and_figures():
+    m = _load("async_rollout")
+    base = _async_records([1, 1, 2, 1, 1], waited=2.0, rollout=2.0, lag=0.0)
+    # the k=0 run's own phases: 2 s a batch, no scoring, 1 s of training per step
+    assert m.costs(base) == {"generation": 2.0, "score": 0.0, "train": 1.0}
+    # at k=0 the model replays the run (steps 2..4: 3 + 5 + 3 s). At k=1 (ends at 3, 5, 9, 11):
+    # step 2 waits 1 s for its batch asked ahead (done at 4), trains to 5; step 3 waits for its first
+    # (asked at 4, done at 6), asks its second (6-8), trains to 9; step 4's first was asked at 8.
+    assert m.predict(base, 0, m.costs(base)) == 11.0
+    assert m.predict(base, 1, m.costs(base)) == 2.0 + 4.0 + 2.0
+    stale = _async_records([1, 1, 2, 1, 1], waited=1.0, rollout=1.0, lag=1.0)
+    runs = {mode: [{"records": stale if "k=" in mode and mode != "separate k=0" else base}]
+            for mode in m.MODES}
+    res = m.results(runs)
+    assert res["model"][1]["predicted"] == pytest.approx(8.0 / 11.0)
+    assert res["model"][1]["measured"] == pytest.approx(7.0 / 11.0)
+    sys.path.insert(0, str(BENCH))
+    from _async_projection import MODES as PROJECTED, SCENARIOS
+    row = {"colocated": {"step_min": 10.0, "speedup": 1.0, "engines": 128, "trainers": 128},
+           **{mode: {"step_min": 12.0, "speedup": 10 / 12, "engines": 96, "trainers": 32, "engines_idle": 0.1,
+                     "trainer_waited": 0.1} for mode in PROJECTED}}
+    proj = {"assumptions": {"world": 128},
+            **{n: {"placements": row, "mean_response": 5000.0, "truncated": 0.02, "slots": 100, "slots_alone": 140,
+                   "median": 4000, "sigma": 0.8, "batches_per_step": 1} for n in SCENARIOS}}
+    figs = _check(dict(name="async_rollout", figures=m.figures(res, proj), markdown=m.markdown(res, proj)),
+                  "async_rollout")
+    model1 = figs["model / measured, k=1 vs k=0 step seconds"]
+    assert model1["met"] is True and model1["ratio"] == pytest.approx(8.0 / 7.0)  # within 15%
+    assert figs["step seconds, separate k=1 / colocated"]["ratio"] == pytest.approx(7.0 / 11.0)
+    assert figs["32B projected step minutes, separate k=1 (modelled, base scenario)"]["ratio"] == pytest.approx(1.2)
+    assert "12.0 min (0.83x, 96/32)" in m.markdown(res, proj)

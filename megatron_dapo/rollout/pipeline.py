@@ -1,0 +1,100 @@
+"""Generation batches asked for before their step: bounded staleness (``rollout.max_staleness``).
+
+With separate placement the engines can generate while the trainers train. At the end of step s's
+rollout (its batch full, before its old log-probs and updates) the loop asks for the first
+generation batch of each step up to s + k (k = max_staleness) not yet asked for; the engines
+generate them from the weights they hold then (those of step s - 1's end), while step s trains.
+Step t later takes its batch instead of drawing one; any further batch dynamic sampling needs is
+drawn and generated then, from the newest weights. So a trained rollout lags the trainer's weights
+by at most k versions: the batch of step t, asked for in step t - k, is generated from the weights
+after t - k steps and trained from those after t (docs/DESIGN.md has the timeline). The prompts are drawn in the synchronous loop's order with its seeds (a step's first
+batch, then its further ones), so only the weights differ.
+
+A checkpoint holds nothing in flight: no batch is asked for past a step that saves (``targets``),
+so a kill resumes from a drained pipeline exactly as the uninterrupted run went on. A stop between
+two saves (a signal, the job's end) collects what is in flight and keeps the rollouts in the
+trainer state (``to_json``), so the resumed run trains on the very batches the uninterrupted one
+would have.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from megatron_dapo.rollout.engine import Rollout
+
+
+@dataclass
+class Ahead:
+    """One generation batch asked for ahead: the first of step ``step`` (from 0)."""
+
+    step: int
+    indices: list[int]  # the prompts, drawn in the synchronous loop's order
+    seed: int
+    request: int | None = None  # the placement's request id while in flight
+    rollouts: list[list[Rollout]] | None = None  # once collected at a stop (the leader's; [] elsewhere)
+
+    def to_json(self) -> dict:
+        rollouts = [[dataclasses.asdict(r) for r in group] for group in self.rollouts or []]
+        return {"step": self.step, "indices": self.indices, "seed": self.seed, "rollouts": rollouts}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "Ahead":
+        return cls(step=int(data["step"]), indices=list(data["indices"]), seed=int(data["seed"]),
+                   rollouts=[[Rollout(**r) for r in group] for group in data["rollouts"]])
+
+
+@dataclass
+class RolloutPipeline:
+    """Which steps' first batches to ask for ahead, and the batches in flight (module doc).
+
+    Args:
+        max_staleness: k (0: nothing is asked for ahead: the synchronous loop).
+        total_steps: train.total_steps (no batch is asked for past the last step).
+        save_every: checkpoint.save_every (0: no periodic save).
+    """
+
+    max_staleness: int
+    total_steps: int
+    save_every: int
+    ahead: list[Ahead] = field(default_factory=list)
+    _last: int = -1  # the last step whose first batch was asked for ahead (or generated in its step)
+
+    def targets(self, step: int, *, finished: bool) -> list[int]:
+        """The steps whose first batch to ask for at the end of step ``step``'s rollout: from the
+        first not yet asked for to ``step + max_staleness``, stopping before the last step and at
+        the first save (record ``r`` saves when ``r % save_every == 0``: records are steps + 1)."""
+        self._last = max(self._last, step)
+        if finished:
+            return []
+        out = []
+        for target in range(self._last + 1, min(step + self.max_staleness, self.total_steps - 1) + 1):
+            if any(self.save_every and r % self.save_every == 0 for r in range(step + 1, target + 1)):
+                break  # a save at the end of step r - 1 must find nothing in flight
+            out.append(target)
+        if out:
+            self._last = out[-1]
+        return out
+
+    def add(self, ahead: Ahead) -> None:
+        self.ahead.append(ahead)
+
+    def take(self, step: int) -> Ahead | None:
+        """Step ``step``'s first batch when it was asked for ahead (the oldest in flight), else None."""
+        if self.ahead and self.ahead[0].step == step:
+            return self.ahead.pop(0)
+        return None
+
+    def restore(self, saved: list[dict]) -> None:
+        """On resume: the batches a stop collected (``to_json``), in step order."""
+        self.ahead = [Ahead.from_json(a) for a in saved]
+        if self.ahead:
+            self._last = self.ahead[-1].step
+
+    def to_json(self) -> list[dict]:
+        """The batches in flight, collected (a stop's save); [] at a periodic save (none in flight)."""
+        missing = [a.step for a in self.ahead if a.rollouts is None]
+        if missing:
+            raise RuntimeError(f"batches of steps {missing} are still in flight: collect them before saving")
+        return [a.to_json() for a in self.ahead]

@@ -1,0 +1,112 @@
+"""Bounded staleness's plan (rollout/pipeline.py): which steps' first generation batches are asked for
+ahead, against timelines written out by hand from the rule (asked at the end of a step's rollout,
+up to max_staleness steps ahead, never past a step that saves nor past the last step); what a stop
+keeps of them; the lag metric; the settings around it."""
+
+import dataclasses
+
+import pytest
+
+from megatron_dapo.config import DAPOConfig, RolloutConfig
+from megatron_dapo.errors import ConfigError
+from megatron_dapo.groups import Group, version_lag
+from megatron_dapo.rollout.engine import Rollout
+from megatron_dapo.rollout.pipeline import Ahead, RolloutPipeline
+from megatron_dapo.run import ASYNC_TIS_CAP, with_async_defaults
+from megatron_dapo.trainer_state import TrainerState
+
+
+def _asked(k: int, total: int, save_every: int) -> dict[int, list[int]]:
+    pipe = RolloutPipeline(k, total, save_every)
+    return {step: pipe.targets(step, finished=False) for step in range(total)}
+
+
+# Steps from 0; record r = step + 1 saves when r % 3 == 0 (steps 2 and 5), 8 steps in all.
+TIMELINE_K1 = {0: [1], 1: [2], 2: [], 3: [4], 4: [5], 5: [], 6: [7], 7: []}
+TIMELINE_K2 = {0: [1, 2], 1: [], 2: [], 3: [4, 5], 4: [], 5: [], 6: [7], 7: []}
+
+
+@pytest.mark.parametrize("k, timeline", [(1, TIMELINE_K1), (2, TIMELINE_K2)])
+def test_batches_are_asked_for_ahead_as_the_recorded_timeline(k, timeline):
+    assert _asked(k, 8, 3) == timeline
+
+
+def test_lag_of_each_steps_first_batch_follows_from_the_timeline():
+    # The batch of step t asked for in step s is generated from the weights after s steps and
+    # trained by those after t: its lag is t - s (0 where the step drew its own).
+    for k, timeline in ((1, TIMELINE_K1), (2, TIMELINE_K2)):
+        lag = {t: t - s for s, targets in timeline.items() for t in targets}
+        assert max(lag.values()) == k
+        assert [lag.get(t, 0) for t in range(8)] == ([0, 1, 1, 0, 1, 1, 0, 1] if k == 1 else [0, 1, 2, 0, 1, 2, 0, 1])
+
+
+def test_staleness_0_and_the_last_steps_ask_for_nothing():
+    assert all(not t for t in _asked(0, 8, 0).values())
+    assert _asked(3, 4, 0) == {0: [1, 2, 3], 1: [], 2: [], 3: []}
+    pipe = RolloutPipeline(1, 8, 0)
+    assert pipe.targets(0, finished=True) == []  # a generation budget spent: the run ends here
+
+
+def test_take_hands_each_step_its_batch_in_order():
+    pipe = RolloutPipeline(2, 8, 0)
+    for t in pipe.targets(0, finished=False):
+        pipe.add(Ahead(t, [t], seed=t, request=t))
+    assert pipe.take(0) is None  # step 0 drew its own
+    assert pipe.take(1).request == 1 and pipe.take(1) is None and pipe.take(2).request == 2
+
+
+def test_a_stop_keeps_the_collected_batches_and_a_resume_takes_them():
+    pipe = RolloutPipeline(1, 8, 0)
+    pipe.targets(0, finished=False)
+    pipe.add(Ahead(1, [5, 7], seed=11, request=1))
+    with pytest.raises(RuntimeError, match=r"steps \[1\] are still in flight"):
+        pipe.to_json()
+    rollout = Rollout(prompt_ids=[1, 2], response_ids=[3], logprobs=[-0.5], finish_reason="stop", weight_version=4)
+    pipe.ahead[0].rollouts = [[rollout], [rollout]]
+    saved = TrainerState.from_json(TrainerState(step=1, sampler={}, ahead=tuple(pipe.to_json())).to_json(), "x")
+    again = RolloutPipeline(1, 8, 0)
+    again.restore(list(saved.ahead))
+    got = again.take(1)
+    assert (got.indices, got.seed, got.request, got.rollouts) == ([5, 7], 11, None, [[rollout], [rollout]])
+    assert again.targets(1, finished=False) == [2]  # step 1's batch is not asked for twice
+
+
+def test_a_checkpoint_without_batches_ahead_still_reads():
+    data = TrainerState(step=3, sampler={}).to_json()
+    del data["ahead"]
+    assert TrainerState.from_json(data, "x").ahead == ()
+
+
+def test_version_lag_is_measured_from_each_rollouts_version():
+    def group(*versions):
+        return Group(prompt_index=0, acc=[True] * len(versions), scores=[1.0] * len(versions),
+                     rewards=[1.0] * len(versions),
+                     rollouts=[Rollout(prompt_ids=[1], response_ids=[2], weight_version=v) for v in versions])
+    assert version_lag([group(4, 4), group(3, 4)], 5) == {"rollout/version_lag_mean": 1.25,
+                                                          "rollout/version_lag_max": 2.0}
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (dict(max_staleness=1), "rollout.placement=separate"),
+    (dict(max_staleness=-1, placement="separate", num_ranks=1), "must be >= 0"),
+])
+def test_staleness_settings_that_cannot_run_are_refused(overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        RolloutConfig(engine="hf", **overrides)
+
+
+def test_stale_rollouts_cannot_be_their_own_pi_old():
+    cfg = DAPOConfig()
+    with pytest.raises(ConfigError, match="set train.old_log_probs=trainer"):
+        dataclasses.replace(cfg, rollout=RolloutConfig(engine="hf", placement="separate", num_ranks=1, max_staleness=1),
+                            train=dataclasses.replace(cfg.train, old_log_probs="rollout"))
+
+
+def test_stale_rollouts_turn_tis_on_unless_chosen():
+    sync = DAPOConfig()
+    stale = dataclasses.replace(sync, rollout=RolloutConfig(engine="hf", placement="separate", num_ranks=1,
+                                                            max_staleness=2))
+    assert with_async_defaults(sync).loss.tis_cap is None
+    assert with_async_defaults(stale).loss.tis_cap == ASYNC_TIS_CAP
+    chosen = dataclasses.replace(stale, loss=dataclasses.replace(stale.loss, tis_cap=1.5))
+    assert with_async_defaults(chosen).loss.tis_cap == 1.5

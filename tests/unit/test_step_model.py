@@ -1,0 +1,73 @@
+"""The step model (megatron_dapo/step_model.py) against timelines worked out by hand and a step-by-step
+decode simulation written here independently."""
+
+import random
+
+import pytest
+
+from megatron_dapo.step_model import (
+    StepWork,
+    colocated,
+    continuous_batching_seconds,
+    separate,
+    steady_batching_seconds,
+)
+
+
+def test_staleness_0_overlaps_nothing_and_equals_colocated():
+    work = [StepWork((2.0, 1.5), score=0.25, train=1.0), StepWork((3.0,), score=0.25, train=2.0)]
+    assert separate(work, max_staleness=0).step_s == colocated(work).step_s == (5.0, 5.25)
+
+
+def test_staleness_1_as_worked_out_by_hand():
+    # step 0: asks and waits for its batch (0-2), asks ahead for step 1's (engines 2-4), trains to 3;
+    # step 1: waits for it until 4, asks for step 2's (4-6), trains to 5; step 2: waits until 6,
+    # trains to 7 (the last step asks for nothing).
+    t = separate([StepWork((2.0,), score=0.0, train=1.0)] * 3, max_staleness=1)
+    assert t.step_s == (3.0, 2.0, 2.0)
+    assert t.trainer_waited_s == 4.0 and t.engines_idle_s == 1.0  # the engines: idle from 6 to 7
+
+
+def test_a_further_batch_waits_behind_the_weights_load():
+    # step 1's second batch is asked at 4.5 (after its first, asked ahead, and its score), behind the
+    # load of step 0's weights (queued at 3, run 4-4.5 after the batch asked ahead): it runs 4.5-5.5.
+    work = [StepWork((2.0,), score=0.0, train=1.0, load=0.5), StepWork((2.0, 1.0), score=0.0, train=1.0, load=0.5)]
+    t = separate(work, max_staleness=1)
+    assert t.step_s == (3.0, 3.5)
+
+
+def test_a_save_drains_the_pipeline():
+    work = [StepWork((2.0,), score=0.0, train=1.0)] * 3
+    # save_every=1: every step saves, nothing is asked ahead: the synchronous timeline
+    assert separate(work, max_staleness=1, save_every=1).step_s == colocated(work).step_s
+
+
+def _decode_by_steps(lengths, *, slots, weights_step_s, kv_step_s_per_token, prompt_tokens):
+    """One decode step at a time: start queued sequences in order into free slots, pay the weights
+    and every live sequence's context, advance each by a token."""
+    queue, live, seconds = list(lengths), [], 0.0  # live: [generated so far, length]
+    while queue or live:
+        while queue and len(live) < slots:
+            live.append([0, queue.pop(0)])
+        seconds += weights_step_s + kv_step_s_per_token * sum(prompt_tokens + g for g, _ in live)
+        for seq in live:
+            seq[0] += 1
+        live = [s for s in live if s[0] < s[1]]
+    return seconds
+
+
+@pytest.mark.parametrize("slots", [1, 3, 8, 50])
+def test_continuous_batching_equals_a_step_by_step_decode(slots):
+    rng = random.Random(slots)
+    lengths = [rng.randint(1, 60) for _ in range(40)]
+    args = dict(slots=slots, weights_step_s=0.01, kv_step_s_per_token=0.0003, prompt_tokens=7)
+    assert continuous_batching_seconds(lengths, **args) == pytest.approx(_decode_by_steps(lengths, **args))
+
+
+def test_full_slots_bound_the_tail_from_below():
+    rng = random.Random(0)
+    lengths = [int(rng.lognormvariate(5, 0.8)) + 1 for _ in range(200)]
+    args = dict(slots=20, weights_step_s=0.01, kv_step_s_per_token=0.0001, prompt_tokens=10)
+    assert steady_batching_seconds(lengths, **args) < continuous_batching_seconds(lengths, **args)
+    same = [50] * 40  # no tail: every slot ends together
+    assert steady_batching_seconds(same, **args) == pytest.approx(continuous_batching_seconds(same, **args))
