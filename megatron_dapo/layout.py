@@ -38,15 +38,20 @@ def describe_layout(cfg: DAPOConfig, world_size: int, hf_config: dict, source: s
     from megatron_dapo.errors import ConfigError
     from megatron_dapo.mcore.parallel import check_training_layout, validate_parallel
     from megatron_dapo.rollout.placement import replica_layout
+    from megatron_dapo.rollout.worlds import sides
 
     p, d, t = cfg.parallel, cfg.data, cfg.train
+    where = f"at world size {world_size}"
     try:
-        sizes = validate_parallel(hf_config, parallel=p, model=cfg.model, world_size=world_size, on_gpu=on_gpu,
+        trainers, engines = sides(cfg.rollout, world_size)
+        if trainers != world_size:  # the checks below see the trainers' world alone
+            where += f" (its first {trainers} ranks training; rollout.num_ranks={engines} hold the engines)"
+        sizes = validate_parallel(hf_config, parallel=p, model=cfg.model, world_size=trainers, on_gpu=on_gpu,
                                   check_installed=False)
         check_training_layout(hf_config, p)
-        _, replicas, _ = replica_layout(0, world_size, cfg.rollout.tensor_parallel_size)
+        _, replicas, _ = replica_layout(0, engines, cfg.rollout.tensor_parallel_size)
     except ConfigError as e:  # the checks' own errors; anything else is a bug and keeps its traceback
-        raise ConfigError(f"at world size {world_size}: {e}") from e
+        raise ConfigError(f"{where}: {e}") from e
     dp = sizes["data_parallel_size"]
     if (t.mini_batch_prompts * cfg.rollout.n) % dp:
         raise ConfigError(f"train.mini_batch_prompts x rollout.n = {t.mini_batch_prompts} x {cfg.rollout.n} responses "
@@ -57,7 +62,9 @@ def describe_layout(cfg: DAPOConfig, world_size: int, hf_config: dict, source: s
         f"model: {source}: {layers} layers, hidden {hf_config['hidden_size']}, {hf_config['num_attention_heads']} "
         f"heads / {hf_config['num_key_value_heads']} KV groups, vocabulary {hf_config['vocab_size']} "
         f"(padded to {sizes['padded_vocab_size']})",
-        f"layout at world size {world_size}: TP {p.tensor_model_parallel_size} x PP {p.pipeline_model_parallel_size}"
+        f"layout at world size {world_size}"
+        + (f" ({trainers} training, the last {engines} holding only engines)" if trainers != world_size else "")
+        + f": TP {p.tensor_model_parallel_size} x PP {p.pipeline_model_parallel_size}"
         f" x CP {p.context_parallel_size} x DP {dp}; {sizes['layers_per_chunk']} layers per pipeline chunk; "
         f"sequence parallel {'on' if p.sequence_parallel else 'off'}; distributed optimizer "
         f"{'on' if p.use_distributed_optimizer else 'off'}",

@@ -91,7 +91,9 @@ def communicators(cfg: DAPOConfig, world_size: int) -> list[Communicator]:
     group's first collective): the default group (preemption.py's stop agreement), megatron's
     gradient-norm group (the whole distributed-optimizer instance, else TP x PP), TP, PP, CP, DP
     (the package's gathers) and DP x CP (DDP and the distributed optimizer: its own communicator
-    even when CP is 1); vLLM's TP and DP groups (PyNccl, built with the engine)."""
+    even when CP is 1); vLLM's TP and DP groups (PyNccl, built with the engine). ``world_size``: the
+    trainers' ranks; with separate placement trainer rank 0 also holds the transfer group (it and
+    every engine rank: rollout/worlds.py)."""
     p = cfg.parallel
     tp, pp, cp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size
     dp = p.data_parallel_size(world_size)
@@ -99,6 +101,8 @@ def communicators(cfg: DAPOConfig, world_size: int) -> list[Communicator]:
               ("trainer", "grad norm", world_size if p.use_distributed_optimizer else tp * pp),
               ("trainer", "TP", tp), ("trainer", "PP", pp), ("trainer", "CP", cp), ("trainer", "DP", dp),
               ("trainer", "DP x CP", dp * cp)]
+    if cfg.rollout.placement == "separate":
+        groups.append(("trainer", "transfer", 1 + cfg.rollout.num_ranks))
     if cfg.rollout.engine == "vllm":
         rtp = cfg.rollout.tensor_parallel_size
         groups += [("vLLM", "TP", rtp), ("vLLM", "DP", world_size // rtp)]
@@ -393,8 +397,13 @@ def plan(cfg: DAPOConfig, hf: dict, world_size: int, *, gpu: str | GPUModel = "h
     ``capacity_gb`` (1e9 bytes) replaces the model's reported total when given."""
     from megatron_dapo.mcore.model import padded_vocab_size, resolve_runtime
 
+    from megatron_dapo.rollout.worlds import sides
+
     device = (gpu_model(gpu) if isinstance(gpu, str) else gpu).with_capacity(capacity_gb)
     p, t, r = cfg.parallel, cfg.train, cfg.rollout
+    # Separate placement: the trainers' ranks are this plan's; the engines' run on GPUs of their own
+    # (the hf engine only, so far: nothing of theirs is planned beside the trainer's state).
+    world_size, engine_ranks = sides(r, world_size)
     tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
     padded = padded_vocab_size(hf["vocab_size"], cfg.model.make_vocab_size_divisible_by, tp)
     seq = cfg.data.max_prompt_length + r.max_response_length
@@ -422,13 +431,18 @@ def plan(cfg: DAPOConfig, hf: dict, world_size: int, *, gpu: str | GPUModel = "h
             hbm_bytes_per_s=device.hbm_bytes_per_s, efficiency=decode_efficiency))
     total, peak = lay.shard.total, device.bf16_flops
     generation = gm.GenerationTime(
-        gm.flops_seconds(2 * total * prompts * r.n * mean_response, world_size, peak, mfu), decode)
+        gm.flops_seconds(2 * total * prompts * r.n * mean_response, engine_ranks, peak, mfu), decode)
     update = 8 if cfg.model.recompute == "full" else 6
     train_s = gm.flops_seconds(total * (2 + update) * trained * t.ppo_epochs, world_size, peak, mfu)
     notes = [f"  assumptions: responses average {mean_response_fraction:.0%} of rollout.max_response_length "
              f"and prompts half of data.max_prompt_length; MFU {mfu:.0%} of {peak / 1e12:.0f} TFLOP/s; "
              f"decode at {decode_efficiency:.0%} of {device.hbm_bytes_per_s / 1e12:.2f} TB/s; one generation "
              f"batch of {prompts} prompts per step (dynamic sampling may draw more)"]
+    if r.placement == "separate":
+        notes.append(f"  rollout.placement=separate: this plan is the {world_size} training GPUs'; the {engine_ranks} "
+                     f"engine GPUs hold the {r.engine} engine alone (not planned), and the step estimate adds "
+                     "generation and training as if they took turns (rollout.max_staleness overlaps them: "
+                     "docs/async_rollouts.md)")
     sleep_host = rollout.weights if rollout is not None and r.sleep_level == 1 else 0.0
     # mcore/offload.py copies the optimizer state (and the weights) into pinned host memory but
     # releases the gradients without a copy (every update zeroes them first): no host memory for them

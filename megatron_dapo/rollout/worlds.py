@@ -73,6 +73,16 @@ def check_split(world_size: int, num_engine_ranks: int, tensor_parallel_size: in
     return world_size - num_engine_ranks
 
 
+def sides(rollout, world_size: int) -> tuple[int, int]:
+    """(trainer ranks, engine ranks) of a launch of ``world_size`` under ``rollout`` (a
+    config.RolloutConfig): colocated, every rank is both; separate, ``check_split``'s split (its
+    ConfigError when the split cannot run)."""
+    if rollout.placement != "separate":
+        return world_size, world_size
+    trainers = check_split(world_size, rollout.num_ranks, rollout.tensor_parallel_size)
+    return trainers, rollout.num_ranks
+
+
 def split_world(num_engine_ranks: int, *, tensor_parallel_size: int = 1, backend: str | None = None,
                 timeout_minutes: int = 30) -> WorldSplit:
     """Start this process's default world (its side's ranks) and, on its members, the transfer

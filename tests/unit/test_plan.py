@@ -113,6 +113,25 @@ def test_the_paper_layout_fits_and_an_oversized_one_is_refused_naming_the_knob(c
     assert "set model.recompute=full or lower train.max_tokens_per_micro_batch" in capsys.readouterr().err
 
 
+def test_separate_placement_plans_the_trainers_ranks_and_refuses_splits_that_cannot_run(capsys):
+    sep = ["rollout.engine=hf", "rollout.placement=separate"]
+    half = _paper(*sep, "rollout.num_ranks=64")  # 64 trainers: DP 4 where the whole world gives DP 8
+    whole = _paper()
+    assert half.parts["adam"] == pytest.approx(2 * whole.parts["adam"])  # the optimizer state over DP 4, not 8
+    assert any("64 training GPUs" in n for n in half.notes)
+    base = ["plan", "--config", str(PAPER), "--world-size", "128", "--shape", "32B", *sep]
+    assert cli.main([*base, "rollout.num_ranks=64"]) == 0
+    out = capsys.readouterr().out
+    assert "(64 training, the last 64 holding only engines): TP 8 x PP 2 x CP 1 x DP 4" in out
+    assert "16 engine replica(s) of rollout TP 4" in out and "transfer 65" in out
+    for ranks, says in (("120", "its first 8 ranks training; rollout.num_ranks=120 hold the engines): world size 8 "
+                                "is not divisible by TP x PP x CP"),
+                        ("128", "rollout.num_ranks=128 with 128 ranks leaves 0 to train"),
+                        ("62", "rollout.num_ranks=62 is not a multiple of rollout.tensor_parallel_size=4")):
+        assert cli.main([*base, f"rollout.num_ranks={ranks}"]) == 2
+        assert says in capsys.readouterr().err
+
+
 def test_train_dry_run_prints_the_plan_and_starts_nothing(tmp_path, capsys):
     args = ["train", "--dry-run", "--config", str(PAPER), "--world-size", "128", "--shape", "32B",
             f"logging.dir={tmp_path / 'run'}"]
