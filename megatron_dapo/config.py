@@ -193,10 +193,17 @@ class FilterGroupsConfig:
                                   "(correctness, before length shaping)")
     max_num_gen_batches: int = _f(10, "generation batches per step before giving up; 0 = unbounded")
     surplus: Literal["drop", "carry"] = _f("drop", "kept groups beyond the batch: drop (paper, verl) or carry over")
+    adaptive: bool = _f(False, "size each generation batch from the keep rate measured so far (missing groups / "
+                               "keep rate + 10%) instead of data.gen_prompts_per_batch, which sizes the first")
+    max_gen_prompts: int = _f(0, "with adaptive: the largest generation batch in prompts; 0 = 4 x "
+                                 "data.gen_prompts_per_batch")
 
     def __post_init__(self):
         if self.max_num_gen_batches < 0:
             _fail(f"algorithm.filter_groups.max_num_gen_batches must be >= 0, got {self.max_num_gen_batches}")
+        if self.max_gen_prompts < 0:
+            _fail(f"algorithm.filter_groups.max_gen_prompts must be >= 0 (0 = 4 x data.gen_prompts_per_batch), "
+                  f"got {self.max_gen_prompts}")
 
 
 @dataclass(frozen=True, kw_only=True)

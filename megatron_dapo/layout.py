@@ -11,10 +11,13 @@ the values and the fix, as at the start of a real run. Memory is not planned her
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from megatron_dapo.config import DAPOConfig
 from megatron_dapo.errors import InputError
+from megatron_dapo.gpu_models import nccl_comm_bytes
 
 
 def model_shape(cfg: DAPOConfig, shape: str | None = None) -> tuple[dict, str]:
@@ -74,3 +77,39 @@ def describe_layout(cfg: DAPOConfig, world_size: int, hf_config: dict, source: s
         f"{t.mini_batch_prompts} prompts ({t.mini_batch_prompts * cfg.rollout.n // dp} responses per DP rank); "
         f"generation batches of {gen} prompts",
     ])
+
+
+@dataclass(frozen=True)
+class Communicator:
+    """A process group whose NCCL communicator holds device buffers on every member rank."""
+
+    owner: Literal["trainer", "vLLM"]
+    name: str
+    ranks: int
+
+    @property
+    def bytes(self) -> float:
+        return nccl_comm_bytes(self.ranks)
+
+
+def communicators(cfg: DAPOConfig, world_size: int) -> list[Communicator]:
+    """The groups a rank runs collectives on at this layout (PyTorch creates a communicator at a
+    group's first collective): the default group (preemption.py's stop agreement), megatron's
+    gradient-norm group (the whole distributed-optimizer instance, else TP x PP), TP, PP, CP, DP
+    (the package's gathers) and DP x CP (DDP and the distributed optimizer: its own communicator
+    even when CP is 1); vLLM's TP and DP groups (PyNccl, built with the engine). ``world_size``: the
+    trainers' ranks; with separate placement trainer rank 0 also holds the transfer group (it and
+    every engine rank: rollout/worlds.py)."""
+    p = cfg.parallel
+    tp, pp, cp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size
+    dp = p.data_parallel_size(world_size)
+    groups = [("trainer", "world", world_size),
+              ("trainer", "grad norm", world_size if p.use_distributed_optimizer else tp * pp),
+              ("trainer", "TP", tp), ("trainer", "PP", pp), ("trainer", "CP", cp), ("trainer", "DP", dp),
+              ("trainer", "DP x CP", dp * cp)]
+    if cfg.rollout.placement == "separate":
+        groups.append(("trainer", "transfer", 1 + cfg.rollout.num_ranks))
+    if cfg.rollout.engine == "vllm":
+        rtp = cfg.rollout.tensor_parallel_size
+        groups += [("vLLM", "TP", rtp), ("vLLM", "DP", world_size // rtp)]
+    return [Communicator(o, n, r) for o, n, r in groups if r > 1]

@@ -38,6 +38,7 @@ from typing import Literal
 from megatron_dapo import generation_model as gm
 from megatron_dapo.config import DAPOConfig
 from megatron_dapo.errors import ConfigError
+from megatron_dapo.layout import Communicator, communicators
 from megatron_dapo.gpu_models import CUDA_CONTEXT_BYTES, GPUModel, gpu_model, nccl_comm_bytes
 
 GB = 1e9
@@ -71,42 +72,6 @@ def count_parameters(hf: dict, *, tp: int, pp: int, padded_vocab: int) -> Shard:
     if pp == 1:
         on_rank += h + (0 if tied else embedding / tp)
     return Shard(total=total, on_rank=on_rank)
-
-
-@dataclass(frozen=True)
-class Communicator:
-    """A process group whose NCCL communicator holds device buffers on every member rank."""
-
-    owner: Literal["trainer", "vLLM"]
-    name: str
-    ranks: int
-
-    @property
-    def bytes(self) -> float:
-        return nccl_comm_bytes(self.ranks)
-
-
-def communicators(cfg: DAPOConfig, world_size: int) -> list[Communicator]:
-    """The groups a rank runs collectives on at this layout (PyTorch creates a communicator at a
-    group's first collective): the default group (preemption.py's stop agreement), megatron's
-    gradient-norm group (the whole distributed-optimizer instance, else TP x PP), TP, PP, CP, DP
-    (the package's gathers) and DP x CP (DDP and the distributed optimizer: its own communicator
-    even when CP is 1); vLLM's TP and DP groups (PyNccl, built with the engine). ``world_size``: the
-    trainers' ranks; with separate placement trainer rank 0 also holds the transfer group (it and
-    every engine rank: rollout/worlds.py)."""
-    p = cfg.parallel
-    tp, pp, cp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size
-    dp = p.data_parallel_size(world_size)
-    groups = [("trainer", "world", world_size),
-              ("trainer", "grad norm", world_size if p.use_distributed_optimizer else tp * pp),
-              ("trainer", "TP", tp), ("trainer", "PP", pp), ("trainer", "CP", cp), ("trainer", "DP", dp),
-              ("trainer", "DP x CP", dp * cp)]
-    if cfg.rollout.placement == "separate":
-        groups.append(("trainer", "transfer", 1 + cfg.rollout.num_ranks))
-    if cfg.rollout.engine == "vllm":
-        rtp = cfg.rollout.tensor_parallel_size
-        groups += [("vLLM", "TP", rtp), ("vLLM", "DP", world_size // rtp)]
-    return [Communicator(o, n, r) for o, n, r in groups if r > 1]
 
 
 @dataclass(frozen=True)
@@ -396,7 +361,6 @@ def plan(cfg: DAPOConfig, hf: dict, world_size: int, *, gpu: str | GPUModel = "h
     """The plan of ``cfg`` at ``world_size`` on ``gpu`` (a GPU_MODELS key or a GPUModel);
     ``capacity_gb`` (1e9 bytes) replaces the model's reported total when given."""
     from megatron_dapo.mcore.model import padded_vocab_size, resolve_runtime
-
     from megatron_dapo.rollout.worlds import sides
 
     device = (gpu_model(gpu) if isinstance(gpu, str) else gpu).with_capacity(capacity_gb)

@@ -108,7 +108,7 @@ def continuous_batching_seconds(lengths: Sequence[int], *, slots: int, weights_s
     Simulated between events (a sequence ending), where the step cost changes; within an interval
     the context grows by one token per live sequence per step, so its cost is summed exactly.
     """
-    pending = list(reversed(lengths))  # popped from the end: in the order asked: lengths are unknown before they are generated
+    pending = list(reversed(lengths))  # popped from the end, so in the order asked (lengths are unknown ahead)
     live: list[tuple[int, int]] = []  # (the decode step it ends at, the step it started)
     step = 0
     seconds = 0.0

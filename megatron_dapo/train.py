@@ -105,7 +105,9 @@ def _train(run: Run, stop: StopRequest) -> TrainResult:
     cfg = run.cfg
     dyn = DynamicSampler(prompts_per_step=cfg.data.prompts_per_step, group_size=cfg.rollout.n,
                          max_num_gen_batches=cfg.algorithm.filter_groups.max_num_gen_batches,
-                         enabled=cfg.algorithm.filter_groups.enable, surplus=cfg.algorithm.filter_groups.surplus)
+                         enabled=cfg.algorithm.filter_groups.enable, surplus=cfg.algorithm.filter_groups.surplus,
+                         adaptive=cfg.algorithm.filter_groups.adaptive,
+                         max_request=cfg.algorithm.filter_groups.max_gen_prompts)
     # Without dynamic sampling every group is kept: a generation batch is the step's prompts.
     gen_batch = cfg.data.gen_prompts_per_batch if dyn.enabled else cfg.data.prompts_per_step
     resume = run.resume
@@ -113,7 +115,7 @@ def _train(run: Run, stop: StopRequest) -> TrainResult:
     pipeline = RolloutPipeline(cfg.rollout.max_staleness, cfg.train.total_steps, cfg.checkpoint.save_every)
     if resume:
         run.sampler.load_state_dict(resume.sampler)
-        dyn.restore_held(resume.held_groups)
+        dyn.restore_held(resume.held_groups, resume.keep_rate)
         pipeline.restore(list(resume.ahead))
     # Records are numbered by completed steps; a checkpoint at step N already holds step N's
     # record, so a resume drops only what came after it (a fresh run drops everything).
@@ -175,15 +177,13 @@ def _loop(run: Run, stop: StopRequest, dyn: DynamicSampler, pipeline: RolloutPip
             while not dyn.is_full:  # dynamic sampling: draw generation batches until the batch is full
                 ahead = pipeline.take(step) if dyn.num_gen_batches == 0 else None  # asked for in an earlier step
                 if ahead is None:
-                    ahead = Ahead(step, obs.draw(run.sampler, gen_batch),  # skips retired prompts
-                                  _seed(cfg, step, dyn.num_gen_batches))
+                    ahead = _draw(run, obs, step, dyn.num_gen_batches, dyn.request_size(gen_batch))
                 indices = ahead.indices
-                params = rollout_sampling_params(cfg.rollout, seed=ahead.seed, stop_token_ids=inputs.stops)
                 batch = generate_groups(placement, inputs.train_ids, indices, ground_truths=inputs.train_truths,
-                                        tokenizer=inputs.tokenizer, params=params, pool=run.pool, cfg=cfg,
+                                        tokenizer=inputs.tokenizer, params=_params(run, ahead), pool=run.pool, cfg=cfg,
                                         keep=dyn.keep_mask, rows=obs.row_spec(dyn.num_gen_batches),
                                         fetch=_fetch(placement, ahead))
-                obs.add_batch(batch, indices, dyn.num_gen_batches, gen_batch)
+                obs.add_batch(batch, indices)
                 dyn.add(batch.groups, batch.acc)
             groups, ds_metrics = dyn.pop()
         metrics.update(_device_used("generating"))
@@ -193,8 +193,14 @@ def _loop(run: Run, stop: StopRequest, dyn: DynamicSampler, pipeline: RolloutPip
                 actor.onload_after_rollout()
         generated += int(ds_metrics["dynamic_sampling/num_groups_generated"]) * cfg.rollout.n
         finished = _finished(cfg, step + 1, generated)
-        for target in pipeline.targets(step, finished=finished):  # generated while this step trains
-            _ask_ahead(run, obs, pipeline, target, gen_batch)
+        if finished:
+            pipeline.drop()  # a generation budget spent: batches asked for ahead will not be trained on
+        last = finished or _job_ends_after_next(cfg, clock, end_time, step, evaluates)  # nothing to wait for at a stop
+        for target in pipeline.targets(step, finished=last):  # generated while this step trains
+            ahead = _draw(run, obs, target, 0, dyn.request_size(gen_batch))
+            ahead.request = placement.submit([inputs.train_ids[i] for i in ahead.indices], cfg.rollout.n,
+                                             _params(run, ahead))
+            pipeline.add(ahead)
         metrics.update(ds_metrics | rollout_metrics(groups) | version_lag(groups, step))
         metrics["rollout/responses_generated_total"] = generated
         samples = to_samples(groups, cfg)
@@ -244,8 +250,7 @@ def _loop(run: Run, stop: StopRequest, dyn: DynamicSampler, pipeline: RolloutPip
         return TrainResult(final_eval=final, step=done)
     if done > saved:
         actor.onload_after_rollout()  # an evaluation may have left the state off
-        for ahead in pipeline.ahead:  # kept with the checkpoint: the resumed run trains on them
-            ahead.rollouts = placement.collect(ahead.request)[1]
+        pipeline.collect_in_flight(lambda request: placement.collect(request)[1])  # kept with the checkpoint
         _save(run, dyn, pipeline, obs, done, generated, clock)
     latest = _latest(run)
     return TrainResult(final_eval=final, step=done, stopped_by=stop.name, checkpoint=latest and str(latest),
@@ -281,6 +286,7 @@ def _save(run: Run, dyn: DynamicSampler, pipeline: RolloutPipeline, obs: Observe
     holds the write too, which only makes the time-limit estimate safer)."""
     state = TrainerState(step=step, sampler=run.sampler.state_dict(), held_groups=dyn.held,
                          responses_generated=generated, clock=clock.state_dict(), ledger=obs.ledger.state(),
+                         keep_rate=dyn.keep_rate,
                          alarms=tuple(obs.alarms.state()), ahead=tuple(pipeline.to_json()))
     started = time.monotonic()
     if pending is None:
@@ -323,13 +329,27 @@ def _sync(run: Run, version: int | None = None) -> None:
     run.placement.sync(run.actor.export_hf_weights(bucket_bytes=bucket_bytes), bucket_bytes, version=version)
 
 
-def _ask_ahead(run: Run, obs: Observer, pipeline: RolloutPipeline, step: int, gen_batch: int) -> None:
-    """Asks the engines for step ``step``'s first generation batch now (rollout/pipeline.py)."""
-    cfg = run.cfg
-    ahead = Ahead(step, obs.draw(run.sampler, gen_batch), _seed(cfg, step, 0))
-    params = rollout_sampling_params(cfg.rollout, seed=ahead.seed, stop_token_ids=run.inputs.stops)
-    ahead.request = run.placement.submit([run.inputs.train_ids[i] for i in ahead.indices], cfg.rollout.n, params)
-    pipeline.add(ahead)
+def _draw(run: Run, obs: Observer, step: int, num_gen_batches: int, size: int) -> Ahead:
+    """Step ``step``'s generation batch after ``num_gen_batches`` others: ``size`` prompts drawn now
+    (retired ones skipped: data.skip_solved_after), seeded by its place in the step, so the same
+    whether generated in its step or asked for ahead (rollout/pipeline.py)."""
+    return Ahead(step, obs.draw(run.sampler, size), _seed(run.cfg, step, num_gen_batches))
+
+
+def _params(run: Run, ahead: Ahead):
+    return rollout_sampling_params(run.cfg.rollout, seed=ahead.seed, stop_token_ids=run.inputs.stops)
+
+
+def _job_ends_after_next(cfg: DAPOConfig, clock: StepClock, end_time: float | None, step: int,
+                         evaluates: bool) -> bool:
+    """Whether the job's end will stop the run after step ``step + 1`` (the one after this): this
+    step's rest (at most a step, and its evaluation) and the next one with its save would not fit.
+    Then nothing is asked for ahead, and the time-limit stop has nothing in flight to wait for."""
+    if end_time is None:
+        return False
+    this_ends = time.time() + (clock.step_estimate or 0.0) + ((clock.eval or 0.0) if evaluates else 0.0)
+    return not clock.next_step_fits(end_time, cfg.checkpoint.time_limit_margin_s, now=this_ends,
+                                    evaluates=_evaluates(cfg, step + 2))
 
 
 def _fetch(placement, ahead: Ahead):

@@ -30,6 +30,8 @@ class TrainerState:
     """``PassRateLedger.state()``: every drawn prompt's attempts, correct responses and solved streak."""
     alarms: tuple[str, ...] = ()
     """The alarms raised at this step (observe/alarms.py): a resumed run warns where the first would."""
+    keep_rate: float | None = None
+    """Dynamic sampling's keep rate measured so far (algorithm.filter_groups.adaptive sizes batches by it)."""
     ahead: tuple[dict, ...] = ()
     """Generation batches asked for ahead and collected at a stop (``RolloutPipeline.to_json``;
     rollout.max_staleness >= 1): the next steps' first batches, with their rollouts."""
@@ -37,16 +39,16 @@ class TrainerState:
     def to_json(self) -> dict:
         return {"step": self.step, "sampler": self.sampler, "held_groups": [g.to_json() for g in self.held_groups],
                 "responses_generated": self.responses_generated, "clock": self.clock, "ledger": self.ledger,
-                "alarms": list(self.alarms), "ahead": list(self.ahead)}
+                "alarms": list(self.alarms), "keep_rate": self.keep_rate, "ahead": list(self.ahead)}
 
     @classmethod
     def from_json(cls, data: dict, where: str) -> "TrainerState":
         """The state ``to_json`` wrote; InputError naming ``where`` (the file) when a key is missing
         or unknown (a checkpoint of another version of this code). ``ledger`` and ``alarms`` came later:
-        a checkpoint without them resumes with an empty ledger and no alarm raised; ``ahead`` too
-        (nothing asked for ahead)."""
+        a checkpoint without them resumes with an empty ledger and no alarm raised; ``keep_rate``
+        and ``ahead`` too (nothing measured, nothing asked for ahead)."""
         keys = {"step", "sampler", "held_groups", "responses_generated", "clock"}
-        if not isinstance(data, dict) or not keys <= set(data) <= keys | {"ledger", "alarms", "ahead"}:
+        if not isinstance(data, dict) or not keys <= set(data) <= keys | {"ledger", "alarms", "keep_rate", "ahead"}:
             got = sorted(data) if isinstance(data, dict) else type(data).__name__
             raise InputError(f"{where}: trainer state with keys {got}, expected {sorted(keys)}: a checkpoint of "
                              "another version of megatron-dapo; resume it with that version, or start a new logging.dir")
@@ -54,4 +56,4 @@ class TrainerState:
                    held_groups=tuple(Group.from_json(g) for g in data["held_groups"]),
                    responses_generated=int(data["responses_generated"]), clock=data["clock"],
                    ledger=data.get("ledger", {}), alarms=tuple(data.get("alarms", ())),
-                   ahead=tuple(data.get("ahead", ())))
+                   keep_rate=data.get("keep_rate"), ahead=tuple(data.get("ahead", ())))

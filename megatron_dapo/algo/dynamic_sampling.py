@@ -14,6 +14,7 @@ Usage, one training step::
     groups, metrics = sampler.pop()
 """
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,10 +48,15 @@ class DynamicSampler:
             ``prompts_per_step`` prompts fills the batch.
         surplus: what happens to kept groups beyond ``prompts_per_step``: "drop" (the paper and
             verl) or "carry" them into the next step's batch (they are then one step off-policy).
+        adaptive: ``request_size`` sizes each generation batch from the measured keep rate instead
+            of the fixed size it is given.
+        max_request: with ``adaptive``, the largest generation batch (0: 4 x the fixed size).
     """
 
+    MARGIN = 0.1  # asked beyond missing / keep rate: one batch then usually fills the step
+
     def __init__(self, *, prompts_per_step: int, group_size: int, max_num_gen_batches: int,
-                 enabled: bool = True, surplus: str = "drop"):
+                 enabled: bool = True, surplus: str = "drop", adaptive: bool = False, max_request: int = 0):
         if surplus not in ("drop", "carry"):
             raise ValueError(f"surplus must be 'drop' or 'carry', got {surplus!r}")
         if prompts_per_step < 1 or group_size < 1 or max_num_gen_batches < 0:
@@ -61,6 +67,8 @@ class DynamicSampler:
         self.max_num_gen_batches = max_num_gen_batches
         self.enabled = enabled
         self.surplus = surplus
+        self.adaptive, self.max_request = adaptive, max_request
+        self.keep_rate: float | None = None  # kept / generated groups, averaged over batches (halving weights)
         self._held: list[Any] = []
         self._carried_in = 0
         self._counts = _StepCounts(pass_histogram=[0] * (group_size + 1))
@@ -78,6 +86,18 @@ class DynamicSampler:
     def num_gen_batches(self) -> int:
         """Generation batches added since ``start_step``."""
         return self._counts.num_gen_batches
+
+    def request_size(self, fixed: int) -> int:
+        """Prompts to ask for in the next generation batch: ``fixed`` (data.gen_prompts_per_batch),
+        or with ``adaptive`` the groups still missing divided by the keep rate measured so far,
+        plus MARGIN, between the missing count and ``max_request`` (4 x ``fixed`` when 0). With
+        the filter off every group is kept: ``fixed``."""
+        if not (self.enabled and self.adaptive) or self.keep_rate is None:
+            return fixed
+        missing = max(1, self.prompts_per_step - len(self._held))
+        cap = max(missing, self.max_request or 4 * fixed)
+        wanted = missing * (1 + self.MARGIN) / max(self.keep_rate, missing / cap)
+        return max(missing, min(cap, math.ceil(wanted - 1e-9)))  # 11.000000000000002 asks for 11
 
     def keep_mask(self, acc: torch.Tensor) -> torch.Tensor:
         """[P, G] correctness -> [P] bool: the groups ``add`` would keep (mixed answers, or all
@@ -120,6 +140,9 @@ class DynamicSampler:
         for k in num_correct.tolist():
             c.pass_histogram[k] += 1
         self._held.extend(g for g, k in zip(groups, keep.tolist()) if k)
+        if len(groups):
+            rate = int(keep.sum()) / len(groups)
+            self.keep_rate = rate if self.keep_rate is None else (self.keep_rate + rate) / 2
 
         if not self.is_full and 0 < self.max_num_gen_batches <= c.num_gen_batches:
             raise DynamicSamplingExhausted(self._exhausted_message())
@@ -151,6 +174,7 @@ class DynamicSampler:
             # paper's motivation for dynamic sampling: the share of groups with no gradient).
             "dynamic_sampling/frac_all_wrong": hist[0] / max(1, sum(hist)),
             "dynamic_sampling/frac_all_correct": hist[-1] / max(1, sum(hist)),
+            **({"dynamic_sampling/keep_rate_estimate": self.keep_rate} if self.adaptive else {}),
         }
         return batch, metrics
 
@@ -160,9 +184,11 @@ class DynamicSampler:
         keeps (trainer_state.py)."""
         return tuple(self._held)
 
-    def restore_held(self, groups: Sequence[Any]) -> None:
-        """On resume, before the first ``start_step``: the groups ``held`` returned at the save."""
+    def restore_held(self, groups: Sequence[Any], keep_rate: float | None = None) -> None:
+        """On resume, before the first ``start_step``: the groups ``held`` returned at the save,
+        and the ``keep_rate`` measured until then."""
         self._held = list(groups)
+        self.keep_rate = keep_rate
 
     def _exhausted_message(self) -> str:
         c = self._counts
@@ -173,5 +199,6 @@ class DynamicSampler:
             f"{c.num_all_correct} groups were all correct and {c.num_all_wrong} all wrong. "
             f"Pass-rate histogram over {c.num_groups} groups: {hist}. The data is too easy or too hard "
             f"for this model: raise algorithm.filter_groups.max_num_gen_batches (0 = unbounded), "
-            f"raise data.gen_prompts_per_batch, or use data matched to the model."
+            f"raise data.gen_prompts_per_batch (or set algorithm.filter_groups.adaptive=true: batches sized by "
+            f"the keep rate), or use data matched to the model."
         )

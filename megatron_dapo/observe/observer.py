@@ -43,6 +43,7 @@ class _Step:
     eval_rows: list[SampleRow] = field(default_factory=list)
     audits: list = field(default_factory=list)
     skipped: int = 0
+    groups: int = 0  # groups generated this step so far
 
 
 class Observer:
@@ -80,12 +81,14 @@ class Observer:
         return RowSpec(phase="eval", dump_groups=math.ceil(lg.samples_per_step / ev.n) if lg.samples_every else 0,
                        flag_cap=0, max_chars=lg.samples_max_chars, scorer=ev.reward_fn, audit_scorer=VALUE_REWARD_FN)
 
-    def add_batch(self, batch, indices: list[int], num_gen_batch: int, gen_batch_size: int) -> None:
-        """A generation batch's GenBatch (groups.py): rows numbered within the step, ledger updated."""
-        offset = num_gen_batch * gen_batch_size
+    def add_batch(self, batch, indices: list[int]) -> None:
+        """A generation batch's GenBatch (groups.py): rows numbered within the step (after the
+        groups of its earlier batches, whatever their sizes), ledger updated."""
+        offset = self._step.groups
         self._step.rows += [replace(r, group=r.group + offset) for r in batch.rows]
         self._step.flagged += [replace(r, group=r.group + offset) for r in batch.flagged]
         self._step.audits += batch.audits
+        self._step.groups += len(indices)
         self.ledger.record(indices, batch.acc.tolist())
 
     def add_eval(self, rows: list[SampleRow]) -> None:
@@ -101,12 +104,11 @@ class Observer:
             out |= audit.audit_metrics(st.audits)
         if record_step:
             out |= self.ledger.metrics() | {"ledger/skipped_prompts": float(st.skipped)}
-        version = max(0, record_step - 1)  # the weights that generated this step's rollouts
+        # Each row keeps the weight version its rollout was generated with (the placement stamps it):
+        # a batch asked for ahead (rollout.max_staleness) is older than the step's trainer.
         rows, flagged = (_with_advantages(x, trained_groups, advantages, self.cfg.rollout.n)
                          for x in (st.rows, st.flagged))
-        rows = [replace(r, weight_version=version, step=record_step) for r in rows]
-        flagged = [replace(r, weight_version=version, step=record_step) for r in flagged]
-        eval_rows = [replace(r, weight_version=record_step, step=record_step) for r in st.eval_rows]
+        rows, flagged, eval_rows = ([replace(r, step=record_step) for r in x] for x in (rows, flagged, st.eval_rows))
         events, raised = self.alarms.check(record_step, to_floats(metrics) | out)
         out["alarm/num_raised"] = float(len(raised))
         if self.writes:

@@ -164,7 +164,7 @@ def group_rows(spec: RowSpec, *, prompt_index: int, position: int, prompt: str, 
             pred=str(res.get("pred", "")), audit_scorer=spec.audit_scorer if audit else None,
             audit_acc=bool(audit["acc"]) if audit else None, audit_pred=str(audit.get("pred", "")) if audit else None,
             score=scores[j] if scores else None, reward=rewards[j] if rewards else None, kept=kept,
-            flags=list(flags[j])))
+            flags=list(flags[j]), weight_version=r.weight_version))
     return rows
 
 

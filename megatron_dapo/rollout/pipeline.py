@@ -7,14 +7,19 @@ generate them from the weights they hold then (those of step s - 1's end), while
 Step t later takes its batch instead of drawing one; any further batch dynamic sampling needs is
 drawn and generated then, from the newest weights. So a trained rollout lags the trainer's weights
 by at most k versions: the batch of step t, asked for in step t - k, is generated from the weights
-after t - k steps and trained from those after t (docs/DESIGN.md has the timeline). The prompts are drawn in the synchronous loop's order with its seeds (a step's first
-batch, then its further ones), so only the weights differ.
+after t - k steps and trained from those after t (docs/DESIGN.md has the timeline). Seeds are the
+synchronous loop's. At k = 1 so is the order of the prompt draws (a step's first batch, then its
+further ones), so only the weights differ; at k >= 2 a step's further batches are drawn after the
+first batch of the step after it, and a batch drawn ahead sees the pass-rate ledger (and counts its
+skipped prompts) as of the step that asked for it.
 
 A checkpoint holds nothing in flight: no batch is asked for past a step that saves (``targets``),
 so a kill resumes from a drained pipeline exactly as the uninterrupted run went on. A stop between
-two saves (a signal, the job's end) collects what is in flight and keeps the rollouts in the
-trainer state (``to_json``), so the resumed run trains on the very batches the uninterrupted one
-would have.
+two saves (a signal) waits for what is in flight (``collect_in_flight``) and keeps the rollouts in
+the trainer state (``to_json``), so the resumed run trains on the very batches the uninterrupted
+one would have. Nothing is asked for ahead when the job's end would stop the run after the next
+step (train.py), so a time-limit stop has nothing to wait for; a run that ends (its last step, or
+its generation budget spent) drops what is in flight (``drop``).
 """
 
 from __future__ import annotations
@@ -63,8 +68,9 @@ class RolloutPipeline:
 
     def targets(self, step: int, *, finished: bool) -> list[int]:
         """The steps whose first batch to ask for at the end of step ``step``'s rollout: from the
-        first not yet asked for to ``step + max_staleness``, stopping before the last step and at
-        the first save (record ``r`` saves when ``r % save_every == 0``: records are steps + 1)."""
+        first not yet asked for to ``step + max_staleness``, not past the last step, stopping at
+        the first save (record ``r`` saves when ``r % save_every == 0``: records are steps + 1).
+        ``finished``: the run ends with this step (nothing more to ask for)."""
         self._last = max(self._last, step)
         if finished:
             return []
@@ -85,6 +91,17 @@ class RolloutPipeline:
         if self.ahead and self.ahead[0].step == step:
             return self.ahead.pop(0)
         return None
+
+    def collect_in_flight(self, collect) -> None:
+        """Before a stop's save: the rollouts of every batch still in flight, from ``collect(request)``
+        (a placement's, in the order asked); batches restored from a checkpoint hold theirs already."""
+        for ahead in self.ahead:
+            if ahead.rollouts is None:
+                ahead.rollouts = collect(ahead.request)
+
+    def drop(self) -> None:
+        """The run ends: what is in flight will never be trained on (the engines drop it at their stop)."""
+        self.ahead.clear()
 
     def restore(self, saved: list[dict]) -> None:
         """On resume: the batches a stop collected (``to_json``), in step order."""

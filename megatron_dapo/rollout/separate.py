@@ -24,6 +24,7 @@ leader's summaries to every trainer rank.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -211,10 +212,14 @@ class _Worker(threading.Thread):
         """The request's (rollouts on a replica leader, else None; idle seconds before it), waiting."""
         with self._done:
             while request not in self.results:
-                if self.error is not None:
-                    raise RuntimeError(f"engine rank {self.split.side_rank} failed") from self.error
+                self.raise_error()
                 self._done.wait()
             return self.results.pop(request)
+
+    def raise_error(self) -> None:
+        """The worker's failure, raised here (on the main thread) when there is one."""
+        if self.error is not None:
+            raise RuntimeError(f"engine rank {self.split.side_rank} failed") from self.error
 
     def drop_pending(self) -> int:
         """Forgets the generation requests not yet started (a stop: nobody will collect them)."""
@@ -226,7 +231,7 @@ class _Worker(threading.Thread):
                 return dropped
             if item[0] == "generate":
                 dropped += 1
-            # weights and the rest: nothing to generate after them any more
+            # a weight load goes too: the engine stops, no later batch needs it
 
 
 def serve(split: WorldSplit) -> int:
@@ -236,12 +241,16 @@ def serve(split: WorldSplit) -> int:
     worker = _Worker(split)
     worker.start()
     try:
-        _answer(split, worker)
-    finally:  # the worker ends with the loop, however it ends
+        # On a GPU the transfer group's waits hold the stream they are issued on: a stream of their
+        # own keeps the worker's generation (on the default stream) from queueing behind the wait
+        # for the next request (unverified: no GPU was lent).
+        with torch.cuda.stream(torch.cuda.Stream()) if split.device.type == "cuda" else contextlib.nullcontext():
+            _answer(split, worker)
+    finally:  # the worker ends with the loop, however it ends, without the work nobody will collect
+        worker.drop_pending()
         worker.work.put(("stop",))
         worker.join(timeout=600)
-    if worker.error is not None:
-        raise RuntimeError(f"engine rank {split.side_rank} failed") from worker.error
+    worker.raise_error()
     return worker.served
 
 

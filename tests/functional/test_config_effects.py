@@ -150,6 +150,9 @@ CASES: dict[str, Case] = {
     "algorithm.filter_groups.enable": C("true", metric("dynamic_sampling/num_groups_generated")),
     "algorithm.filter_groups.max_num_gen_batches": C("1", lambda a, b: "max_num_gen_batches=1" in a.error and ok(b, a),
                                                      FILTER | {"data.gen_prompts_per_batch": "4"}),
+    # the second step's first batch is sized by step 1's keep rate: other prompts, other records
+    "algorithm.filter_groups.adaptive": C("true", records, FILTER | TWO),
+    "algorithm.filter_groups.max_gen_prompts": C("4", records, FILTER | TWO | {"algorithm.filter_groups.adaptive": "true"}),
     "algorithm.filter_groups.surplus": C("carry", lambda a, b: "dynamic_sampling/num_surplus_carried" in a.last
                                          and "dynamic_sampling/num_surplus_carried" not in b.last),
     "loss.clip_ratio_low": C("0.01", metric("actor/pg_clipfrac_low")),

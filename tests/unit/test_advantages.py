@@ -150,3 +150,32 @@ def test_bad_acc_shape():
     s = DynamicSampler(prompts_per_step=1, group_size=3, max_num_gen_batches=0)
     with pytest.raises(ValueError, match=r"acc must be \[2, 3\]"):
         s.add(["a", "b"], _acc([[1, 0], [0, 1]]))
+
+
+def test_adaptive_batches_are_sized_by_the_measured_keep_rate():
+    import torch
+
+    s = DynamicSampler(prompts_per_step=8, group_size=2, max_num_gen_batches=0, adaptive=True)
+    assert s.request_size(12) == 12  # nothing measured yet: the fixed size
+    mixed, same = [True, False], [True, True]
+    s.start_step()
+    s.add([object()] * 10, torch.tensor([mixed] * 4 + [same] * 6))  # 4 of 10 kept
+    assert s.keep_rate == 0.4
+    assert s.request_size(12) == 11  # 4 missing: 4 x 1.1 / 0.4 = 11
+    s.add([object()] * 10, torch.tensor([mixed] * 2 + [same] * 8))  # 2 of 10: the estimate halves towards it
+    assert s.keep_rate == pytest.approx(0.3)
+    assert s.request_size(12) == 8  # 2 missing: 2 / 0.3 x 1.1 = 7.33 -> 8
+    s.add([object()] * 2, torch.tensor([same] * 2))  # none kept: 0.15
+    assert s.request_size(12) == 15  # 14.67 -> 15, under the cap of 4 x 12
+    s.add([object()] * 4, torch.tensor([same] * 4))  # 0.075: 29.3, still under 48
+    s.add([object()] * 4, torch.tensor([same] * 4))  # 0.0375: 58.7, capped
+    assert s.request_size(12) == 48
+    capped = DynamicSampler(prompts_per_step=8, group_size=2, max_num_gen_batches=0, adaptive=True, max_request=20)
+    capped.add([object()], torch.tensor([same]))
+    assert capped.keep_rate == 0.0 and capped.request_size(12) == 20
+    fixed = DynamicSampler(prompts_per_step=4, group_size=2, max_num_gen_batches=0)  # adaptive off
+    fixed.add([object()] * 10, torch.tensor([mixed] * 4 + [same] * 6))
+    assert fixed.request_size(12) == 12 and "dynamic_sampling/keep_rate_estimate" not in fixed.pop()[1]
+    restored = DynamicSampler(prompts_per_step=8, group_size=2, max_num_gen_batches=0, adaptive=True)
+    restored.restore_held([], keep_rate=0.5)
+    assert restored.request_size(12) == 18  # 8 / 0.5 x 1.1 = 17.6

@@ -110,3 +110,25 @@ def test_stale_rollouts_turn_tis_on_unless_chosen():
     assert with_async_defaults(stale).loss.tis_cap == ASYNC_TIS_CAP
     chosen = dataclasses.replace(stale, loss=dataclasses.replace(stale.loss, tis_cap=1.5))
     assert with_async_defaults(chosen).loss.tis_cap == 1.5
+
+
+def test_a_second_stop_collects_only_what_is_in_flight():
+    # Resumed from a stop with steps 1 and 2 restored; step 1 taken; step 3 asked for; stopped again:
+    # the restored step 2 keeps its rollouts (it has no request), step 3's are collected.
+    pipe = RolloutPipeline(2, 8, 0)
+    saved = Ahead(2, [4], seed=2, rollouts=[[Rollout(prompt_ids=[1], response_ids=[2], weight_version=0)]])
+    pipe.restore([Ahead(1, [3], seed=1, rollouts=[]).to_json(), saved.to_json()])
+    pipe.take(1)
+    assert pipe.targets(1, finished=False) == [3]
+    pipe.add(Ahead(3, [5], seed=3, request=7))
+    asked = []
+    pipe.collect_in_flight(lambda request: asked.append(request) or [[]])
+    assert asked == [7] and pipe.ahead[0].rollouts == saved.rollouts and pipe.to_json()
+
+
+def test_a_run_that_ends_drops_what_is_in_flight():
+    pipe = RolloutPipeline(2, 8, 0)
+    for t in pipe.targets(0, finished=False):
+        pipe.add(Ahead(t, [t], seed=t, request=t))
+    pipe.drop()  # the generation budget ran out at step 1: its final save finds nothing in flight
+    assert pipe.to_json() == []
