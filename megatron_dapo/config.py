@@ -181,10 +181,6 @@ class RolloutConfig:
             _fail(f"rollout.max_staleness={self.max_staleness} with rollout.placement={self.placement}: colocated "
                   "engines share the trainers' devices, so generation cannot overlap training; use "
                   "rollout.placement=separate with rollout.num_ranks, or rollout.max_staleness=0")
-        if self.placement == "separate" and self.engine != "hf":
-            _fail(f"rollout.engine={self.engine} with rollout.placement=separate: only the hf engine serves from ranks "
-                  "of its own so far (vLLM's launcher would read the whole launch's ranks); use rollout.engine=hf "
-                  "or rollout.placement=colocated")
 
 
 @dataclass(frozen=True, kw_only=True)

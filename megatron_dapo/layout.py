@@ -109,7 +109,7 @@ def communicators(cfg: DAPOConfig, world_size: int) -> list[Communicator]:
               ("trainer", "DP x CP", dp * cp)]
     if cfg.rollout.placement == "separate":
         groups.append(("trainer", "transfer", 1 + cfg.rollout.num_ranks))
-    if cfg.rollout.engine == "vllm":
+    if cfg.rollout.engine == "vllm" and cfg.rollout.placement == "colocated":
         rtp = cfg.rollout.tensor_parallel_size
         groups += [("vLLM", "TP", rtp), ("vLLM", "DP", world_size // rtp)]
     return [Communicator(o, n, r) for o, n, r in groups if r > 1]

@@ -365,8 +365,8 @@ def plan(cfg: DAPOConfig, hf: dict, world_size: int, *, gpu: str | GPUModel = "h
 
     device = (gpu_model(gpu) if isinstance(gpu, str) else gpu).with_capacity(capacity_gb)
     p, t, r = cfg.parallel, cfg.train, cfg.rollout
-    # Separate placement: the trainers' ranks are this plan's; the engines' run on GPUs of their own
-    # (the hf engine only, so far: nothing of theirs is planned beside the trainer's state).
+    # Separate placement: the trainers' ranks are this plan's; the engines run on GPUs of their own,
+    # which are not planned (nothing of theirs sits beside the trainer's state).
     world_size, engine_ranks = sides(r, world_size)
     tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
     padded = padded_vocab_size(hf["vocab_size"], cfg.model.make_vocab_size_divisible_by, tp)
@@ -377,7 +377,7 @@ def plan(cfg: DAPOConfig, hf: dict, world_size: int, *, gpu: str | GPUModel = "h
                   t.max_tokens_per_micro_batch or t.micro_batch_size * seq, seq)
     items = _trainer_items(cfg, hf, lay, communicators(cfg, world_size) if on_gpu else [], on_gpu)
     rollout = None
-    if r.engine == "vllm":
+    if r.engine == "vllm" and r.placement == "colocated":
         engine, rollout = _rollout(cfg, hf, lay, items, device, world_size)
         items += engine
 

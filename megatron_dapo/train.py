@@ -195,7 +195,8 @@ def _loop(run: Run, stop: StopRequest, dyn: DynamicSampler, pipeline: RolloutPip
         finished = _finished(cfg, step + 1, generated)
         if finished:
             pipeline.drop()  # a generation budget spent: batches asked for ahead will not be trained on
-        last = finished or _job_ends_after_next(cfg, clock, end_time, step, evaluates)  # nothing to wait for at a stop
+        last = finished or (pipeline.max_staleness > 0  # the job's end: nothing to wait for at its stop
+                            and placement.gather([_job_ends_after_next(cfg, clock, end_time, step, evaluates)])[0])
         for target in pipeline.targets(step, finished=last):  # generated while this step trains
             ahead = _draw(run, obs, target, 0, dyn.request_size(gen_batch))
             ahead.request = placement.submit([inputs.train_ids[i] for i in ahead.indices], cfg.rollout.n,
@@ -344,7 +345,8 @@ def _job_ends_after_next(cfg: DAPOConfig, clock: StepClock, end_time: float | No
                          evaluates: bool) -> bool:
     """Whether the job's end will stop the run after step ``step + 1`` (the one after this): this
     step's rest (at most a step, and its evaluation) and the next one with its save would not fit.
-    Then nothing is asked for ahead, and the time-limit stop has nothing in flight to wait for."""
+    Then nothing is asked for ahead, and the time-limit stop has nothing in flight to wait for. Rank
+    0's answer is every rank's (the caller gathers it): only rank 0 may know the job's end."""
     if end_time is None:
         return False
     this_ends = time.time() + (clock.step_estimate or 0.0) + ((clock.eval or 0.0) if evaluates else 0.0)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import queue
 import threading
 import time
@@ -203,6 +204,8 @@ class _Worker(threading.Thread):
             torch.set_num_threads(cfg.num_threads)
         tp = cfg.rollout.tensor_parallel_size
         replica, num_replicas, leader = replica_layout(self.split.side_rank, self.split.num_engines, tp)
+        # vLLM's external launcher reads the launcher's variables: here they must be the engines' world's
+        os.environ.update(RANK=str(self.split.side_rank), WORLD_SIZE=str(self.split.num_engines))
         engine = get_engine_cls(cfg.rollout.engine).from_config(str(cfg.model.hf_path), cfg)
         logger.info("engine rank %d: rollout replica %d of %d (%s engine)%s", self.split.side_rank, replica,
                     num_replicas, cfg.rollout.engine, ", answering" if leader else "")

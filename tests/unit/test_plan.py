@@ -119,6 +119,9 @@ def test_separate_placement_plans_the_trainers_ranks_and_refuses_splits_that_can
     whole = _paper()
     assert half.parts["adam"] == pytest.approx(2 * whole.parts["adam"])  # the optimizer state over DP 4, not 8
     assert any("64 training GPUs" in n for n in half.notes)
+    engines_apart = _paper("rollout.placement=separate", "rollout.num_ranks=64")  # the recipe's vLLM, on GPUs of its own
+    assert engines_apart.rollout is None and "vllm_generating" not in engines_apart.parts
+    assert engines_apart.parts == {**half.parts}  # the trainers' GPUs hold the same, whatever the engine
     base = ["plan", "--config", str(PAPER), "--world-size", "128", "--shape", "32B", *sep]
     assert cli.main([*base, "rollout.num_ranks=64"]) == 0
     out = capsys.readouterr().out

@@ -37,8 +37,7 @@ def test_a_split_that_cannot_run_is_refused(world, engines, tp, fix):
                                            (["rollout.placement=separate"], "needs the engines' ranks"),
                                            (["rollout.num_ranks=2"], "colocated none"),
                                            (["rollout.placement=separate", "rollout.num_ranks=-1"], "needs"),
-                                           (["rollout.placement=separate", "rollout.num_ranks=1",
-                                             "rollout.engine=vllm"], "only the hf engine")])
+                                           (["rollout.max_staleness=1"], "use rollout.placement=separate")])
 def test_placement_settings_are_checked_with_the_config(overrides, fix):
     from megatron_dapo.config_loading import load_config
 
