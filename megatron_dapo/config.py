@@ -152,6 +152,11 @@ class RolloutConfig:
     max_staleness: int = _f(0, "with placement=separate: weight versions a trained rollout may lag behind the trainer; "
                                "0 = generate then train (as colocated), 1 = the next step's first generation batch "
                                "is generated while this step trains, k = up to k steps ahead")
+    partial: bool = _f(False, "partial rollouts: a generation extends each response by at most "
+                              "rollout.partial_tokens; one still running then continues from its prefix in the next "
+                              "generation batch, with the weights current then (docs/DESIGN.md)")
+    partial_tokens: int = _f(0, "with partial: the tokens a response may grow by in one generation batch, a divisor "
+                                "of max_response_length; 0 = max_response_length / 4")
 
     def __post_init__(self):
         if self.sleep_level not in (1, 2):
@@ -181,6 +186,20 @@ class RolloutConfig:
             _fail(f"rollout.max_staleness={self.max_staleness} with rollout.placement={self.placement}: colocated "
                   "engines share the trainers' devices, so generation cannot overlap training; use "
                   "rollout.placement=separate with rollout.num_ranks, or rollout.max_staleness=0")
+        if self.partial_tokens < 0 or (self.partial_tokens and not self.partial):
+            _fail(f"rollout.partial_tokens={self.partial_tokens} with rollout.partial={self.partial}: set "
+                  "rollout.partial=true to cut responses into pieces of that many tokens (> 0), or partial_tokens=0")
+        if self.partial and (self.piece_tokens < 1 or self.max_response_length % self.piece_tokens):
+            _fail(f"rollout.partial_tokens={self.partial_tokens or 'max_response_length / 4'} does not divide "
+                  f"rollout.max_response_length={self.max_response_length}: every piece but the last must be that "
+                  "long, so that a response's pieces end at its limit; choose a divisor")
+
+    @property
+    def piece_tokens(self) -> int:
+        """With ``partial``: the most tokens one generation batch adds to a response (else the limit)."""
+        if not self.partial:
+            return self.max_response_length
+        return self.partial_tokens or self.max_response_length // 4
 
 
 @dataclass(frozen=True, kw_only=True)

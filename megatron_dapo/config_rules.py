@@ -67,6 +67,9 @@ def validate_cross_section(cfg: Any) -> None:
         # with TIS correcting the drift (docs/DESIGN.md "Separate placement and asynchronous rollouts").
         _fail(f"rollout.max_staleness={r.max_staleness} with train.old_log_probs=rollout: a stale rollout's "
               "log-probs are an older policy's, not this step's pi_old; set train.old_log_probs=trainer")
+    if r.partial and t.old_log_probs == "rollout":
+        _fail("rollout.partial=true with train.old_log_probs=rollout: a continued response's first pieces come from "
+              "older weights, not this step's pi_old; set train.old_log_probs=trainer")
     seq_len = d.max_prompt_length + r.max_response_length
     if 0 < t.max_tokens_per_micro_batch < seq_len:
         _fail(f"train.max_tokens_per_micro_batch={t.max_tokens_per_micro_batch} cannot hold one sequence of "

@@ -147,7 +147,8 @@ def generate_groups(placement: RolloutPlacement, prompt_ids: list[list[int]], in
     gathered = generate_scored(placement, [prompt_ids[i] for i in indices], cfg.rollout.n, params,
                                ground_truths=[ground_truths[i] for i in indices], tokenizer=tokenizer, pool=pool,
                                fns=fns, summarise=summarise, fetch=fetch)
-    return GenBatch(groups=[g[1] for g in gathered], acc=torch.tensor([g[0] for g in gathered], dtype=torch.bool),
+    acc = torch.tensor([g[0] for g in gathered], dtype=torch.bool).reshape(len(gathered), cfg.rollout.n)
+    return GenBatch(groups=[g[1] for g in gathered], acc=acc,
                     audits=[g[2] for g in gathered], rows=[r for g in gathered for r in g[3]],
                     flagged=[r for g in gathered for r in g[4]])
 
@@ -179,7 +180,8 @@ def to_samples(groups: list[Group], cfg: DAPOConfig):
 def version_lag(groups: list[Group], version: int) -> dict[str, float]:
     """How many weight versions the kept batch's rollouts lag behind the trainer's ``version``
     (steps trained so far): 0 for a synchronous step's own batches, up to rollout.max_staleness for
-    batches asked for ahead (rollout/pipeline.py), more for groups carried over (surplus=carry)."""
+    batches asked for ahead (rollout/pipeline.py), more for groups carried over (surplus=carry) and for
+    partial rollouts (the version of a response's first piece, rollout/partial.py)."""
     lags = torch.tensor([version - r.weight_version for g in groups for r in g.rollouts], dtype=torch.float32)
     return {"rollout/version_lag_mean": lags.mean().item(), "rollout/version_lag_max": lags.max().item()}
 

@@ -23,7 +23,7 @@ from typing import Any
 
 from megatron_dapo import ranks
 from megatron_dapo.config import DAPOConfig
-from megatron_dapo.errors import InputError
+from megatron_dapo.errors import ConfigError, InputError
 from megatron_dapo.trainer_state import TrainerState
 
 logger = logging.getLogger("megatron_dapo.run")
@@ -90,13 +90,16 @@ ASYNC_TIS_CAP = 2.0  # verl's tis_imp_ratio_cap
 
 def with_async_defaults(cfg: DAPOConfig) -> DAPOConfig:
     """``cfg`` with truncated importance sampling on (loss.tis_cap=2.0) when rollouts may be stale
-    (rollout.max_staleness >= 1) and it was left off: the trainer's pi_old then differs from the
-    rollout's policy by up to max_staleness updates, not only by the engine's numerics."""
-    if not cfg.rollout.max_staleness or cfg.loss.tis_cap is not None:
+    (rollout.max_staleness >= 1, or rollout.partial: a continued response's first pieces come from
+    older weights) and it was left off: the trainer's pi_old then differs from the rollout's policy
+    by updates, not only by the engine's numerics."""
+    r = cfg.rollout
+    if not (r.max_staleness or r.partial) or cfg.loss.tis_cap is not None:
         return cfg
     if ranks.rank() == 0:
-        logger.info("rollout.max_staleness=%d: loss.tis_cap=%s (truncated importance sampling corrects stale "
-                    "rollouts; set loss.tis_cap to choose another cap)", cfg.rollout.max_staleness, ASYNC_TIS_CAP)
+        why = f"rollout.max_staleness={r.max_staleness}" if r.max_staleness else "rollout.partial=true"
+        logger.info("%s: loss.tis_cap=%s (truncated importance sampling corrects stale rollouts; set "
+                    "loss.tis_cap to choose another cap)", why, ASYNC_TIS_CAP)
     return dataclasses.replace(cfg, loss=dataclasses.replace(cfg.loss, tis_cap=ASYNC_TIS_CAP))
 
 
@@ -360,8 +363,19 @@ def check_rollout(cfg: DAPOConfig, world_size: int) -> None:
     from megatron_dapo.rollout.engine import get_engine_cls  # imports the engine module, not vllm
     from megatron_dapo.rollout.placement import replica_layout
 
-    replica_layout(0, world_size, cfg.rollout.tensor_parallel_size)
-    get_engine_cls(cfg.rollout.engine).preflight(cfg)
+    r = cfg.rollout
+    _, replicas, _ = replica_layout(0, world_size, r.tensor_parallel_size)
+    engine = get_engine_cls(r.engine)
+    if r.partial and not engine.continues_prefixes:
+        raise ConfigError(f"rollout.partial=true with rollout.engine={r.engine}: this engine cannot continue a "
+                          "response from its prefix; use rollout.engine=vllm or hf, or rollout.partial=false")
+    if r.partial and r.placement == "colocated" and replicas > 1:
+        # The carried responses live on one replica leader (gen_batches.py): one colocated replica, or
+        # separate placement, whose engine replicas all answer trainer rank 0.
+        raise ConfigError(f"rollout.partial=true with {replicas} colocated rollout replicas: partial rollouts need "
+                          "one replica's leader to hold every response; use rollout.placement=separate with "
+                          f"rollout.num_ranks, or rollout.tensor_parallel_size={world_size}")
+    engine.preflight(cfg)
 
 
 def make_reward_pool(cfg: DAPOConfig):

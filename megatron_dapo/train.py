@@ -21,7 +21,8 @@ import torch
 
 from megatron_dapo import ranks
 from megatron_dapo.algo import DynamicSampler
-from megatron_dapo.groups import generate_groups, rollout_metrics, to_samples, version_lag
+from megatron_dapo.gen_batches import GenerationBatches
+from megatron_dapo.groups import rollout_metrics, to_samples, version_lag
 from megatron_dapo.config import DAPOConfig
 from megatron_dapo.config_loading import dump_yaml, to_dict
 from megatron_dapo.eval import evaluate_with_rows
@@ -30,8 +31,9 @@ from megatron_dapo.observe.observer import Observer
 from megatron_dapo.observe.profiler import StepProfiler
 from megatron_dapo.preemption import TIME_LIMIT, StopRequest, Watch
 from megatron_dapo.reward import VALUE_REWARD_FN
-from megatron_dapo.rollout.engine import eval_sampling_params, rollout_sampling_params
-from megatron_dapo.rollout.pipeline import Ahead, RolloutPipeline
+from megatron_dapo.rollout.engine import eval_sampling_params
+from megatron_dapo.rollout.partial import partial_metrics, token_versions
+from megatron_dapo.rollout.pipeline import RolloutPipeline
 from megatron_dapo.rollout.weight_sync import MISMATCH_KEYS, logprob_mismatch
 from megatron_dapo.run import Run, build_run, prepare_run
 from megatron_dapo.time_limit import StepClock, job_end_time, write_status
@@ -131,18 +133,19 @@ def _train(run: Run, stop: StopRequest) -> TrainResult:
                      grace_s=cfg.checkpoint.stop_grace_s, end_time=end_time))
     obs = Observer(cfg, run.dir, rank=run.rank, start=start, num_replicas=run.placement.num_replicas, resume=resume,
                    log=log)
+    gen = GenerationBatches(run, obs, resume.carried if resume else ())
     try:
         with StepProfiler(cfg.profile, run.dir, run.rank) as prof:  # profile.steps: a trace of those steps
-            return _loop(run, stop, dyn, pipeline, log, obs, prof, start, gen_batch, clock, end_time)
+            return _loop(run, stop, dyn, pipeline, gen, log, obs, prof, start, gen_batch, clock, end_time)
     finally:
         log.close()
         run.actor.onload_after_rollout()  # the run's last evaluation may have left the state off
 
 
-def _loop(run: Run, stop: StopRequest, dyn: DynamicSampler, pipeline: RolloutPipeline, log: MetricsLogger,
-          obs: Observer, prof: StepProfiler, start: int, gen_batch: int, clock: StepClock,
+def _loop(run: Run, stop: StopRequest, dyn: DynamicSampler, pipeline: RolloutPipeline, gen: GenerationBatches,
+          log: MetricsLogger, obs: Observer, prof: StepProfiler, start: int, gen_batch: int, clock: StepClock,
           end_time: float | None) -> TrainResult:
-    cfg, actor, placement, inputs = run.cfg, run.actor, run.placement, run.inputs
+    cfg, actor, placement = run.cfg, run.actor, run.placement
     _record_ranks(run)
     if run.rank == 0:
         (run.dir / "config.yaml").write_text(dump_yaml(cfg))
@@ -177,15 +180,13 @@ def _loop(run: Run, stop: StopRequest, dyn: DynamicSampler, pipeline: RolloutPip
             while not dyn.is_full:  # dynamic sampling: draw generation batches until the batch is full
                 ahead = pipeline.take(step) if dyn.num_gen_batches == 0 else None  # asked for in an earlier step
                 if ahead is None:
-                    ahead = _draw(run, obs, step, dyn.num_gen_batches, dyn.request_size(gen_batch))
-                indices = ahead.indices
-                batch = generate_groups(placement, inputs.train_ids, indices, ground_truths=inputs.train_truths,
-                                        tokenizer=inputs.tokenizer, params=_params(run, ahead), pool=run.pool, cfg=cfg,
-                                        keep=dyn.keep_mask, rows=obs.row_spec(dyn.num_gen_batches),
-                                        fetch=_fetch(placement, ahead))
+                    ahead = gen.draw(step, dyn.num_gen_batches, dyn.request_size(gen_batch))
+                batch, indices = gen.generate(ahead, keep=dyn.keep_mask, rows=obs.row_spec(dyn.num_gen_batches))
                 obs.add_batch(batch, indices)
                 dyn.add(batch.groups, batch.acc)
             groups, ds_metrics = dyn.pop()
+            if cfg.rollout.partial:  # the carry before a batch asked for ahead takes it
+                ds_metrics.update(partial_metrics(groups, gen.carry, step))
         metrics.update(_device_used("generating"))
         placement.sleep()  # the engine's memory goes to the trainer until the next sync
         if cfg.actor.offload_during_rollout:
@@ -198,15 +199,15 @@ def _loop(run: Run, stop: StopRequest, dyn: DynamicSampler, pipeline: RolloutPip
         last = finished or (pipeline.max_staleness > 0  # the job's end: nothing to wait for at its stop
                             and placement.gather([_job_ends_after_next(cfg, clock, end_time, step, evaluates)])[0])
         for target in pipeline.targets(step, finished=last):  # generated while this step trains
-            ahead = _draw(run, obs, target, 0, dyn.request_size(gen_batch))
-            ahead.request = placement.submit([inputs.train_ids[i] for i in ahead.indices], cfg.rollout.n,
-                                             _params(run, ahead))
+            ahead = gen.draw(target, 0, dyn.request_size(gen_batch))
+            gen.submit(ahead)
             pipeline.add(ahead)
         metrics.update(ds_metrics | rollout_metrics(groups) | version_lag(groups, step))
         metrics["rollout/responses_generated_total"] = generated
         samples = to_samples(groups, cfg)
 
-        samples, mismatch_in_update = _old_log_probs(run, log, samples, metrics)
+        current = [[v == step for v in token_versions(r)] for g in groups for r in g.rollouts]
+        samples, mismatch_in_update = _old_log_probs(run, log, samples, metrics, current)
         with log.timer("train"):
             actor.prepare_for_training()
             size = cfg.train.mini_batch_prompts * cfg.rollout.n
@@ -243,7 +244,7 @@ def _loop(run: Run, stop: StopRequest, dyn: DynamicSampler, pipeline: RolloutPip
         prof.end_step(done)
         clock.end_step(eval_seconds=eval_s)
         if pending is not None:
-            _save(run, dyn, pipeline, obs, done, generated, clock, pending, write_s)
+            _save(run, dyn, pipeline, gen, obs, done, generated, clock, pending, write_s)
             saved = done
         if finished:
             break
@@ -252,7 +253,7 @@ def _loop(run: Run, stop: StopRequest, dyn: DynamicSampler, pipeline: RolloutPip
     if done > saved:
         actor.onload_after_rollout()  # an evaluation may have left the state off
         pipeline.collect_in_flight(lambda request: placement.collect(request)[1])  # kept with the checkpoint
-        _save(run, dyn, pipeline, obs, done, generated, clock)
+        _save(run, dyn, pipeline, gen, obs, done, generated, clock)
     latest = _latest(run)
     return TrainResult(final_eval=final, step=done, stopped_by=stop.name, checkpoint=latest and str(latest),
                        stop_latency_s=stop.seconds_since())
@@ -279,8 +280,8 @@ def _write_if_due(run: Run, log: MetricsLogger, step: int, finished: bool):
     return pending, time.monotonic() - started
 
 
-def _save(run: Run, dyn: DynamicSampler, pipeline: RolloutPipeline, obs: Observer, step: int, generated: int,
-          clock: StepClock, pending=None, write_s: float = 0.0) -> None:
+def _save(run: Run, dyn: DynamicSampler, pipeline: RolloutPipeline, gen: GenerationBatches, obs: Observer,
+          step: int, generated: int, clock: StepClock, pending=None, write_s: float = 0.0) -> None:
     """Publishes ``pending`` (the step's tensors, written before the sync ``write_s`` ago) with the
     trainer state; without one (a stop between steps), saves in one go. The clock records the whole
     save, both halves: it is what the stop path's one-phase save will cost (the saving step's time
@@ -288,7 +289,8 @@ def _save(run: Run, dyn: DynamicSampler, pipeline: RolloutPipeline, obs: Observe
     state = TrainerState(step=step, sampler=run.sampler.state_dict(), held_groups=dyn.held,
                          responses_generated=generated, clock=clock.state_dict(), ledger=obs.ledger.state(),
                          keep_rate=dyn.keep_rate,
-                         alarms=tuple(obs.alarms.state()), ahead=tuple(pipeline.to_json()))
+                         alarms=tuple(obs.alarms.state()), ahead=tuple(pipeline.to_json()),
+                         carried=tuple(gen.carry_json()))
     started = time.monotonic()
     if pending is None:
         run.actor.save_checkpoint(str(run.ckpt_dir), state.to_json())
@@ -330,17 +332,6 @@ def _sync(run: Run, version: int | None = None) -> None:
     run.placement.sync(run.actor.export_hf_weights(bucket_bytes=bucket_bytes), bucket_bytes, version=version)
 
 
-def _draw(run: Run, obs: Observer, step: int, num_gen_batches: int, size: int) -> Ahead:
-    """Step ``step``'s generation batch after ``num_gen_batches`` others: ``size`` prompts drawn now
-    (retired ones skipped: data.skip_solved_after), seeded by its place in the step, so the same
-    whether generated in its step or asked for ahead (rollout/pipeline.py)."""
-    return Ahead(step, obs.draw(run.sampler, size), _seed(run.cfg, step, num_gen_batches))
-
-
-def _params(run: Run, ahead: Ahead):
-    return rollout_sampling_params(run.cfg.rollout, seed=ahead.seed, stop_token_ids=run.inputs.stops)
-
-
 def _job_ends_after_next(cfg: DAPOConfig, clock: StepClock, end_time: float | None, step: int,
                          evaluates: bool) -> bool:
     """Whether the job's end will stop the run after step ``step + 1`` (the one after this): this
@@ -352,17 +343,6 @@ def _job_ends_after_next(cfg: DAPOConfig, clock: StepClock, end_time: float | No
     this_ends = time.time() + (clock.step_estimate or 0.0) + ((clock.eval or 0.0) if evaluates else 0.0)
     return not clock.next_step_fits(end_time, cfg.checkpoint.time_limit_margin_s, now=this_ends,
                                     evaluates=_evaluates(cfg, step + 2))
-
-
-def _fetch(placement, ahead: Ahead):
-    """Where a generation batch's rollouts come from: a stop's saved ones, the engines' answer to
-    an earlier request, or (None) a generation now."""
-    if ahead.rollouts is not None:
-        saved = ahead.rollouts if placement.is_leader else []
-        return lambda: (range(len(saved)), saved)
-    if ahead.request is not None:
-        return lambda: placement.collect(ahead.request)
-    return None
 
 
 def _evaluate(run: Run, obs: Observer | None = None) -> dict[str, float]:
@@ -405,10 +385,13 @@ def _accumulate(metrics: dict, update: dict) -> None:
     metrics["actor/num_updates"] = n + 1
 
 
-def _old_log_probs(run: Run, log: MetricsLogger, samples: list, metrics: dict) -> tuple[list, bool]:
+def _old_log_probs(run: Run, log: MetricsLogger, samples: list, metrics: dict,
+                   current: list[list[bool]]) -> tuple[list, bool]:
     """The samples with pi_old (train.old_log_probs): the trainer's forward over the batch, with the
     engine/trainer mismatch from it, or the engine's own log-probs (no pass; the mismatch is then
-    measured in the first update's forward: the second value says so)."""
+    measured in the first update's forward: the second value says so). ``current``: per sample and
+    response token, whether the trainer's weights generated it: the mismatch is measured over those
+    only, a numerics check (a stale token's drift is TIS's to correct; none current: no mismatch)."""
     cfg, actor = run.cfg, run.actor
     check = cfg.rollout.check_logprob_mismatch
     if cfg.train.old_log_probs == "rollout":
@@ -421,22 +404,17 @@ def _old_log_probs(run: Run, log: MetricsLogger, samples: list, metrics: dict) -
         actor.prepare_for_inference()
         old = actor.get_inference_log_probs(samples)
         actor.finish_inference()
-    if check:
-        metrics.update(_mismatch([s.rollout_log_probs for s in samples], old))
+    if check and any(map(any, current)):
+        metrics.update(_mismatch([s.rollout_log_probs for s in samples], old, current))
     return [dataclasses.replace(s, old_log_probs=lp) for s, lp in zip(samples, old)], False
 
 
-def _mismatch(engine_lp: list[torch.Tensor], trainer_lp: list[torch.Tensor]) -> dict[str, float]:
+def _mismatch(engine_lp: list[torch.Tensor], trainer_lp: list[torch.Tensor],
+              current: list[list[bool]]) -> dict[str, float]:
     pad = torch.nn.utils.rnn.pad_sequence
-    mask = pad([torch.ones(len(x)) for x in engine_lp], batch_first=True)
+    mask = pad([torch.tensor(c, dtype=torch.float32) for c in current], batch_first=True)
     out = logprob_mismatch(pad(engine_lp, batch_first=True), pad(trainer_lp, batch_first=True), mask)
     return {k: float(v) for k, v in out.items()}
-
-
-def _seed(cfg: DAPOConfig, step: int, num_gen_batches: int) -> int:
-    """Rollout seed of step ``step``'s generation batch after ``num_gen_batches`` others:
-    reproducible across a resume, and the same whether asked for ahead or not."""
-    return (cfg.seed * 1_000_003 + step) * 1_009 + num_gen_batches
 
 
 def evaluate_run(cfg: DAPOConfig) -> dict[str, float]:

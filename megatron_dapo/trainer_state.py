@@ -35,20 +35,24 @@ class TrainerState:
     ahead: tuple[dict, ...] = ()
     """Generation batches asked for ahead and collected at a stop (``RolloutPipeline.to_json``;
     rollout.max_staleness >= 1): the next steps' first batches, with their rollouts."""
+    carried: tuple[dict, ...] = ()
+    """rollout.partial: the prompt groups whose responses are still growing (``Carried.to_json``,
+    rollout/partial.py), continued by the next generation batch."""
 
     def to_json(self) -> dict:
         return {"step": self.step, "sampler": self.sampler, "held_groups": [g.to_json() for g in self.held_groups],
                 "responses_generated": self.responses_generated, "clock": self.clock, "ledger": self.ledger,
-                "alarms": list(self.alarms), "keep_rate": self.keep_rate, "ahead": list(self.ahead)}
+                "alarms": list(self.alarms), "keep_rate": self.keep_rate, "ahead": list(self.ahead),
+                "carried": list(self.carried)}
 
     @classmethod
     def from_json(cls, data: dict, where: str) -> "TrainerState":
         """The state ``to_json`` wrote; InputError naming ``where`` (the file) when a key is missing
         or unknown (a checkpoint of another version of this code). ``ledger`` and ``alarms`` came later:
         a checkpoint without them resumes with an empty ledger and no alarm raised; ``keep_rate``
-        and ``ahead`` too (nothing measured, nothing asked for ahead)."""
+        ``ahead`` and ``carried`` too (nothing measured, asked for ahead or carried)."""
         keys = {"step", "sampler", "held_groups", "responses_generated", "clock"}
-        if not isinstance(data, dict) or not keys <= set(data) <= keys | {"ledger", "alarms", "keep_rate", "ahead"}:
+        if not isinstance(data, dict) or not keys <= set(data) <= keys | {"ledger", "alarms", "keep_rate", "ahead", "carried"}:
             got = sorted(data) if isinstance(data, dict) else type(data).__name__
             raise InputError(f"{where}: trainer state with keys {got}, expected {sorted(keys)}: a checkpoint of "
                              "another version of megatron-dapo; resume it with that version, or start a new logging.dir")
@@ -56,4 +60,5 @@ class TrainerState:
                    held_groups=tuple(Group.from_json(g) for g in data["held_groups"]),
                    responses_generated=int(data["responses_generated"]), clock=data["clock"],
                    ledger=data.get("ledger", {}), alarms=tuple(data.get("alarms", ())),
-                   keep_rate=data.get("keep_rate"), ahead=tuple(data.get("ahead", ())))
+                   keep_rate=data.get("keep_rate"), ahead=tuple(data.get("ahead", ())),
+                   carried=tuple(data.get("carried", ())))

@@ -52,6 +52,7 @@ class SampleRow:
     advantage: float | None = None  # None: not trained on (a dropped group, or evaluation)
     kept: bool | None = None  # dynamic sampling kept the group (training)
     weight_version: int = 0  # updates (steps) the generating weights had seen
+    pieces: list[list[int]] = field(default_factory=list)  # rollout.partial: [version, tokens] of each piece
     step: int = 0  # the metrics record this row belongs to
     flags: list[str] = field(default_factory=list)  # observe/audit.py flags
 
@@ -164,7 +165,8 @@ def group_rows(spec: RowSpec, *, prompt_index: int, position: int, prompt: str, 
             pred=str(res.get("pred", "")), audit_scorer=spec.audit_scorer if audit else None,
             audit_acc=bool(audit["acc"]) if audit else None, audit_pred=str(audit.get("pred", "")) if audit else None,
             score=scores[j] if scores else None, reward=rewards[j] if rewards else None, kept=kept,
-            flags=list(flags[j]), weight_version=r.weight_version))
+            flags=list(flags[j]), weight_version=r.weight_version,
+            pieces=[list(p) for p in r.pieces]))
     return rows
 
 

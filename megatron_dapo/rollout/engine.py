@@ -105,6 +105,9 @@ class Rollout:
     logprobs: list[float] = field(default_factory=list)
     finish_reason: FinishReason = "length"
     weight_version: int = 0  # the trainer steps in the weights that generated it (placements stamp it)
+    pieces: list[list[int]] = field(default_factory=list)
+    """rollout.partial: [weight version, tokens] of each piece in order (the first is weight_version's);
+    empty: the response is one piece, of weight_version (rollout/partial.py)."""
 
     def __post_init__(self):
         if self.logprobs and len(self.logprobs) != len(self.response_ids):
@@ -119,7 +122,9 @@ class RolloutEngine(Protocol):
     ``from_config(model_path, cfg)`` (the engine of a run) and ``preflight(cfg)`` (a staticmethod:
     cheap checks of the settings and installed packages before anything heavy; ValueError), a
     ``reads_hf_weights`` class attribute (whether a run's engine loads model.hf_path's safetensors,
-    so that setup checks them first), and is chosen by name through ENGINES."""
+    so that setup checks them first), a ``continues_prefixes`` one (whether a prompt may end inside
+    a response, so that the response goes on from there: rollout.partial needs it), and is chosen
+    by name through ENGINES."""
 
     def generate(self, prompt_ids: Sequence[Sequence[int]], n: int, params: SamplingParams, *,
                  prompt_indices: Sequence[int] | None = None) -> list[list[Rollout]]:

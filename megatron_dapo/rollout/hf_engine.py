@@ -55,6 +55,7 @@ class HFEngine:
     """
 
     reads_hf_weights = True  # from_config loads model.hf_path; the first sync replaces them
+    continues_prefixes = True  # token ids in, token ids out: prompt + a response's prefix continues it
 
     def __init__(self, model: torch.nn.Module, *, eos_token_ids: Sequence[int] | None = None,
                  pad_token_id: int | None = None, max_batch_size: int = 256):

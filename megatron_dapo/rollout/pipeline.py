@@ -28,6 +28,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from megatron_dapo.rollout.engine import Rollout
+from megatron_dapo.rollout.partial import Carried
 
 
 @dataclass
@@ -39,15 +40,18 @@ class Ahead:
     seed: int
     request: int | None = None  # the placement's request id while in flight
     rollouts: list[list[Rollout]] | None = None  # once collected at a stop (the leader's; [] elsewhere)
+    carried: list[Carried] = field(default_factory=list)  # rollout.partial: groups it continues (the leader's)
 
     def to_json(self) -> dict:
         rollouts = [[dataclasses.asdict(r) for r in group] for group in self.rollouts or []]
-        return {"step": self.step, "indices": self.indices, "seed": self.seed, "rollouts": rollouts}
+        return {"step": self.step, "indices": self.indices, "seed": self.seed, "rollouts": rollouts,
+                "carried": [c.to_json() for c in self.carried]}
 
     @classmethod
     def from_json(cls, data: dict) -> "Ahead":
         return cls(step=int(data["step"]), indices=list(data["indices"]), seed=int(data["seed"]),
-                   rollouts=[[Rollout(**r) for r in group] for group in data["rollouts"]])
+                   rollouts=[[Rollout(**r) for r in group] for group in data["rollouts"]],
+                   carried=[Carried.from_json(c) for c in data.get("carried", ())])
 
 
 @dataclass

@@ -192,6 +192,7 @@ class VLLMEngine:
     """
 
     reads_hf_weights = False  # a run's engine starts with dummy weights (load_format="dummy")
+    continues_prefixes = True  # token ids in, token ids out: prompt + a response's prefix continues it
 
     def __init__(self, model_path: str, *, mode: Literal["colocated", "standalone"] = "colocated",
                  tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.7,

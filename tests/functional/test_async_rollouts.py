@@ -11,77 +11,30 @@ the next steps' first batches while the trainers train.
 """
 
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
-import psutil
 import pytest
 
-from tests.helpers.demo import LAUNCHER_VARS, copy_demo_base
+from tests.helpers.demo import copy_demo_base
+from tests.helpers.separate_runs import kill_all, records, run, start_then, stop_every_rank, values
 
-ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
-SEPARATE = ["rollout.placement=separate", "rollout.num_ranks=2", "train.old_log_probs=trainer",
-            "logging.tensorboard=false"]
-ENV = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
-
-
-def _cmd(run_dir: Path, *overrides: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4", "-m",
-            "megatron_dapo.cli", "train", "--config", str(ROOT / "conf" / "cpu_tiny.yaml"), f"logging.dir={run_dir}",
-            *SEPARATE, *overrides]
-
-
-def _run(run_dir: Path, *overrides: str) -> str:
-    out = subprocess.run(_cmd(run_dir, *overrides), cwd=ROOT, capture_output=True, text=True, timeout=900, env=ENV)
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-5000:]
-    return out.stdout + out.stderr
-
-
-def _records(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-
-def _values(records: list[dict]) -> dict[int, dict]:
-    return {r["step"]: {k: v for k, v in r.items() if k != "time" and not k.startswith(("timing_s/", "memory/"))}
-            for r in records}
-
-
-def _start_then(run_dir: Path, overrides: list[str], after_step: int, act) -> tuple[int, str]:
-    """Starts the run in a session of its own, waits for the record of ``after_step``, then
-    ``act(launcher)``; (the launcher's exit status, its output)."""
-    log = run_dir.parent / f"{run_dir.name}.out"
-    with open(log, "w") as out:
-        agent = subprocess.Popen(_cmd(run_dir, *overrides), cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
-                                 env=ENV, start_new_session=True)
-        deadline = time.time() + 600
-        while not any(r["step"] >= after_step for r in _records(run_dir)):
-            assert agent.poll() is None and time.time() < deadline, log.read_text()
-            time.sleep(0.02)
-        act(agent)
-        agent.wait(timeout=600)
-    return agent.returncode, log.read_text()
 
 
 def test_staleness_1_learns_and_reports_the_lag_of_its_timeline(demo_base, tmp_path):
     run_dir = copy_demo_base(demo_base, tmp_path / "run")
-    log = _run(run_dir, "rollout.max_staleness=1", "train.total_steps=40", "eval.every=0", "checkpoint.save_every=10")
-    records = _records(run_dir)
-    start, end = records[0]["eval/avg@4"], records[-1]["eval/avg@4"]
+    log = run(run_dir, "rollout.max_staleness=1", "train.total_steps=40", "eval.every=0", "checkpoint.save_every=10")
+    recs = records(run_dir)
+    start, end = recs[0]["eval/avg@4"], recs[-1]["eval/avg@4"]
     assert end > start + 0.3, (start, end)
     # Records 1, 11, 21, 31 follow a start or a save: nothing was in flight, the step drew its own
     # first batch (lag 0). Every other step trained on a batch asked for one step earlier.
-    lag_max = {r["step"]: r["rollout/version_lag_max"] for r in records if r["step"]}
+    lag_max = {r["step"]: r["rollout/version_lag_max"] for r in recs if r["step"]}
     assert lag_max == {s: 0.0 if s % 10 == 1 else 1.0 for s in range(1, 41)}
-    assert all(0 < r["rollout/version_lag_mean"] <= 1 for r in records if r["step"] % 10 not in (0, 1))
-    assert all(r["actor/tis_clip_frac"] >= 0 for r in records if r["step"])  # TIS on by default
+    assert all(0 < r["rollout/version_lag_mean"] <= 1 for r in recs if r["step"] % 10 not in (0, 1))
+    assert all(r["actor/tis_clip_frac"] >= 0 for r in recs if r["step"])  # TIS on by default
     assert "loss.tis_cap=2.0" in log and "tis_cap: 2.0" in (run_dir / "config.yaml").read_text()
-    assert all(r["timing_s/trainer_waited"] >= 0 and r["timing_s/engines_idle"] >= 0 for r in records if r["step"])
+    assert all(r["timing_s/trainer_waited"] >= 0 and r["timing_s/engines_idle"] >= 0 for r in recs if r["step"])
 
 
 STALE2 = ["rollout.max_staleness=2", "train.total_steps=6", "checkpoint.save_every=3", "eval.every=0",
@@ -91,13 +44,13 @@ STALE2 = ["rollout.max_staleness=2", "train.total_steps=6", "checkpoint.save_eve
 @pytest.fixture(scope="module")
 def reference(demo_base, tmp_path_factory) -> Path:
     run_dir = copy_demo_base(demo_base, tmp_path_factory.mktemp("async_reference") / "run")
-    _run(run_dir, *STALE2)
+    run(run_dir, *STALE2)
     return run_dir
 
 
 def test_staleness_2_lags_as_its_timeline(reference):
     # Steps 2 and 3 were asked for in step 1, steps 5 and 6 in step 4 (the save at 3 drains).
-    assert [r["rollout/version_lag_max"] for r in _records(reference)] == [0, 1, 2, 0, 1, 2]
+    assert [r["rollout/version_lag_max"] for r in records(reference)] == [0, 1, 2, 0, 1, 2]
 
 
 def test_a_stop_then_a_kill_resume_to_the_same_records(reference, tmp_path):
@@ -106,20 +59,14 @@ def test_a_stop_then_a_kill_resume_to_the_same_records(reference, tmp_path):
     step 5; the last rerun resumes from step 3's drained checkpoint. One run dir, three launches."""
     run_dir = copy_demo_base(reference, tmp_path / "run")
 
-    def stop_every_rank(agent):  # as SLURM signals every task of a job step
-        workers = psutil.Process(agent.pid).children()
-        assert sorted(p.environ().get("RANK") for p in workers) == ["0", "1", "2", "3"]
-        for worker in workers:
-            worker.send_signal(signal.SIGTERM)
-
-    status, log = _start_then(run_dir, STALE2, 1, stop_every_rank)
+    status, log = start_then(run_dir, STALE2, 1, stop_every_rank)
     assert status == 0, log[-5000:]  # every process, the engines' too
-    stopped = _records(run_dir)[-1]["step"]
+    stopped = records(run_dir)[-1]["step"]
     assert f"stopped by SIGTERM after step {stopped} of 6" in log
     assert stopped == 2, f"stopped after step {stopped}: the stop was meant for step 2, with step 3's batch in flight"
     state = json.loads((run_dir / "checkpoints" / "step_00000002" / "trainer_state.json").read_text())
     assert [a["step"] for a in state["ahead"]] == [2] and state["ahead"][0]["rollouts"]
-    _start_then(run_dir, STALE2, 5, lambda agent: os.killpg(agent.pid, signal.SIGKILL))
-    assert _records(run_dir)[-1]["step"] < 6, "the run finished before the kill"
-    _run(run_dir, *STALE2)
-    assert _values(_records(run_dir)) == _values(_records(reference))
+    start_then(run_dir, STALE2, 5, kill_all)
+    assert records(run_dir)[-1]["step"] < 6, "the run finished before the kill"
+    run(run_dir, *STALE2)
+    assert values(records(run_dir)) == values(records(reference))

@@ -144,6 +144,11 @@ CASES: dict[str, Case] = {
     "rollout.tensor_parallel_size": C("2", text("logs", "rollout replica 0 of 1 (hf engine, rollout TP 2)"), KV, via="dist"),
     "rollout.kv_cache_memory_mb": C("64", lambda a, b: ok(a, b) and b.rc == 2 and "rollout.kv_cache_memory_mb" in b.err,
                                     {"rollout.engine": "vllm", "rollout.kv_cache_memory_mb": "0"}, via="dist"),
+    # responses longer than a piece are carried: the step's groups differ; 8 tokens cut fewer than 4
+    "rollout.partial": C("true", metric("rollout/version_lag_max", "response_length/mean"),
+                         {"train.old_log_probs": "trainer"}),
+    "rollout.partial_tokens": C("8", metric("rollout/partial_responses"),
+                                {"train.old_log_probs": "trainer", "rollout.partial": "true"}),
     "rollout.check_logprob_mismatch": C("false", lambda a, b: "rollout/logprob_mismatch" in b.last.keys() - a.last.keys()),
     "algorithm.adv_estimator": C("grpo_mean_only", metric("actor/pg_loss")),
     "algorithm.adv_eps": C("0.5", metric("actor/pg_loss")),

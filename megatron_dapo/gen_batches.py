@@ -1,0 +1,109 @@
+"""The training loop's generation batches: drawn in their step or asked for ahead, and the carry.
+
+A batch's prompts are drawn by the loop's order and seeded by its place in its step (``seed``), so
+it is the same whether generated in its step or asked for ahead (rollout/pipeline.py). With
+``rollout.partial`` a batch also continues the responses cut in earlier batches (the carry,
+rollout/partial.py): its items are one response each, and only the groups complete after it go
+on to scoring and dynamic sampling; the others are carried to the next batch drawn or asked for.
+The carry lives with the leader of the rollout replica that answers every batch (trainer rank 0:
+one colocated replica or separate placement; run.check_rollout refuses more), is saved in the
+trainer state, and is empty before the first step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+
+import torch
+
+from megatron_dapo.config import DAPOConfig
+from megatron_dapo.groups import GenBatch, generate_groups
+from megatron_dapo.observe.rows import RowSpec
+from megatron_dapo.rollout.engine import SamplingParams, rollout_sampling_params
+from megatron_dapo.rollout.partial import Carried, items, merge
+from megatron_dapo.rollout.pipeline import Ahead
+
+
+def seed(cfg: DAPOConfig, step: int, num_gen_batches: int) -> int:
+    """Rollout seed of step ``step``'s generation batch after ``num_gen_batches`` others:
+    reproducible across a resume, and the same whether asked for ahead or not."""
+    return (cfg.seed * 1_000_003 + step) * 1_009 + num_gen_batches
+
+
+class GenerationBatches:
+    """One run's generation batches (module doc).
+
+    Args:
+        run: the built run (its config, sampler, inputs, placement, reward pool).
+        obs: the run's Observer (prompt draws past retired prompts, dump rows).
+        carried: the carry a checkpoint kept (``carry_json``), on resume.
+    """
+
+    def __init__(self, run, obs, carried: Sequence[dict] = ()):
+        self.run, self.obs = run, obs
+        self.partial = run.cfg.rollout.partial
+        self.carry: list[Carried] = [Carried.from_json(c) for c in carried]
+
+    def draw(self, step: int, num_gen_batches: int, size: int) -> Ahead:
+        """Step ``step``'s generation batch after ``num_gen_batches`` others: ``size`` new prompts
+        drawn now (retired ones skipped: data.skip_solved_after), and the whole carry."""
+        ahead = Ahead(step, self.obs.draw(self.run.sampler, size), seed(self.run.cfg, step, num_gen_batches))
+        if self.partial:
+            ahead.carried, self.carry = self.carry, []
+        return ahead
+
+    def submit(self, ahead: Ahead) -> None:
+        """Asks the engines for ``ahead`` and returns at once (separate placement)."""
+        ahead.request = self.run.placement.submit(*self._request(ahead))
+
+    def generate(self, ahead: Ahead, *, keep: Callable[[torch.Tensor], torch.Tensor],
+                 rows: RowSpec | None) -> tuple[GenBatch, list[int]]:
+        """``ahead``'s scored groups (groups.generate_groups) and their prompts, on every rank; its
+        rollouts from a stop's checkpoint, from the engines' answer to ``submit``, or generated now."""
+        run, cfg = self.run, self.run.cfg
+        placement, inputs = run.placement, run.inputs
+        fetch, indices = self._fetch(ahead), ahead.indices
+        if self.partial:
+            outputs = fetch()[1] if fetch is not None else placement.generate(*self._request(ahead))[1]
+            complete: list[Carried] = []
+            if placement.is_leader:
+                complete, cut = merge(ahead.indices, cfg.rollout.n, ahead.carried, outputs,
+                                      cfg.rollout.max_response_length)
+                self.carry += cut
+            indices = placement.gather([[g.prompt_index for g in complete]] if placement.is_leader else [])[0]
+            fetch = lambda: (range(len(complete)), [g.rollouts for g in complete])  # noqa: E731
+        batch = generate_groups(placement, inputs.train_ids, indices, ground_truths=inputs.train_truths,
+                                tokenizer=inputs.tokenizer, params=self._params(ahead), pool=run.pool, cfg=cfg,
+                                keep=keep, rows=rows, fetch=fetch)
+        return batch, indices
+
+    def carry_json(self) -> list[dict]:
+        """The carry, for the trainer state (the leader's; [] elsewhere)."""
+        return [c.to_json() for c in self.carry]
+
+    def _params(self, ahead: Ahead) -> SamplingParams:
+        run = self.run
+        return rollout_sampling_params(run.cfg.rollout, seed=ahead.seed, stop_token_ids=run.inputs.stops)
+
+    def _request(self, ahead: Ahead) -> tuple[list[list[int]], int, SamplingParams]:
+        """What the engines generate for ``ahead``: (prompts, responses per prompt, params)."""
+        run, r = self.run, self.run.cfg.rollout
+        params, train_ids = self._params(ahead), run.inputs.train_ids
+        if not self.partial:
+            return [train_ids[i] for i in ahead.indices], r.n, params
+        batch = items(train_ids, ahead.indices, r.n, ahead.carried, r.max_response_length)
+        if r.placement == "colocated":  # every rank of the one replica generates them
+            batch = run.placement.gather(batch if run.placement.is_leader else [])
+        return batch, 1, dataclasses.replace(params, max_tokens=r.piece_tokens)
+
+    def _fetch(self, ahead: Ahead):
+        """Where a batch's rollouts come from: a stop's saved ones, the engines' answer to an
+        earlier request, or (None) a generation now."""
+        placement = self.run.placement
+        if ahead.rollouts is not None:
+            saved = ahead.rollouts if placement.is_leader else []
+            return lambda: (range(len(saved)), saved)
+        if ahead.request is not None:
+            return lambda: placement.collect(ahead.request)
+        return None

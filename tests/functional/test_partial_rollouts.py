@@ -1,0 +1,91 @@
+"""Partial rollouts (rollout.partial, rollout/partial.py) through the real CLI under torchrun: 4
+processes, ranks 0-1 training at DP=2, ranks 2-3 two HF engine replicas; responses grow by at most
+4 tokens a generation batch (the toy's answers take ~5-13 of its 16).
+
+- With staleness 1 the demo learns: held-out avg@4 from the untrained base's ~0.1 to well above it.
+- Every dumped response's pieces carry the versions of the timeline written out by hand: a group's
+  responses start in one batch, piece j comes from the j-th batch after it, and a batch's version
+  is its step's (or the step before's when asked for ahead); every piece but the last is 4 tokens.
+- At staleness 1 a stop (SIGTERM to every rank) with a batch in flight that continues carried
+  groups, then a kill after a save with groups carried, resume to the uninterrupted run's records.
+"""
+
+import json
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.demo import copy_demo_base
+from tests.helpers.separate_runs import kill_all, records, run, start_then, stop_every_rank, values
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+PIECE = 4
+PARTIAL = ["rollout.partial=true", f"rollout.partial_tokens={PIECE}"]
+
+
+def _batch_versions(recs: list[dict], steps: int, save_every: int) -> tuple[list[int], dict[int, int]]:
+    """(the weight version of every generation batch in the order drawn, the position of each
+    step's first batch): staleness 1, so a step's first batch was asked for one step earlier
+    (version step - 1) unless a start or a save came just before it; further batches are the step's."""
+    versions, first = [], {}
+    for step in range(steps):
+        first[step] = len(versions)
+        versions.append(step - 1 if step % save_every else step)
+        versions += [step] * (int(recs[step + 1]["dynamic_sampling/num_gen_batches"]) - 1)
+    return versions, first
+
+
+def test_partial_rollouts_learn_and_their_pieces_follow_the_timeline(demo_base, tmp_path):
+    run_dir = copy_demo_base(demo_base, tmp_path / "run")
+    run(run_dir, *PARTIAL, "rollout.max_staleness=1", "train.total_steps=40", "eval.every=0",
+        "checkpoint.save_every=10")
+    recs = records(run_dir)
+    start, end = recs[0]["eval/avg@4"], recs[-1]["eval/avg@4"]
+    assert end > start + 0.3, (start, end)
+    trained = recs[1:]
+    assert min(r["rollout/partial_responses"] for r in trained) > 0.5  # most answers take > 4 tokens
+    assert max(r["rollout/carried_groups"] for r in trained) > 0
+    assert max(r["rollout/version_lag_max"] for r in trained) >= 2  # first pieces older than staleness 1
+    versions, first = _batch_versions(recs, 40, 10)
+    groups = defaultdict(list)  # the dumped groups (whole groups of the step's first batch)
+    for path in sorted((run_dir / "samples").glob("step_*.jsonl")):
+        for row in map(json.loads, path.read_text().splitlines()):
+            if row["phase"] == "train":
+                groups[row["step"], row["group"]].append(row)
+    assert len(groups) > 100
+    for (record, _), rows in groups.items():
+        pieces = [row["pieces"] or [[row["weight_version"], row["response_tokens"]]] for row in rows]
+        began = first[record - 1] - max(map(len, pieces)) + 1  # its longest response ends in this batch
+        for got, row in zip(pieces, rows):
+            assert [v for v, _ in got] == versions[began:began + len(got)], (record, row["prompt_index"], got)
+            assert all(n == PIECE for _, n in got[:-1]) and sum(n for _, n in got) == row["response_tokens"]
+
+
+STALE1 = [*PARTIAL, "rollout.max_staleness=1", "train.total_steps=6", "checkpoint.save_every=3", "eval.every=0",
+          "eval.before_train=false"]
+
+
+@pytest.fixture(scope="module")
+def reference(demo_base, tmp_path_factory) -> Path:
+    run_dir = copy_demo_base(demo_base, tmp_path_factory.mktemp("partial_reference") / "run")
+    run(run_dir, *STALE1)
+    return run_dir
+
+
+def test_a_stop_then_a_kill_resume_partial_rollouts_to_the_same_records(reference, tmp_path):
+    """As test_async_rollouts' stop-then-kill, with groups carried at every save and in the batch
+    in flight at the stop."""
+    run_dir = copy_demo_base(reference, tmp_path / "run")
+    status, log = start_then(run_dir, STALE1, 1, stop_every_rank)
+    assert status == 0, log[-5000:]
+    assert records(run_dir)[-1]["step"] == 2, "the stop was meant for step 2, with step 3's batch in flight"
+    state = json.loads((run_dir / "checkpoints" / "step_00000002" / "trainer_state.json").read_text())
+    assert [a["step"] for a in state["ahead"]] == [2] and state["ahead"][0]["rollouts"]
+    assert state["ahead"][0]["carried"], "the batch in flight continues no carried group: nothing tested"
+    start_then(run_dir, STALE1, 5, kill_all)
+    assert records(run_dir)[-1]["step"] < 6, "the run finished before the kill"
+    saved = json.loads((run_dir / "checkpoints" / "step_00000003" / "trainer_state.json").read_text())
+    assert saved["carried"] and not saved["ahead"]  # drained at the save, groups still growing
+    run(run_dir, *STALE1)
+    assert values(records(run_dir)) == values(records(reference))

@@ -1,0 +1,75 @@
+"""The CPU demo under torchrun with separate placement (4 processes: ranks 0-1 train at DP=2,
+ranks 2-3 hold two HF engine replicas), for the asynchronous-rollout tests: a whole run, or one
+started in a session of its own and acted on (a signal, a kill) after a given record."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+
+from tests.helpers.demo import LAUNCHER_VARS
+
+ROOT = Path(__file__).resolve().parents[2]
+SEPARATE = ["rollout.placement=separate", "rollout.num_ranks=2", "train.old_log_probs=trainer",
+            "logging.tensorboard=false"]
+ENV = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
+
+
+def command(run_dir: Path, *overrides: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4", "-m",
+            "megatron_dapo.cli", "train", "--config", str(ROOT / "conf" / "cpu_tiny.yaml"), f"logging.dir={run_dir}",
+            *SEPARATE, *overrides]
+
+
+def run(run_dir: Path, *overrides: str) -> str:
+    """A whole run (exit 0 asserted); its output."""
+    out = subprocess.run(command(run_dir, *overrides), cwd=ROOT, capture_output=True, text=True, timeout=900, env=ENV)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-5000:]
+    return out.stdout + out.stderr
+
+
+def records(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def values(recs: list[dict]) -> dict[int, dict]:
+    """Each record without its wall times and memory: what an uninterrupted run must equal."""
+    return {r["step"]: {k: v for k, v in r.items() if k != "time" and not k.startswith(("timing_s/", "memory/"))}
+            for r in recs}
+
+
+def start_then(run_dir: Path, overrides: list[str], after_step: int, act) -> tuple[int, str]:
+    """Starts the run in a session of its own, waits for the record of ``after_step``, then
+    ``act(launcher)``; (the launcher's exit status, its output)."""
+    log = run_dir.parent / f"{run_dir.name}.out"
+    with open(log, "w") as out:
+        agent = subprocess.Popen(command(run_dir, *overrides), cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+                                 env=ENV, start_new_session=True)
+        deadline = time.time() + 600
+        while not any(r["step"] >= after_step for r in records(run_dir)):
+            assert agent.poll() is None and time.time() < deadline, log.read_text()
+            time.sleep(0.02)
+        act(agent)
+        agent.wait(timeout=600)
+    return agent.returncode, log.read_text()
+
+
+def stop_every_rank(agent) -> None:
+    """SIGTERM to each of the launcher's 4 workers, as SLURM signals every task of a job step."""
+    workers = psutil.Process(agent.pid).children()
+    assert sorted(p.environ().get("RANK") for p in workers) == ["0", "1", "2", "3"]
+    for worker in workers:
+        worker.send_signal(signal.SIGTERM)
+
+
+def kill_all(agent) -> None:
+    """SIGKILL to the launcher's whole process group."""
+    os.killpg(agent.pid, signal.SIGKILL)
