@@ -2,9 +2,12 @@
 32B recipe's plan (conf/recipes/dapo-qwen2.5-32b-math-16n8g-tp8pp2.v1.yaml, 128 H100s).
 
 Per scenario (a response-length distribution and the generation batches a step needs), the step's
-minutes colocated and separate at staleness 0/1/2 and with partial rollouts (a bound: every engine
-slot busy to the end), the GPUs split between the sides at the best split for each (the trainers
-in whole TP x PP groups of 16). Generation per replica: continuous batching over the lengths, at the
+minutes colocated and separate at staleness 0/1/2 and with partial rollouts at staleness 1 (pieces
+of at most a quarter of the limit: rollout.partial's default), the GPUs split between the sides at
+the best split for each (the trainers in whole TP x PP groups of 16). A partial batch, in steady
+state, holds every piece of one batch's worth of responses: each response's first piece and the
+later pieces of those begun in earlier batches, which hold their prefix as context and prefill it
+again (at the plan's MFU, no prefix cache assumed). Generation per replica: continuous batching over the lengths, at the
 plan's decode costs (the weights' read per step, the KV read per token of live context), as many
 sequences at once as the KV cache holds (colocated: the plan's share beside the trainer's state;
 separate: vLLM's default 0.9 of a GPU of its own); training:
@@ -24,7 +27,6 @@ from megatron_dapo.step_model import (
     colocated,
     continuous_batching_seconds,
     separate,
-    steady_batching_seconds,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,7 +41,14 @@ SCENARIOS = {  # name -> (lognormal median, sigma, generation batches per step)
 TRANSFER_BYTES_PER_S = 10e9  # trainer rank 0 to the engines: one NIC, well under 400 Gb/s
 ENGINE_ALONE_UTILIZATION = 0.9  # vLLM's default gpu_memory_utilization
 DECODE_EFFICIENCY = 0.6  # generation_model.DECODE_BANDWIDTH_EFFICIENCY, as the plan uses it
-MODES = ("separate k=0", "separate k=1", "separate k=2", "partial rollouts (bound)")
+MODES = ("separate k=0", "separate k=1", "separate k=2", "partial k=1")
+PREFILL_MFU = 0.3  # the plan's MFU for FLOP-bound work
+
+
+def pieces(batch: list[int], piece: int) -> tuple[list[int], list[int]]:
+    """(the lengths, the prefixes) of every piece of the responses of ``batch``, cut every ``piece`` tokens."""
+    cuts = [(min(piece, n - start), start) for n in batch for start in range(0, n, piece)]
+    return [c[0] for c in cuts], [c[1] for c in cuts]
 
 
 def lengths(count: int, median: float, sigma: float, seed: int) -> list[int]:
@@ -64,11 +73,14 @@ def project(steps: int = 4) -> dict:
     kv_alone = ENGINE_ALONE_UTILIZATION * p.capacity_bytes - p.rollout.weights - p.rollout.activations
     responses = cfg.data.gen_prompts_per_batch * cfg.rollout.n
     plan_tokens = cfg.data.max_prompt_length / 2 + cfg.rollout.max_response_length / 2  # the plan's assumption
+    piece = cfg.rollout.max_response_length // 4
+    params = p.rollout.weights * tp / 2  # bf16 weights per engine GPU, times rollout TP
+    prefill_s_per_token = 2 * params / (tp * p.gpu.bf16_flops * PREFILL_MFU)
     out = {"assumptions": {"world": WORLD, "gpu": "h100", "responses_per_batch": responses,
                            "weights_step_ms": costs["weights_step_s"] * 1e3,
                            "kv_us_per_token": costs["kv_step_s_per_token"] * 1e6,
                            "transfer_GBps": TRANSFER_BYTES_PER_S / 1e9, "plan_step_min": p.step_s / 60,
-                           "plan_train_min": (p.step_s - p.generation.seconds) / 60}}
+                           "plan_train_min": (p.step_s - p.generation.seconds) / 60, "piece_tokens": piece}}
     for name, (median, sigma, per_step) in SCENARIOS.items():
         batches = [[lengths(responses, median, sigma, seed=100 * s + j) for j in range(per_step)] for s in range(steps)]
         flat = [x for step in batches for b in step for x in b]
@@ -78,25 +90,25 @@ def project(steps: int = 4) -> dict:
         slots_alone = int(p.rollout.tokens(kv_alone) // per_sequence)
         train = (p.step_s - p.generation.seconds) * (costs["prompt_tokens"] + mean) / plan_tokens
 
-        def gen(b: list[int], gpus: int, fn, n: int) -> float:
+        def gen(b: list[int], gpus: int, n: int, partial: bool = False) -> float:
             replicas = gpus // tp
-            return max(fn(b[i::replicas], slots=n, **costs) for i in range(replicas))
+            lens, prefixes = pieces(b, piece) if partial else (b, [0] * len(b))
+            return max(continuous_batching_seconds(lens[i::replicas], prefixes=prefixes[i::replicas], slots=n, **costs)
+                       + sum(prefixes[i::replicas]) * prefill_s_per_token for i in range(replicas))
 
-        colo = colocated([StepWork(tuple(gen(b, WORLD, continuous_batching_seconds, slots) for b in step), 0.0, train)
-                          for step in batches])
+        colo = colocated([StepWork(tuple(gen(b, WORLD, slots) for b in step), 0.0, train) for step in batches])
         row = {"colocated": {"step_min": colo.total_s / steps / 60, "speedup": 1.0, "engines": WORLD,
                              "trainers": WORLD}}
         transfer = p.rollout.weights * tp / TRANSFER_BYTES_PER_S
         generated = {}  # (engine GPUs, partial) -> each step's batches' seconds
         for mode in MODES:
             partial = mode.startswith("partial")
-            fn = steady_batching_seconds if partial else continuous_batching_seconds
-            k = 1 if partial else int(mode[-1])
+            k = int(mode[-1])
             best = None
             for trainers in range(TRAINER_GROUP, WORLD, TRAINER_GROUP):
                 engines = WORLD - trainers
                 if (engines, partial) not in generated:
-                    generated[engines, partial] = [tuple(gen(b, engines, fn, slots_alone) for b in step)
+                    generated[engines, partial] = [tuple(gen(b, engines, slots_alone, partial) for b in step)
                                                    for step in batches]
                 work = [StepWork(g, 0.0, train * WORLD / trainers + transfer, load=transfer)
                         for g in generated[engines, partial]]

@@ -8,6 +8,8 @@ optional reasoning line half the time: 5 tokens without it, up to 20 with it), d
     separate k=0    rank 0 trains, rank 1 holds the engine; generate, then train (rollout.max_staleness=0)
     separate k=1    the next step's first batch generates while this step trains
     separate k=2    up to two steps ahead
+    partial k=1     as k=1, and a generation batch extends a response by at most 8 tokens (rollout.partial):
+                    one still running continues in the next batch
 
 Figures per mode: the sum of step seconds (steps 2..N-1: step 1 holds the engine's start-up, the
 last step the final evaluation), trained responses per second, the trainer's wait for generation and the
@@ -16,7 +18,10 @@ engines' idle time (as fractions of it), the mean weight-version lag, held-out a
 Modelled (megatron_dapo/step_model.py): the separate placement's timeline, at the k=0 run's mean
 phase seconds (per generation batch, per step's training) and each run's own count of generation
 batches per step, predicts the k=1 and k=2 step seconds against k=0's; the ratio to the measured one
-must be within 15% before the model projects the 32B recipe (benchmarks/_async_projection.py):
+must be within 15% before the model projects the 32B recipe (benchmarks/_async_projection.py). For
+partial rollouts the k=0 run's generation seconds per batch are scaled by decode steps (the batch's
+longest response, or the piece cap, plus one for the prefill; the HF engine steps every row of a
+batch together):
 generation per replica by continuous batching over long-tail length distributions, at the plan's
 decode costs; training from the plan's estimate; the GPUs split between the sides at the best split
 for each staleness.
@@ -49,6 +54,7 @@ from _async_projection import project  # noqa: E402
 
 CONFIG = ROOT / "conf" / "cpu_tiny.yaml"
 TOY = ["toy.min_digits=4", "toy.num_digits=12", "rollout.max_response_length=24"]
+PIECE = 8  # partial rollouts: tokens a response grows by in a batch (a third of the limit)
 COMMON = [*TOY, "eval.every=0", "eval.before_train=false", "checkpoint.save_every=0", "logging.tensorboard=false",
           "logging.progress=false", "train.old_log_probs=trainer"]
 MODES = {
@@ -56,6 +62,8 @@ MODES = {
     "separate k=0": ["rollout.placement=separate", "rollout.num_ranks=1"],
     "separate k=1": ["rollout.placement=separate", "rollout.num_ranks=1", "rollout.max_staleness=1"],
     "separate k=2": ["rollout.placement=separate", "rollout.num_ranks=1", "rollout.max_staleness=2"],
+    "partial k=1": ["rollout.placement=separate", "rollout.num_ranks=1", "rollout.max_staleness=1", "rollout.partial=true",
+                    f"rollout.partial_tokens={PIECE}"],
 }
 MODEL_TOLERANCE = 0.15  # the model's ratio against the measured one, either way
 RESPONSES_PER_STEP = 16 * 8  # conf/cpu_tiny.yaml: data.prompts_per_step x rollout.n
@@ -117,11 +125,12 @@ def costs(records: list[dict]) -> dict[str, float]:
             "train": statistics.mean(_step_s(r) - r["timing_s/rollout"] for r in rest)}
 
 
-def predict(records: list[dict], k: int, phase: dict[str, float]) -> float:
+def predict(records: list[dict], k: int, phase: dict[str, float], generation_scale: float = 1.0) -> float:
     """The model's sum of step seconds over steps 2..N-1 of the run ``records`` at staleness ``k``: its
-    own generation batches per step (dynamic sampling's count), at the k=0 run's phase costs."""
-    work = [StepWork((phase["generation"],) * int(r["dynamic_sampling/num_gen_batches"]), phase["score"],
-                     phase["train"]) for r in records]
+    own generation batches per step (dynamic sampling's count), at the k=0 run's phase costs, its
+    generation per batch times ``generation_scale``."""
+    work = [StepWork((phase["generation"] * generation_scale,) * int(r["dynamic_sampling/num_gen_batches"]),
+                     phase["score"], phase["train"]) for r in records]
     return sum(separate(work, max_staleness=k).step_s[1:-1])
 
 
@@ -146,7 +155,20 @@ def results(runs: dict) -> dict:
                                     / predict(r0["records"], 0, costs(r0["records"])) for r0, r in pairs)
         measured = summary[f"separate k={k}"]["step_s"] / summary["separate k=0"]["step_s"]
         model[k] = {"predicted": predicted, "measured": measured, "error": predicted / measured - 1}
+    pairs = list(zip(runs["separate k=0"], runs["partial k=1"]))
+    predicted = statistics.mean(predict(r["records"], 1, costs(r0["records"]), decode_scale(r0["records"]))
+                                / predict(r0["records"], 0, costs(r0["records"])) for r0, r in pairs)
+    measured = summary["partial k=1"]["step_s"] / summary["separate k=0"]["step_s"]
+    model["partial k=1"] = {"predicted": predicted, "measured": measured, "error": predicted / measured - 1}
     return {"summary": summary, "model": model}
+
+
+def decode_scale(records: list[dict]) -> float:
+    """A partial batch's generation seconds against a whole one's: decode steps plus the prefill, the
+    whole batch's steps taken as its longest response (``response_length/max``, steps 2..N-1), a
+    partial batch's as the piece cap."""
+    longest = statistics.mean(r["response_length/max"] for r in records[1:-1])
+    return (min(PIECE, longest) + 1) / (longest + 1)
 
 
 def figures(res: dict, proj: dict) -> list[dict]:
@@ -158,11 +180,12 @@ def figures(res: dict, proj: dict) -> list[dict]:
                         baseline_name="colocated", baseline=s["colocated"]["step_s"],
                         ratio=s[mode]["step_s"] / s["colocated"]["step_s"], target=None, met=None))
     for k, m in res["model"].items():
-        out.append(dict(figure=f"model / measured, k={k} vs k=0 step seconds", value=m["predicted"], unit="ratio",
+        out.append(dict(figure=f"model / measured, {k if isinstance(k, str) else f'k={k}'} vs k=0 step seconds",
+                        value=m["predicted"], unit="ratio",
                         baseline_name="measured", baseline=m["measured"], ratio=m["predicted"] / m["measured"],
                         target=f"within {MODEL_TOLERANCE:.0%}", met=abs(m["error"]) <= MODEL_TOLERANCE))
     base = proj["base"]["placements"]
-    for mode in ("separate k=1", "partial rollouts (bound)"):
+    for mode in ("separate k=1", "partial k=1"):
         out.append(dict(figure=f"32B projected step minutes, {mode} (modelled, base scenario)",
                         value=base[mode]["step_min"], unit="min", baseline_name="colocated (modelled)",
                         baseline=base["colocated"]["step_min"],
@@ -183,9 +206,10 @@ def markdown(res: dict, proj: dict) -> str:
                      f"{v['responses_per_s']:.0f} | {waits} | "
                      f"{v['lag_mean']:.2f} | {v['gen_batches']:.2f} | {final} |")
     lines += ["", "The model (megatron_dapo/step_model.py) at the k=0 run's phase seconds, each run's batches:", "",
-              "| staleness | predicted vs k=0 | measured vs k=0 | error |", "|---|---|---|---|"]
+              "| mode | predicted vs k=0 | measured vs k=0 | error |", "|---|---|---|---|"]
     for k, m in res["model"].items():
-        lines.append(f"| {k} | {m['predicted']:.3f} | {m['measured']:.3f} | {m['error']:+.1%} |")
+        name = k if isinstance(k, str) else f"separate k={k}"
+        lines.append(f"| {name} | {m['predicted']:.3f} | {m['measured']:.3f} | {m['error']:+.1%} |")
     a = proj["assumptions"]
     lines += ["", f"Modelled, the 32B recipe on {a['world']} H100s (its plan's decode and training costs; minutes "
               "per step, speedup against colocated, the best split of engine / trainer GPUs):", "",

@@ -99,38 +99,35 @@ class _Queue:
 
 
 def continuous_batching_seconds(lengths: Sequence[int], *, slots: int, weights_step_s: float,
-                                kv_step_s_per_token: float, prompt_tokens: int = 0) -> float:
+                                kv_step_s_per_token: float, prompt_tokens: int = 0,
+                                prefixes: Sequence[int] = ()) -> float:
     """Seconds for one replica to decode responses of ``lengths`` tokens, ``slots`` at a time, a new
     one starting as soon as one ends (vLLM's continuous batching). A decode step costs
     ``weights_step_s`` (reading the weights, whatever the batch) plus ``kv_step_s_per_token`` per
-    token of context held by the live sequences (their prompt and what they generated so far).
+    token of context held by the live sequences (their prompt, ``prefixes[i]`` tokens of response
+    generated before this batch when it continues one (partial rollouts), and what they generated
+    so far). Prefilling the prompts and prefixes is not counted.
 
     Simulated between events (a sequence ending), where the step cost changes; within an interval
     the context grows by one token per live sequence per step, so its cost is summed exactly.
     """
-    pending = list(reversed(lengths))  # popped from the end, so in the order asked (lengths are unknown ahead)
-    live: list[tuple[int, int]] = []  # (the decode step it ends at, the step it started)
+    held = list(prefixes) or [0] * len(lengths)
+    pending = list(reversed(list(zip(lengths, held))))  # popped from the end: in the order asked
+    live: list[tuple[int, int]] = []  # (the decode step it ends at, its prompt + prefix - the step it started)
+    base = 0  # sum of the second entries over live: a live sequence's context at step t is that + t
     step = 0
     seconds = 0.0
     while pending or live:
         while pending and len(live) < slots:
-            heapq.heappush(live, (step + pending.pop(), step))
+            length, prefix = pending.pop()
+            heapq.heappush(live, (step + length, prompt_tokens + prefix - step))
+            base += prompt_tokens + prefix - step
         end = live[0][0]
         n = end - step  # decode steps until the next sequence ends
-        # context of sequence i at step t: prompt + (t - started_i); summed over t in [step, end)
-        context = sum(n * (prompt_tokens + step - started) + n * (n - 1) / 2 for _, started in live)
+        # the live sequences' contexts summed over t in [step, end)
+        context = n * (base + len(live) * step) + len(live) * n * (n - 1) / 2
         seconds += n * weights_step_s + kv_step_s_per_token * context
         step = end
         while live and live[0][0] == step:
-            heapq.heappop(live)
+            base -= heapq.heappop(live)[1]
     return seconds
-
-
-def steady_batching_seconds(lengths: Sequence[int], *, slots: int, weights_step_s: float,
-                            kv_step_s_per_token: float, prompt_tokens: int = 0) -> float:
-    """``continuous_batching_seconds`` with every slot busy to the end: the bound partial rollouts
-    approach (a response unfinished when new weights arrive continues in the next batch, so no tail
-    runs with empty slots). The KV reads do not depend on the schedule (each token of each response
-    reads its prompt and what came before it once); the weights are read once per ``slots`` tokens."""
-    kv_tokens = sum(n * prompt_tokens + n * (n - 1) / 2 for n in lengths)
-    return sum(lengths) / slots * weights_step_s + kv_step_s_per_token * kv_tokens

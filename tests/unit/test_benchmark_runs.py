@@ -174,7 +174,8 @@ def _async_records(batches: list[int], waited: float, rollout: float, lag: float
     """Steps of ``batches`` generation batches each, ``waited`` / ``rollout`` seconds a batch, 1 s of training."""
     return [{"step": i + 1, "dynamic_sampling/num_gen_batches": float(b), "timing_s/trainer_waited": waited * b,
              "timing_s/rollout": rollout * b, "timing_s/step": rollout * b + 1.0, "rollout/version_lag_mean": lag,
-             "response_length/mean": 5.0, "eval/avg@4": 0.5} for i, b in enumerate(batches)]
+             "response_length/mean": 5.0, "response_length/max": 11.0, "eval/avg@4": 0.5}
+            for i, b in enumerate(batches)]
 
 
 def test_async_rollout_model_and_figures():
@@ -193,6 +194,9 @@ def test_async_rollout_model_and_figures():
     res = m.results(runs)
     assert res["model"][1]["predicted"] == pytest.approx(8.0 / 11.0)
     assert res["model"][1]["measured"] == pytest.approx(7.0 / 11.0)
+    # partial: a batch decodes 8 steps + the prefill instead of its longest response's 11 + 1
+    assert m.decode_scale(base) == pytest.approx(9.0 / 12.0)
+    assert res["model"]["partial k=1"]["predicted"] == pytest.approx(m.predict(stale, 1, m.costs(base), 0.75) / 11.0)
     sys.path.insert(0, str(BENCH))
     from _async_projection import MODES as PROJECTED, SCENARIOS
     row = {"colocated": {"step_min": 10.0, "speedup": 1.0, "engines": 128, "trainers": 128},

@@ -10,7 +10,6 @@ from megatron_dapo.step_model import (
     colocated,
     continuous_batching_seconds,
     separate,
-    steady_batching_seconds,
 )
 
 
@@ -42,14 +41,16 @@ def test_a_save_drains_the_pipeline():
     assert separate(work, max_staleness=1, save_every=1).step_s == colocated(work).step_s
 
 
-def _decode_by_steps(lengths, *, slots, weights_step_s, kv_step_s_per_token, prompt_tokens):
+def _decode_by_steps(lengths, *, slots, weights_step_s, kv_step_s_per_token, prompt_tokens, prefixes=None):
     """One decode step at a time: start queued sequences in order into free slots, pay the weights
     and every live sequence's context, advance each by a token."""
-    queue, live, seconds = list(lengths), [], 0.0  # live: [generated so far, length]
+    prefixes = prefixes or [0] * len(lengths)
+    queue, live, seconds = list(zip(lengths, prefixes)), [], 0.0  # live: [generated so far, length, prefix]
     while queue or live:
         while queue and len(live) < slots:
-            live.append([0, queue.pop(0)])
-        seconds += weights_step_s + kv_step_s_per_token * sum(prompt_tokens + g for g, _ in live)
+            length, prefix = queue.pop(0)
+            live.append([0, length, prefix])
+        seconds += weights_step_s + kv_step_s_per_token * sum(prompt_tokens + p + g for g, _, p in live)
         for seq in live:
             seq[0] += 1
         live = [s for s in live if s[0] < s[1]]
@@ -62,12 +63,6 @@ def test_continuous_batching_equals_a_step_by_step_decode(slots):
     lengths = [rng.randint(1, 60) for _ in range(40)]
     args = dict(slots=slots, weights_step_s=0.01, kv_step_s_per_token=0.0003, prompt_tokens=7)
     assert continuous_batching_seconds(lengths, **args) == pytest.approx(_decode_by_steps(lengths, **args))
-
-
-def test_full_slots_bound_the_tail_from_below():
-    rng = random.Random(0)
-    lengths = [int(rng.lognormvariate(5, 0.8)) + 1 for _ in range(200)]
-    args = dict(slots=20, weights_step_s=0.01, kv_step_s_per_token=0.0001, prompt_tokens=10)
-    assert steady_batching_seconds(lengths, **args) < continuous_batching_seconds(lengths, **args)
-    same = [50] * 40  # no tail: every slot ends together
-    assert steady_batching_seconds(same, **args) == pytest.approx(continuous_batching_seconds(same, **args))
+    prefixes = [rng.choice([0, 16, 32]) for _ in lengths]  # partial rollouts' continued responses
+    assert continuous_batching_seconds(lengths, prefixes=prefixes, **args) == pytest.approx(
+        _decode_by_steps(lengths, prefixes=prefixes, **args))
