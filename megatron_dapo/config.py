@@ -207,7 +207,9 @@ class FilterGroupsConfig:
     enable: bool = _f(True, "dynamic sampling: drop groups whose answers are all right or all wrong "
                                   "(correctness, before length shaping)")
     max_num_gen_batches: int = _f(10, "generation batches per step before giving up; 0 = unbounded")
-    surplus: Literal["drop", "carry"] = _f("drop", "kept groups beyond the batch: drop (paper, verl) or carry over")
+    surplus: Literal["drop", "carry"] = _f("drop", "kept groups beyond the batch: drop (paper, verl) or carry over; "
+                                                   "rollout.partial always carries them (dropping would drop the "
+                                                   "groups that finish first: the short ones)")
     adaptive: bool = _f(False, "size each generation batch from the keep rate measured so far (missing groups / "
                                "keep rate + 10%) instead of data.gen_prompts_per_batch, which sizes the first")
     max_gen_prompts: int = _f(0, "with adaptive: the largest generation batch in prompts; 0 = 4 x "
@@ -483,6 +485,14 @@ class DAPOConfig:
     @property
     def updates_per_step(self) -> int:
         return self.data.prompts_per_step // self.train.mini_batch_prompts * self.train.ppo_epochs
+
+    @property
+    def surplus(self) -> str:
+        """What happens to kept groups beyond a step's batch: algorithm.filter_groups.surplus, but always
+        "carry" with rollout.partial. There the groups complete in order of their longest response, and
+        the ones beyond the batch are the latest to complete, the short ones: dropping them would train
+        on the long (docs/async_rollouts.md measured it)."""
+        return "carry" if self.rollout.partial else self.algorithm.filter_groups.surplus
 
     @property
     def eval_max_response_length(self) -> int:

@@ -46,9 +46,12 @@ class GenerationBatches:
         self.carry: list[Carried] = [Carried.from_json(c) for c in carried]
 
     def draw(self, step: int, num_gen_batches: int, size: int) -> Ahead:
-        """Step ``step``'s generation batch after ``num_gen_batches`` others: ``size`` new prompts
-        drawn now (retired ones skipped: data.skip_solved_after), and the whole carry."""
-        ahead = Ahead(step, self.obs.draw(self.run.sampler, size), seed(self.run.cfg, step, num_gen_batches))
+        """Step ``step``'s generation batch after ``num_gen_batches`` others: new prompts drawn now
+        (retired ones skipped: data.skip_solved_after), ``size`` of them, and with partial rollouts the
+        whole carry, whose groups take the first of the ``size`` places (so at most ``size`` groups
+        are in flight, however long their responses)."""
+        fresh = max(0, size - len(self.carry)) if self.partial else size
+        ahead = Ahead(step, self.obs.draw(self.run.sampler, fresh), seed(self.run.cfg, step, num_gen_batches))
         if self.partial:
             ahead.carried, self.carry = self.carry, []
         return ahead

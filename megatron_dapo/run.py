@@ -94,6 +94,9 @@ def with_async_defaults(cfg: DAPOConfig) -> DAPOConfig:
     older weights) and it was left off: the trainer's pi_old then differs from the rollout's policy
     by updates, not only by the engine's numerics."""
     r = cfg.rollout
+    if r.partial and cfg.algorithm.filter_groups.surplus == "drop" and ranks.rank() == 0:
+        logger.info("rollout.partial=true: kept groups beyond a step's batch are carried to the next, not dropped "
+                    "(DAPOConfig.surplus)")
     if not (r.max_staleness or r.partial) or cfg.loss.tis_cap is not None:
         return cfg
     if ranks.rank() == 0:

@@ -107,7 +107,7 @@ def _train(run: Run, stop: StopRequest) -> TrainResult:
     cfg = run.cfg
     dyn = DynamicSampler(prompts_per_step=cfg.data.prompts_per_step, group_size=cfg.rollout.n,
                          max_num_gen_batches=cfg.algorithm.filter_groups.max_num_gen_batches,
-                         enabled=cfg.algorithm.filter_groups.enable, surplus=cfg.algorithm.filter_groups.surplus,
+                         enabled=cfg.algorithm.filter_groups.enable, surplus=cfg.surplus,
                          adaptive=cfg.algorithm.filter_groups.adaptive,
                          max_request=cfg.algorithm.filter_groups.max_gen_prompts)
     # Without dynamic sampling every group is kept: a generation batch is the step's prompts.
@@ -177,8 +177,10 @@ def _loop(run: Run, stop: StopRequest, dyn: DynamicSampler, pipeline: RolloutPip
                 metrics.update(actor.offload_for_rollout())
         with log.timer("rollout"):
             dyn.start_step()
-            while not dyn.is_full:  # dynamic sampling: draw generation batches until the batch is full
-                ahead = pipeline.take(step) if dyn.num_gen_batches == 0 else None  # asked for in an earlier step
+            # dynamic sampling: draw generation batches until the batch is full, and take the batch asked
+            # for in an earlier step even when groups carried over (surplus=carry) already fill it
+            while not dyn.is_full or pipeline.has(step):
+                ahead = pipeline.take(step)
                 if ahead is None:
                     ahead = gen.draw(step, dyn.num_gen_batches, dyn.request_size(gen_batch))
                 batch, indices = gen.generate(ahead, keep=dyn.keep_mask, rows=obs.row_spec(dyn.num_gen_batches))
@@ -199,9 +201,11 @@ def _loop(run: Run, stop: StopRequest, dyn: DynamicSampler, pipeline: RolloutPip
         last = finished or (pipeline.max_staleness > 0  # the job's end: nothing to wait for at its stop
                             and placement.gather([_job_ends_after_next(cfg, clock, end_time, step, evaluates)])[0])
         for target in pipeline.targets(step, finished=last):  # generated while this step trains
-            ahead = gen.draw(target, 0, dyn.request_size(gen_batch))
-            gen.submit(ahead)
-            pipeline.add(ahead)
+            # no new prompts for the next step when the groups carried over (surplus=carry) fill it
+            ahead = gen.draw(target, 0, 0 if target == step + 1 and dyn.is_full else dyn.request_size(gen_batch))
+            if ahead.indices or ahead.carried:
+                gen.submit(ahead)
+                pipeline.add(ahead)
         metrics.update(ds_metrics | rollout_metrics(groups) | version_lag(groups, step))
         metrics["rollout/responses_generated_total"] = generated
         samples = to_samples(groups, cfg)

@@ -90,9 +90,13 @@ class RolloutPipeline:
     def add(self, ahead: Ahead) -> None:
         self.ahead.append(ahead)
 
+    def has(self, step: int) -> bool:
+        """Whether step ``step``'s first batch was asked for ahead and not taken yet."""
+        return bool(self.ahead) and self.ahead[0].step == step
+
     def take(self, step: int) -> Ahead | None:
         """Step ``step``'s first batch when it was asked for ahead (the oldest in flight), else None."""
-        if self.ahead and self.ahead[0].step == step:
+        if self.has(step):
             return self.ahead.pop(0)
         return None
 

@@ -6,8 +6,8 @@ processes, ranks 0-1 training at DP=2, ranks 2-3 two HF engine replicas; respons
 - Every dumped response's pieces carry the versions of the timeline written out by hand: a group's
   responses start in one batch, piece j comes from the j-th batch after it, and a batch's version
   is its step's (or the step before's when asked for ahead); every piece but the last is 4 tokens.
-- At staleness 1 a stop (SIGTERM to every rank) with a batch in flight that continues carried
-  groups, then a kill after a save with groups carried, resume to the uninterrupted run's records.
+- At staleness 1 a kill after a save with groups carried, then a stop (SIGTERM to every rank) with
+  a batch in flight that continues carried groups, resume to the uninterrupted run's records.
 """
 
 import json
@@ -27,12 +27,13 @@ PARTIAL = ["rollout.partial=true", f"rollout.partial_tokens={PIECE}"]
 def _batch_versions(recs: list[dict], steps: int, save_every: int) -> tuple[list[int], dict[int, int]]:
     """(the weight version of every generation batch in the order drawn, the position of each
     step's first batch): staleness 1, so a step's first batch was asked for one step earlier
-    (version step - 1) unless a start or a save came just before it; further batches are the step's."""
+    (version step - 1) unless a start or a save came just before it; further batches are the step's.
+    The groups of a step's first batch are dumped, so a dumped step had one."""
     versions, first = [], {}
     for step in range(steps):
         first[step] = len(versions)
-        versions.append(step - 1 if step % save_every else step)
-        versions += [step] * (int(recs[step + 1]["dynamic_sampling/num_gen_batches"]) - 1)
+        batches = int(recs[step + 1]["dynamic_sampling/num_gen_batches"])  # 0: groups carried over filled it
+        versions += [step - 1 if step % save_every else step][:batches] + [step] * (batches - 1)
     return versions, first
 
 
@@ -44,7 +45,9 @@ def test_partial_rollouts_learn_and_their_pieces_follow_the_timeline(demo_base, 
     start, end = recs[0]["eval/avg@4"], recs[-1]["eval/avg@4"]
     assert end > start + 0.3, (start, end)
     trained = recs[1:]
-    assert min(r["rollout/partial_responses"] for r in trained) > 0.5  # most answers take > 4 tokens
+    # answers take 5-13 tokens at first (most are cut), and the policy learns shorter ones
+    assert max(r["rollout/partial_responses"] for r in trained) > 0.9
+    assert sum(r["rollout/partial_responses"] for r in trained) / len(trained) > 0.3
     assert max(r["rollout/carried_groups"] for r in trained) > 0
     assert max(r["rollout/version_lag_max"] for r in trained) >= 2  # first pieces older than staleness 1
     versions, first = _batch_versions(recs, 40, 10)
@@ -62,7 +65,7 @@ def test_partial_rollouts_learn_and_their_pieces_follow_the_timeline(demo_base, 
             assert all(n == PIECE for _, n in got[:-1]) and sum(n for _, n in got) == row["response_tokens"]
 
 
-STALE1 = [*PARTIAL, "rollout.max_staleness=1", "train.total_steps=6", "checkpoint.save_every=3", "eval.every=0",
+STALE1 = [*PARTIAL, "rollout.max_staleness=1", "train.total_steps=8", "checkpoint.save_every=4", "eval.every=0",
           "eval.before_train=false"]
 
 
@@ -73,19 +76,23 @@ def reference(demo_base, tmp_path_factory) -> Path:
     return run_dir
 
 
-def test_a_stop_then_a_kill_resume_partial_rollouts_to_the_same_records(reference, tmp_path):
-    """As test_async_rollouts' stop-then-kill, with groups carried at every save and in the batch
-    in flight at the stop."""
+def test_a_kill_then_a_stop_resume_partial_rollouts_to_the_same_records(reference, tmp_path):
+    """A kill of every process after step 6 resumes from step 4's checkpoint, which holds groups
+    still growing; SIGTERM to every rank after step 5 then stops the run after step 6 with step 7's
+    batch in flight, continuing carried groups, kept in the checkpoint; the last launch finishes.
+    One run dir, three launches, the uninterrupted run's records."""
+    carried = {r["step"]: r["rollout/carried_groups"] for r in records(reference) if r["step"]}
+    assert carried[4] and carried[6], f"no group carried at steps 4 and 6 of the reference: {carried}"
     run_dir = copy_demo_base(reference, tmp_path / "run")
-    status, log = start_then(run_dir, STALE1, 1, stop_every_rank)
-    assert status == 0, log[-5000:]
-    assert records(run_dir)[-1]["step"] == 2, "the stop was meant for step 2, with step 3's batch in flight"
-    state = json.loads((run_dir / "checkpoints" / "step_00000002" / "trainer_state.json").read_text())
-    assert [a["step"] for a in state["ahead"]] == [2] and state["ahead"][0]["rollouts"]
-    assert state["ahead"][0]["carried"], "the batch in flight continues no carried group: nothing tested"
-    start_then(run_dir, STALE1, 5, kill_all)
-    assert records(run_dir)[-1]["step"] < 6, "the run finished before the kill"
-    saved = json.loads((run_dir / "checkpoints" / "step_00000003" / "trainer_state.json").read_text())
+    start_then(run_dir, STALE1, 6, kill_all)
+    assert records(run_dir)[-1]["step"] < 8, "the run finished before the kill"
+    saved = json.loads((run_dir / "checkpoints" / "step_00000004" / "trainer_state.json").read_text())
     assert saved["carried"] and not saved["ahead"]  # drained at the save, groups still growing
+    status, log = start_then(run_dir, STALE1, 5, stop_every_rank)
+    assert status == 0, log[-5000:]
+    assert records(run_dir)[-1]["step"] == 6, "the stop was meant for step 6, with step 7's batch in flight"
+    state = json.loads((run_dir / "checkpoints" / "step_00000006" / "trainer_state.json").read_text())
+    assert [a["step"] for a in state["ahead"]] == [6] and state["ahead"][0]["rollouts"]
+    assert state["ahead"][0]["carried"]  # the batch in flight continues carried groups
     run(run_dir, *STALE1)
     assert values(records(run_dir)) == values(records(reference))

@@ -47,14 +47,16 @@ def values(recs: list[dict]) -> dict[int, dict]:
 
 
 def start_then(run_dir: Path, overrides: list[str], after_step: int, act) -> tuple[int, str]:
-    """Starts the run in a session of its own, waits for the record of ``after_step``, then
-    ``act(launcher)``; (the launcher's exit status, its output)."""
+    """Starts the run in a session of its own, waits for this launch's record of ``after_step`` (a
+    killed launch's later records stay until the next one resumes), then ``act(launcher)``; (the
+    launcher's exit status, its output)."""
     log = run_dir.parent / f"{run_dir.name}.out"
     with open(log, "w") as out:
+        launched = time.time()
         agent = subprocess.Popen(command(run_dir, *overrides), cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
                                  env=ENV, start_new_session=True)
-        deadline = time.time() + 600
-        while not any(r["step"] >= after_step for r in records(run_dir)):
+        deadline = launched + 600
+        while not any(r["step"] >= after_step and r["time"] >= launched for r in records(run_dir)):
             assert agent.poll() is None and time.time() < deadline, log.read_text()
             time.sleep(0.02)
         act(agent)
@@ -65,11 +67,18 @@ def start_then(run_dir: Path, overrides: list[str], after_step: int, act) -> tup
 def stop_every_rank(agent) -> None:
     """SIGTERM to each of the launcher's 4 workers, as SLURM signals every task of a job step."""
     workers = psutil.Process(agent.pid).children()
-    assert sorted(p.environ().get("RANK") for p in workers) == ["0", "1", "2", "3"]
+    ranks = sorted(p.environ().get("RANK") for p in workers)
+    assert ranks == ["0", "1", "2", "3"], ranks
     for worker in workers:
         worker.send_signal(signal.SIGTERM)
 
 
 def kill_all(agent) -> None:
-    """SIGKILL to the launcher's whole process group."""
-    os.killpg(agent.pid, signal.SIGKILL)
+    """SIGKILL to the launcher, every rank and their reward workers, waited for. torchrun starts each
+    rank in a session of its own: a kill of the launcher's process group leaves the ranks running
+    (they then finish the run, and a resume test would compare an uninterrupted run with itself)."""
+    procs = [psutil.Process(agent.pid), *psutil.Process(agent.pid).children(recursive=True)]
+    for proc in procs:
+        proc.send_signal(signal.SIGKILL)
+    _, alive = psutil.wait_procs(procs, timeout=30)
+    assert not [p for p in alive if p.status() != psutil.STATUS_ZOMBIE], alive
