@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.demo import copy_demo_base
-from tests.helpers.separate_runs import kill_all, records, run, start_then, stop_every_rank, values
+from tests.helpers.separate_runs import kill_all, records, reference_run, run, start_then, stop_every_rank, values
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -44,9 +44,7 @@ STALE2 = ["rollout.max_staleness=2", "train.total_steps=6", "checkpoint.save_eve
 
 @pytest.fixture(scope="module")
 def reference(demo_base, tmp_path_factory) -> Path:
-    run_dir = copy_demo_base(demo_base, tmp_path_factory.mktemp("async_reference") / "run")
-    run(run_dir, *STALE2)
-    return run_dir
+    return reference_run(demo_base, tmp_path_factory, "async_reference", *STALE2)
 
 
 def test_staleness_2_lags_as_its_timeline(reference):

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.demo import copy_demo_base
-from tests.helpers.separate_runs import kill_all, records, run, start_then, stop_every_rank, values
+from tests.helpers.separate_runs import kill_all, records, reference_run, run, start_then, stop_every_rank, values
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 PIECE = 4
@@ -71,9 +71,7 @@ STALE1 = [*PARTIAL, "rollout.max_staleness=1", "train.total_steps=8", "checkpoin
 
 @pytest.fixture(scope="module")
 def reference(demo_base, tmp_path_factory) -> Path:
-    run_dir = copy_demo_base(demo_base, tmp_path_factory.mktemp("partial_reference") / "run")
-    run(run_dir, *STALE1)
-    return run_dir
+    return reference_run(demo_base, tmp_path_factory, "partial_reference", *STALE1)
 
 
 def test_a_kill_then_a_stop_resume_partial_rollouts_to_the_same_records(reference, tmp_path):

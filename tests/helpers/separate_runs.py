@@ -14,7 +14,7 @@ from pathlib import Path
 
 import psutil
 
-from tests.helpers.demo import LAUNCHER_VARS
+from tests.helpers.demo import LAUNCHER_VARS, copy_demo_base
 
 ROOT = Path(__file__).resolve().parents[2]
 SEPARATE = ["rollout.placement=separate", "rollout.num_ranks=2", "train.old_log_probs=trainer",
@@ -33,6 +33,13 @@ def run(run_dir: Path, *overrides: str) -> str:
     out = subprocess.run(command(run_dir, *overrides), cwd=ROOT, capture_output=True, text=True, timeout=900, env=ENV)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-5000:]
     return out.stdout + out.stderr
+
+
+def reference_run(demo_base: Path, tmp_path_factory, name: str, *overrides: str) -> Path:
+    """An uninterrupted run in a fresh dir (the demo's base copied in): what a resume must equal."""
+    run_dir = copy_demo_base(demo_base, tmp_path_factory.mktemp(name) / "run")
+    run(run_dir, *overrides)
+    return run_dir
 
 
 def records(run_dir: Path) -> list[dict]:
