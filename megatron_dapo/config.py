@@ -214,6 +214,10 @@ class FilterGroupsConfig:
                                "keep rate + 10%) instead of data.gen_prompts_per_batch, which sizes the first")
     max_gen_prompts: int = _f(0, "with adaptive: the largest generation batch in prompts; 0 = 4 x "
                                  "data.gen_prompts_per_batch")
+    on_exhausted: Literal["fill", "error"] = _f("fill", "max_num_gen_batches batches and the step is still short: "
+                                                "fill it with the last batch's groups whose answers all agree (zero "
+                                                "advantage; logged, counted in dynamic_sampling/num_filled), or stop "
+                                                "with an error (verl's behaviour)")
 
     def __post_init__(self):
         if self.max_num_gen_batches < 0:

@@ -60,10 +60,11 @@ class GenerationBatches:
         """Asks the engines for ``ahead`` and returns at once (separate placement)."""
         ahead.request = self.run.placement.submit(*self._request(ahead))
 
-    def generate(self, ahead: Ahead, *, keep: Callable[[torch.Tensor], torch.Tensor],
-                 rows: RowSpec | None) -> tuple[GenBatch, list[int]]:
-        """``ahead``'s scored groups (groups.generate_groups) and their prompts, on every rank; its
-        rollouts from a stop's checkpoint, from the engines' answer to ``submit``, or generated now."""
+    def generate(self, ahead: Ahead, *, keep: Callable[[torch.Tensor], torch.Tensor], rows: RowSpec | None,
+                 carry_all: bool = False) -> tuple[GenBatch, list[int]]:
+        """``ahead``'s scored groups (groups.generate_groups, ``carry_all`` as there) and their prompts,
+        on every rank; its rollouts from a stop's checkpoint, from the engines' answer to ``submit``,
+        or generated now."""
         run, cfg = self.run, self.run.cfg
         placement, inputs = run.placement, run.inputs
         fetch, indices = self._fetch(ahead), ahead.indices
@@ -78,7 +79,7 @@ class GenerationBatches:
             fetch = lambda: (range(len(complete)), [g.rollouts for g in complete])  # noqa: E731
         batch = generate_groups(placement, inputs.train_ids, indices, ground_truths=inputs.train_truths,
                                 tokenizer=inputs.tokenizer, params=self._params(ahead), pool=run.pool, cfg=cfg,
-                                keep=keep, rows=rows, fetch=fetch)
+                                keep=keep, rows=rows, fetch=fetch, carry_all=carry_all)
         return batch, indices
 
     def carry_json(self) -> list[dict]:

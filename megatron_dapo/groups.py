@@ -108,7 +108,7 @@ def generate_scored(placement: RolloutPlacement, prompt_ids: list[list[int]], n:
 class GenBatch:
     """One generation batch's outcome, on every rank, in batch order."""
 
-    groups: list[Group | None]  # None where dynamic sampling dropped the group
+    groups: list[Group | None]  # None where dynamic sampling dropped the group (unless carry_all)
     acc: torch.Tensor  # [P, G] bool correctness
     audits: list[GroupAudit]  # format and scorer-agreement counts of every group (observe/audit.py)
     rows: list[SampleRow]  # dump rows of the groups at positions < RowSpec.dump_groups
@@ -118,12 +118,14 @@ class GenBatch:
 def generate_groups(placement: RolloutPlacement, prompt_ids: list[list[int]], indices: list[int], *,
                     ground_truths: list[str], tokenizer, params: SamplingParams, pool, cfg: DAPOConfig,
                     keep: Callable[[torch.Tensor], torch.Tensor], rows: RowSpec | None = None,
-                    fetch: Callable[[], tuple[range, list[list[Rollout]]]] | None = None) -> GenBatch:
+                    fetch: Callable[[], tuple[range, list[list[Rollout]]]] | None = None,
+                    carry_all: bool = False) -> GenBatch:
     """One generation batch (the prompts ``indices``), split over the rollout replicas.
 
     Each replica's leader scores (with reward.fn and, when ``rows.audit_scorer``, the audit scorer)
     and shapes its share, applies ``keep`` (dynamic sampling's filter: [P, G] acc -> [P] bool) and
-    audits every group; only kept groups, counts, and the bounded dump rows travel. ``fetch``: as
+    audits every group; only kept groups, counts, and the bounded dump rows travel (every group with
+    ``carry_all``: dynamic sampling may fill an exhausted step from them). ``fetch``: as
     generate_scored's.
     """
     fns = (None, rows.audit_scorer) if rows is not None and rows.audit_scorer else (None,)
@@ -142,7 +144,7 @@ def generate_groups(placement: RolloutPlacement, prompt_ids: list[list[int]], in
                               flags=flags, scores=group.scores, rewards=group.rewards, kept=kept)
             dumped = made if p < rows.dump_groups else []
             flagged = pick_flagged(made, flag_counts, rows.flag_cap)
-        return group.acc, group if kept else None, audit, dumped, flagged
+        return group.acc, group if kept or carry_all else None, audit, dumped, flagged
 
     gathered = generate_scored(placement, [prompt_ids[i] for i in indices], cfg.rollout.n, params,
                                ground_truths=[ground_truths[i] for i in indices], tokenizer=tokenizer, pool=pool,

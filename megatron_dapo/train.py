@@ -109,7 +109,8 @@ def _train(run: Run, stop: StopRequest) -> TrainResult:
                          max_num_gen_batches=cfg.algorithm.filter_groups.max_num_gen_batches,
                          enabled=cfg.algorithm.filter_groups.enable, surplus=cfg.surplus,
                          adaptive=cfg.algorithm.filter_groups.adaptive,
-                         max_request=cfg.algorithm.filter_groups.max_gen_prompts)
+                         max_request=cfg.algorithm.filter_groups.max_gen_prompts,
+                         on_exhausted=cfg.algorithm.filter_groups.on_exhausted)
     # Without dynamic sampling every group is kept: a generation batch is the step's prompts.
     gen_batch = cfg.data.gen_prompts_per_batch if dyn.enabled else cfg.data.prompts_per_step
     resume = run.resume
@@ -183,7 +184,8 @@ def _loop(run: Run, stop: StopRequest, dyn: DynamicSampler, pipeline: RolloutPip
                 ahead = pipeline.take(step)
                 if ahead is None:
                     ahead = gen.draw(step, dyn.num_gen_batches, dyn.request_size(gen_batch))
-                batch, indices = gen.generate(ahead, keep=dyn.keep_mask, rows=obs.row_spec(dyn.num_gen_batches))
+                batch, indices = gen.generate(ahead, keep=dyn.keep_mask, rows=obs.row_spec(dyn.num_gen_batches),
+                                              carry_all=dyn.carries_all())
                 obs.add_batch(batch, indices)
                 dyn.add(batch.groups, batch.acc)
             groups, ds_metrics = dyn.pop()

@@ -10,16 +10,25 @@ Usage, one training step::
     sampler.start_step()
     while not sampler.is_full:
         groups, acc = generate_and_score(next_prompts)   # acc: [P, G] bool
-        sampler.add(groups, acc)                          # raises when max_num_gen_batches is spent
+        sampler.add(groups, acc)                          # max_num_gen_batches spent: raises, or fills
     groups, metrics = sampler.pop()
+
+When ``max_num_gen_batches`` batches do not fill the step (verl raises then: its most reported DAPO
+failure), ``on_exhausted="fill"`` fills the rest with groups of the last batch whose answers all
+agree, logged and counted (``dynamic_sampling/num_filled``): they have zero advantage, so the step
+trains on the mixed groups it found, its gradient scaled down by the token-level normalisation over
+the filled groups' tokens. The last batch's dropped groups must then travel (``carries_all``).
 """
 
+import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 
 class DynamicSamplingExhausted(RuntimeError):
@@ -34,6 +43,7 @@ class _StepCounts:
     num_all_correct: int = 0
     num_all_wrong: int = 0
     num_responses: int = 0
+    num_filled: int = 0
     pass_histogram: list[int] = field(default_factory=list)  # index k: groups with k correct
 
 
@@ -51,14 +61,20 @@ class DynamicSampler:
         adaptive: ``request_size`` sizes each generation batch from the measured keep rate instead
             of the fixed size it is given.
         max_request: with ``adaptive``, the largest generation batch (0: 4 x the fixed size).
+        on_exhausted: "error" (raise DynamicSamplingExhausted) or "fill" (module doc) when
+            ``max_num_gen_batches`` batches leave the step short.
     """
 
     MARGIN = 0.1  # asked beyond missing / keep rate: one batch then usually fills the step
 
     def __init__(self, *, prompts_per_step: int, group_size: int, max_num_gen_batches: int,
-                 enabled: bool = True, surplus: str = "drop", adaptive: bool = False, max_request: int = 0):
+                 enabled: bool = True, surplus: str = "drop", adaptive: bool = False, max_request: int = 0,
+                 on_exhausted: str = "error"):
         if surplus not in ("drop", "carry"):
             raise ValueError(f"surplus must be 'drop' or 'carry', got {surplus!r}")
+        if on_exhausted not in ("error", "fill"):
+            raise ValueError(f"on_exhausted must be 'error' or 'fill', got {on_exhausted!r}")
+        self.on_exhausted = on_exhausted
         if prompts_per_step < 1 or group_size < 1 or max_num_gen_batches < 0:
             raise ValueError(f"bad sizes: prompts_per_step={prompts_per_step}, group_size={group_size}, "
                              f"max_num_gen_batches={max_num_gen_batches}")
@@ -99,6 +115,12 @@ class DynamicSampler:
         wanted = missing * (1 + self.MARGIN) / max(self.keep_rate, missing / cap)
         return max(missing, min(cap, math.ceil(wanted - 1e-9)))  # 11.000000000000002 asks for 11
 
+    def carries_all(self) -> bool:
+        """Whether the next batch's dropped groups must come with their payloads: it is the step's
+        last allowed one and an exhausted step fills from it (``on_exhausted="fill"``)."""
+        return (self.on_exhausted == "fill" and self.enabled
+                and 0 < self.max_num_gen_batches == self._counts.num_gen_batches + 1)
+
     def keep_mask(self, acc: torch.Tensor) -> torch.Tensor:
         """[P, G] correctness -> [P] bool: the groups ``add`` would keep (mixed answers, or all
         when disabled). Lets a rollout replica filter its share before anything travels."""
@@ -112,14 +134,16 @@ class DynamicSampler:
 
         Args:
             groups: P opaque per-prompt payloads (the rollouts of one prompt each); a dropped
-                group's payload is never stored, so it may be None.
+                group's payload is only stored to fill an exhausted step (``carries_all``), so it may
+                be None otherwise.
             acc: [P, G] bool (or 0/1) correctness of each response.
 
         Returns:
             [P] bool, which groups were kept.
 
         Raises:
-            DynamicSamplingExhausted: the batch is still not full after ``max_num_gen_batches``.
+            DynamicSamplingExhausted: the batch is still not full after ``max_num_gen_batches``
+                (with on_exhausted="fill": and this batch's dropped groups cannot fill it).
         """
         acc = torch.as_tensor(acc).bool()
         if acc.dim() != 2 or acc.shape != (len(groups), self.group_size):
@@ -145,7 +169,14 @@ class DynamicSampler:
             self.keep_rate = rate if self.keep_rate is None else (self.keep_rate + rate) / 2
 
         if not self.is_full and 0 < self.max_num_gen_batches <= c.num_gen_batches:
-            raise DynamicSamplingExhausted(self._exhausted_message())
+            spare = [g for g, k in zip(groups, keep.tolist()) if not k and g is not None]
+            missing = self.prompts_per_step - len(self._held)
+            if self.on_exhausted == "error" or len(spare) < missing:
+                raise DynamicSamplingExhausted(self._exhausted_message())
+            self._held.extend(spare[:missing])
+            c.num_filled += missing
+            logger.warning("%s Filled instead (algorithm.filter_groups.on_exhausted=fill): %d groups whose answers "
+                           "all agree (zero advantage) complete the batch.", self._exhausted_message(), missing)
         return keep
 
     def pop(self) -> tuple[list[Any], dict[str, float]]:
@@ -175,6 +206,7 @@ class DynamicSampler:
             "dynamic_sampling/frac_all_wrong": hist[0] / max(1, sum(hist)),
             "dynamic_sampling/frac_all_correct": hist[-1] / max(1, sum(hist)),
             **({"dynamic_sampling/keep_rate_estimate": self.keep_rate} if self.adaptive else {}),
+            **({"dynamic_sampling/num_filled": float(c.num_filled)} if self.on_exhausted == "fill" else {}),
         }
         return batch, metrics
 

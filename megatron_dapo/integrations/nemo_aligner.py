@@ -464,7 +464,8 @@ def _build_trainer_class(up) -> type:
             fg = self.dapo.algorithm.filter_groups
             self.dapo_sampler = DynamicSampler(prompts_per_step=self.dapo.prompts_per_step,
                                                group_size=self.dapo.group_size,
-                                               max_num_gen_batches=fg.max_num_gen_batches, enabled=fg.enable)
+                                               max_num_gen_batches=fg.max_num_gen_batches, enabled=fg.enable,
+                                               on_exhausted=fg.on_exhausted)
 
         @torch.no_grad()
         def generate_rollouts(self):

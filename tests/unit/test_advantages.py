@@ -119,6 +119,31 @@ def test_surplus_drop_vs_carry():
         assert m[f"dynamic_sampling/num_surplus_{key}"] == 2
 
 
+def test_an_exhausted_step_fills_from_the_last_batchs_dropped_groups(caplog):
+    """on_exhausted=fill: the last allowed batch carries its dropped groups, and the first of them
+    complete the step, counted and logged; without enough of them it still raises."""
+    s = DynamicSampler(prompts_per_step=3, group_size=2, max_num_gen_batches=2, on_exhausted="fill")
+    s.start_step()
+    assert not s.carries_all()  # the first of two batches: dropped groups need not travel
+    s.add(["a", None, None], _acc([[1, 0], [1, 1], [0, 0]]))
+    assert s.carries_all()
+    with caplog.at_level("WARNING"):
+        keep = s.add(["d", "e", "f"], _acc([[0, 1], [1, 1], [0, 0]]))
+    assert keep.tolist() == [True, False, False]  # the filter's verdict is unchanged
+    batch, m = s.pop()
+    assert batch == ["a", "d", "e"] and m["dynamic_sampling/num_filled"] == 1.0
+    assert "max_num_gen_batches=2" in caplog.text and "1 groups whose answers all agree" in caplog.text
+    s.start_step()
+    s.add(["g", None, None], _acc([[1, 1], [1, 1], [1, 1]]))
+    with pytest.raises(DynamicSamplingExhausted, match="max_num_gen_batches=2"):
+        s.add(["h", None, None], _acc([[1, 1], [1, 1], [1, 1]]))  # one spare for three missing
+    strict = DynamicSampler(prompts_per_step=3, group_size=2, max_num_gen_batches=1, on_exhausted="error")
+    strict.start_step()
+    assert not strict.carries_all()
+    with pytest.raises(DynamicSamplingExhausted):
+        strict.add(["a", "b", "c"], _acc([[1, 0], [1, 1], [0, 0]]))
+
+
 def test_exhausted_error_names_the_numbers():
     s = DynamicSampler(prompts_per_step=4, group_size=4, max_num_gen_batches=2)
     s.start_step()
