@@ -6,7 +6,8 @@ it is the same whether generated in its step or asked for ahead (rollout/pipelin
 rollout/partial.py): its items are one response each, and only the groups complete after it go
 on to scoring and dynamic sampling; the others are carried to the next batch drawn or asked for.
 The carry lives with the leader of the rollout replica that answers every batch (trainer rank 0:
-one colocated replica or separate placement; run.check_rollout refuses more), is saved in the
+one colocated replica or separate placement; run.check_rollout refuses more; the other ranks hold
+its groups without their rollouts, so that every rank draws the same prompts), is saved in the
 trainer state, and is empty before the first step.
 """
 
@@ -71,11 +72,15 @@ class GenerationBatches:
         if self.partial:
             outputs = fetch()[1] if fetch is not None else placement.generate(*self._request(ahead))[1]
             complete: list[Carried] = []
+            cut: list[Carried] = []
             if placement.is_leader:
                 complete, cut = merge(ahead.indices, cfg.rollout.n, ahead.carried, outputs,
                                       cfg.rollout.max_response_length)
-                self.carry += cut
-            indices = placement.gather([[g.prompt_index for g in complete]] if placement.is_leader else [])[0]
+            # every rank learns which groups completed and which go on: the carry's size decides how
+            # many new prompts the next draw takes from the sampler, which every rank keeps in step
+            indices, going_on = placement.gather([([g.prompt_index for g in complete], [g.prompt_index for g in cut])]
+                                                 if placement.is_leader else [])[0]
+            self.carry += cut if placement.is_leader else [Carried(i, []) for i in going_on]
             fetch = lambda: (range(len(complete)), [g.rollouts for g in complete])  # noqa: E731
         batch = generate_groups(placement, inputs.train_ids, indices, ground_truths=inputs.train_truths,
                                 tokenizer=inputs.tokenizer, params=self._params(ahead), pool=run.pool, cfg=cfg,
@@ -83,7 +88,7 @@ class GenerationBatches:
         return batch, indices
 
     def carry_json(self) -> list[dict]:
-        """The carry, for the trainer state (the leader's; [] elsewhere)."""
+        """The carry, for the trainer state (the leader's; elsewhere the groups without rollouts)."""
         return [c.to_json() for c in self.carry]
 
     def _params(self, ahead: Ahead) -> SamplingParams:
