@@ -154,11 +154,13 @@ CASES: dict[str, Case] = {
     "algorithm.adv_eps": C("0.5", metric("actor/pg_loss")),
     "algorithm.filter_groups.enable": C("true", metric("dynamic_sampling/num_groups_generated")),
     "algorithm.filter_groups.max_num_gen_batches": C("1", lambda a, b: "max_num_gen_batches=1" in a.error and ok(b, a),
-                                                     FILTER | {"data.gen_prompts_per_batch": "4"}),
-    # one batch of 24 prompts keeps fewer than 16 mixed groups: the default fills the step, "error" stops
+                                                     FILTER | {"data.gen_prompts_per_batch": "4",
+                                                               "algorithm.filter_groups.on_exhausted": "error"}),
+    # one batch of 4 prompts keeps too few mixed groups: the default fills the step, "error" stops
     "algorithm.filter_groups.on_exhausted": C("error", lambda a, b: "max_num_gen_batches=1" in a.error
                                               and b.last.get("dynamic_sampling/num_filled", 0) > 0,
-                                              FILTER | {"algorithm.filter_groups.max_num_gen_batches": "1"}),
+                                              FILTER | {"algorithm.filter_groups.max_num_gen_batches": "1",
+                                                        "data.gen_prompts_per_batch": "4"}),
     # the second step's first batch is sized by step 1's keep rate: other prompts, other records
     "algorithm.filter_groups.adaptive": C("true", records, FILTER | TWO),
     "algorithm.filter_groups.max_gen_prompts": C("4", records, FILTER | TWO | {"algorithm.filter_groups.adaptive": "true"}),
@@ -283,7 +285,8 @@ def test_a_non_default_value_changes_the_run(runs, request, key):
     dist = request.getfixturevalue("dist") if case.via == "dist" else None
     a, b = _pair(runs, dist, key, case)
     for r in (a, b):
-        if key not in ("data.on_bad_row", "algorithm.filter_groups.max_num_gen_batches", "rollout.kv_cache_memory_mb"):
+        if key not in ("data.on_bad_row", "algorithm.filter_groups.max_num_gen_batches",
+                       "algorithm.filter_groups.on_exhausted", "rollout.kv_cache_memory_mb"):  # one run errs
             assert r.rc == 0 and not r.error, f"{key}: a run failed:\n{r.err[-3000:]}{r.error}"
     assert case.check(a, b), (f"{key}={case.value} (context {case.context}) changed nothing this case observes;\n"
                               f"with it: {a.last}\nwithout: {b.last}\n{a.err[-1500:]}{a.error}")
