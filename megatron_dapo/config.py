@@ -152,9 +152,8 @@ class RolloutConfig:
     max_staleness: int = _f(0, "with placement=separate: weight versions a trained rollout may lag behind the trainer; "
                                "0 = generate then train (as colocated), 1 = the next step's first generation batch "
                                "is generated while this step trains, k = up to k steps ahead")
-    partial: bool = _f(False, "partial rollouts: a generation extends each response by at most "
-                              "rollout.partial_tokens; one still running then continues from its prefix in the next "
-                              "generation batch, with the weights current then (docs/DESIGN.md)")
+    partial: bool = _f(False, "partial rollouts: a generation batch adds at most partial_tokens to a response; one "
+                              "still running continues from its prefix in the next batch, from the weights then")
     partial_tokens: int = _f(0, "with partial: the tokens a response may grow by in one generation batch, a divisor "
                                 "of max_response_length; 0 = max_response_length / 4")
 
@@ -186,20 +185,11 @@ class RolloutConfig:
             _fail(f"rollout.max_staleness={self.max_staleness} with rollout.placement={self.placement}: colocated "
                   "engines share the trainers' devices, so generation cannot overlap training; use "
                   "rollout.placement=separate with rollout.num_ranks, or rollout.max_staleness=0")
-        if self.partial_tokens < 0 or (self.partial_tokens and not self.partial):
-            _fail(f"rollout.partial_tokens={self.partial_tokens} with rollout.partial={self.partial}: set "
-                  "rollout.partial=true to cut responses into pieces of that many tokens (> 0), or partial_tokens=0")
-        if self.partial and (self.piece_tokens < 1 or self.max_response_length % self.piece_tokens):
-            _fail(f"rollout.partial_tokens={self.partial_tokens or 'max_response_length / 4'} does not divide "
-                  f"rollout.max_response_length={self.max_response_length}: every piece but the last must be that "
-                  "long, so that a response's pieces end at its limit; choose a divisor")
 
     @property
     def piece_tokens(self) -> int:
         """With ``partial``: the most tokens one generation batch adds to a response (else the limit)."""
-        if not self.partial:
-            return self.max_response_length
-        return self.partial_tokens or self.max_response_length // 4
+        return (self.partial_tokens or self.max_response_length // 4) if self.partial else self.max_response_length
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -207,17 +197,15 @@ class FilterGroupsConfig:
     enable: bool = _f(True, "dynamic sampling: drop groups whose answers are all right or all wrong "
                                   "(correctness, before length shaping)")
     max_num_gen_batches: int = _f(10, "generation batches per step before giving up; 0 = unbounded")
-    surplus: Literal["drop", "carry"] = _f("drop", "kept groups beyond the batch: drop (paper, verl) or carry over; "
-                                                   "rollout.partial always carries them (dropping would drop the "
-                                                   "groups that finish first: the short ones)")
+    surplus: Literal["drop", "carry"] = _f("drop", "kept groups beyond the batch: drop (paper, verl) or carry over "
+                                                   "(always with rollout.partial: dropped, they would be the short ones)")
     adaptive: bool = _f(False, "size each generation batch from the keep rate measured so far (missing groups / "
                                "keep rate + 10%) instead of data.gen_prompts_per_batch, which sizes the first")
     max_gen_prompts: int = _f(0, "with adaptive: the largest generation batch in prompts; 0 = 4 x "
                                  "data.gen_prompts_per_batch")
-    on_exhausted: Literal["fill", "error"] = _f("fill", "max_num_gen_batches batches and the step is still short: "
-                                                "fill it with the last batch's groups whose answers all agree (zero "
-                                                "advantage; logged, counted in dynamic_sampling/num_filled), or stop "
-                                                "with an error (verl's behaviour)")
+    on_exhausted: Literal["fill", "error"] = _f("fill", "the step still short after max_num_gen_batches: fill it with "
+                                                "the last batch's groups of one answer (zero advantage; logged, "
+                                                "dynamic_sampling/num_filled), or stop with an error (as verl)")
 
     def __post_init__(self):
         if self.max_num_gen_batches < 0:
@@ -492,10 +480,8 @@ class DAPOConfig:
 
     @property
     def surplus(self) -> str:
-        """What happens to kept groups beyond a step's batch: algorithm.filter_groups.surplus, but always
-        "carry" with rollout.partial. There the groups complete in order of their longest response, and
-        the ones beyond the batch are the latest to complete, the short ones: dropping them would train
-        on the long (docs/async_rollouts.md measured it)."""
+        """Kept groups beyond a step's batch: algorithm.filter_groups.surplus, always "carry" with partial
+        rollouts, where they are the short groups (docs/DESIGN.md, docs/async_rollouts.md measured it)."""
         return "carry" if self.rollout.partial else self.algorithm.filter_groups.surplus
 
     @property

@@ -67,6 +67,13 @@ def validate_cross_section(cfg: Any) -> None:
         # with TIS correcting the drift (docs/DESIGN.md "Separate placement and asynchronous rollouts").
         _fail(f"rollout.max_staleness={r.max_staleness} with train.old_log_probs=rollout: a stale rollout's "
               "log-probs are an older policy's, not this step's pi_old; set train.old_log_probs=trainer")
+    if r.partial_tokens < 0 or (r.partial_tokens and not r.partial):
+        _fail(f"rollout.partial_tokens={r.partial_tokens} with rollout.partial={r.partial}: set rollout.partial=true "
+              "to cut responses into pieces of that many tokens (> 0), or rollout.partial_tokens=0")
+    if r.partial and (r.piece_tokens < 1 or r.max_response_length % r.piece_tokens):
+        # every piece but the last is then exactly that long, and a response's pieces end at its limit
+        _fail(f"rollout.partial_tokens={r.partial_tokens or 'max_response_length / 4'} does not divide "
+              f"rollout.max_response_length={r.max_response_length}; choose a divisor")
     if r.partial and t.old_log_probs == "rollout":
         _fail("rollout.partial=true with train.old_log_probs=rollout: a continued response's first pieces come from "
               "older weights, not this step's pi_old; set train.old_log_probs=trainer")

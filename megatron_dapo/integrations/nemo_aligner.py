@@ -462,10 +462,9 @@ def _build_trainer_class(up) -> type:
             self.dapo = trainer_settings(cfg, max_response_length=model.cfg.ppo.length_params.max_length,
                                          model_gbs=cfg.model_gbs)
             fg = self.dapo.algorithm.filter_groups
-            self.dapo_sampler = DynamicSampler(prompts_per_step=self.dapo.prompts_per_step,
-                                               group_size=self.dapo.group_size,
-                                               max_num_gen_batches=fg.max_num_gen_batches, enabled=fg.enable,
-                                               on_exhausted=fg.on_exhausted)
+            self.dapo_sampler = DynamicSampler(
+                prompts_per_step=self.dapo.prompts_per_step, group_size=self.dapo.group_size,
+                max_num_gen_batches=fg.max_num_gen_batches, enabled=fg.enable, on_exhausted=fg.on_exhausted)
 
         @torch.no_grad()
         def generate_rollouts(self):

@@ -108,12 +108,13 @@ def test_greedy_pieces_continue_exactly_as_one_call_generates(one_thread):
 def test_settings_and_refusals():
     assert RolloutConfig(max_response_length=16).piece_tokens == 16
     assert RolloutConfig(max_response_length=16, partial=True).piece_tokens == 4  # a quarter by default
-    with pytest.raises(ConfigError, match="rollout.partial_tokens=5 does not divide rollout.max_response_length=16"):
-        RolloutConfig(max_response_length=16, partial=True, partial_tokens=5)
-    with pytest.raises(ConfigError, match="does not divide rollout.max_response_length=2"):
-        RolloutConfig(max_response_length=2, partial=True)
+    trainer = TrainConfig(old_log_probs="trainer")
+    with pytest.raises(ConfigError, match="rollout.partial_tokens=5000 does not divide rollout.max_response_length=20480"):
+        DAPOConfig(rollout=RolloutConfig(partial=True, partial_tokens=5000), train=trainer)
+    with pytest.raises(ConfigError, match="max_response_length / 4 does not divide rollout.max_response_length=20482"):
+        DAPOConfig(rollout=RolloutConfig(max_response_length=20482, partial=True), train=trainer)
     with pytest.raises(ConfigError, match="set rollout.partial=true"):
-        RolloutConfig(partial_tokens=8)
+        DAPOConfig(rollout=RolloutConfig(partial_tokens=8))
     with pytest.raises(ConfigError, match="rollout.partial=true with train.old_log_probs=rollout"):
         DAPOConfig(rollout=RolloutConfig(partial=True), train=TrainConfig(old_log_probs="rollout"))
     cfg = DAPOConfig(rollout=RolloutConfig(engine="hf", partial=True), train=TrainConfig(old_log_probs="trainer"))
