@@ -63,7 +63,8 @@ def _expected_steps(steps: int, per_step: int = 3, gen_batch: int = 4) -> list[d
         sampling = {"num_gen_batches": len(drawn), "num_groups_generated": len(ids),
                     "num_groups_kept": len(mixed), "num_dropped_all_correct": sum(i % 3 == 0 for i in ids),
                     "num_dropped_all_wrong": sum(i % 3 == 1 for i in ids), "num_groups_carried_in": 0,
-                    "num_surplus_dropped": len(mixed) - per_step}
+                    "num_surplus_dropped": len(mixed) - per_step,
+                    "num_filled": 0}  # algorithm.filter_groups.on_exhausted=fill, never exhausted here
         out.append({"drawn": drawn, "trained": mixed[:per_step], "consumed_samples": nxt,
                     "sampling": sampling})
     return out
