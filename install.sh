@@ -50,6 +50,15 @@ dapo_actor_class(); dapo_trainer_class()" 2>&1); then
        "$((SECONDS - start)) s, $(du -sh .venv-nemo | cut -f1))"
 }
 if [ "$mode" = nemo ]; then install_nemo; exit 0; fi
+# test: .venv-nemo installs beside .venv (pip is one process on one core; the two share nothing),
+# its output kept for the end; a failure there is reported after .venv is complete.
+nemo_pid=""
+if [ "$mode" = test ]; then
+  nemo_log=$(mktemp)
+  install_nemo > "$nemo_log" 2>&1 &
+  nemo_pid=$!
+  trap 'kill "$nemo_pid" 2>/dev/null || true' EXIT
+fi
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 PIP=".venv/bin/python -m pip --disable-pip-version-check -q"
 # torch 2.13.0 has a CPU build on the machines' local disk; an unpinned torch pulls a multi-GB
@@ -151,5 +160,12 @@ print(f"install.sh: ready (torch {torch.__version__}, megatron-core {have('megat
       f"transformers {have('transformers')}, vllm {vllm or 'not installed'})")
 PY
 # test: the NeMo-Aligner stack for tests/functional/test_nemo_aligner_*.py (the real ReinforceTrainer),
-# last, so that a failure here leaves the main venv complete.
-if [ "$mode" = test ]; then install_nemo; fi
+# started above; waited for last, so that a failure there leaves the main venv complete.
+if [ -n "$nemo_pid" ]; then
+  nemo_rc=0
+  wait "$nemo_pid" || nemo_rc=$?
+  trap - EXIT
+  cat "$nemo_log"
+  rm -f "$nemo_log"
+  [ "$nemo_rc" = 0 ] || { echo "install.sh: .venv-nemo failed (exit $nemo_rc)" >&2; exit "$nemo_rc"; }
+fi

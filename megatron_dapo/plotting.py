@@ -119,18 +119,26 @@ def panel_keys(series: Series, panels=PANELS) -> list[tuple[str, list[str]]]:
 
 
 def plot(series: Series, panels, out: str | Path, *, title: str) -> int:
-    """Draws the non-empty panels into ``out``; returns how many were drawn."""
-    import matplotlib
+    """Draws the non-empty panels into ``out``; returns how many were drawn.
 
-    matplotlib.use("Agg")  # files only; no display on training nodes
-    import matplotlib.pyplot as plt
+    Every finished or stopped run draws this before it exits (in a stop, inside the grace period),
+    so it is drawn once, onto an Agg canvas without pyplot, with the grid's margins set by hand
+    (tight_layout draws the whole figure a second time to measure it)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
 
     filled = panel_keys(series, panels)
     if not filled:
         return 0
     num_cols = min(3, len(filled))
     num_rows = math.ceil(len(filled) / num_cols)
-    fig, axes = plt.subplots(num_rows, num_cols, figsize=(5.2 * num_cols, 3.4 * num_rows), squeeze=False)
+    width, height = 5.2 * num_cols, 3.4 * num_rows
+    fig = Figure(figsize=(width, height))
+    FigureCanvasAgg(fig)
+    # margins in inches, whatever the grid's size: room for tick labels, titles and the suptitle
+    fig.subplots_adjust(left=0.55 / width, right=1 - 0.2 / width, bottom=0.45 / height, top=1 - 0.75 / height,
+                        wspace=0.25, hspace=0.4)
+    axes = fig.subplots(num_rows, num_cols, squeeze=False)
     max_step = max(max(steps) for steps, _ in series.values())
     for ax, (name, keys) in zip(axes.flat, filled):
         for key in keys:
@@ -138,17 +146,15 @@ def plot(series: Series, panels, out: str | Path, *, title: str) -> int:
             sparse = len(steps) < 0.5 * (max_step + 1)  # evaluation-style metric: show the points
             ax.plot(steps, values, marker="o" if sparse else None, markersize=3, linewidth=1.2, label=key)
         ax.set_title(name, fontsize=10)
-        ax.set_xlabel("step", fontsize=8)
+        ax.set_xlabel("step", fontsize=8, labelpad=1)
         ax.tick_params(labelsize=8)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, loc="best")
     for ax in list(axes.flat)[len(filled):]:
         ax.set_visible(False)
     fig.suptitle(title, fontsize=11)
-    fig.tight_layout()
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
-    plt.close(fig)
     return len(filled)
 
 

@@ -56,8 +56,10 @@ def reference(demo_base, tmp_path_factory) -> Path:
 
 @pytest.fixture
 def cluster(tmp_path):
-    # cred_expire 10 s: a requeued job is held that long before it may start again (120 s by default)
-    with SlurmCluster(tmp_path / "slurm", cred_expire_s=10, kill_wait_s=10) as c:
+    # cred_expire 10 s: a requeued job is held that long before it may start again (120 s by default);
+    # then it waits for the scheduler's next periodic pass (every 60 s, backfill every 30 s, by default)
+    with SlurmCluster(tmp_path / "slurm", cred_expire_s=10, kill_wait_s=10,
+                      extra_conf=("SchedulerParameters=sched_interval=2,bf_interval=2",)) as c:
         yield c
     assert c.leftovers() == []
 
