@@ -67,6 +67,7 @@ class StopRequest:
         self._watch: Watch | None = None
         self._watched = threading.Event()  # the watchdog has seen a first signal
         self._first: signal.Signals | None = None  # which (the handler may not have run yet)
+        self._saved = threading.Event()  # the stop's checkpoint is written: nothing left to abandon
 
     @property
     def name(self) -> str:
@@ -147,7 +148,8 @@ class StopRequest:
             self._abandon(watch, f"{sig.name}: the step in flight and its checkpoint need ~{need:.0f} s, more than "
                                  f"the {grace:.0f} s before the kill")
             return
-        time.sleep(max(budget - (time.monotonic() - received), 0.0))
+        if self._saved.wait(max(budget - (time.monotonic() - received), 0.0)):
+            return  # the rest (the curves, the report, the exit) is not worth abandoning the save for
         self._abandon(watch, f"{sig.name}: the step and its checkpoint did not finish within the {grace:.0f} s "
                              "before the kill")
 
@@ -160,6 +162,10 @@ class StopRequest:
                 print(line, file=sys.stderr, flush=True)
         finally:
             os._exit(0)
+
+    def saved(self) -> None:
+        """The stop's checkpoint is written: the watchdog stands down."""
+        self._saved.set()
 
     def abandon_if_stopping(self, error: BaseException) -> None:
         """After a stop signal, an error in the step (typically a collective broken by a peer that
@@ -184,6 +190,18 @@ class StopRequest:
         if self.signum is None and flag.item():
             self.signum, self.received_at = int(flag.item()), time.monotonic()
         return bool(flag.item())
+
+    def seconds_left(self) -> float | None:
+        """Seconds from now to the kill this stop's grace allows, as the watchdog counts them: the
+        job's end for SIGUSR1 and a time-limit stop, else checkpoint.stop_grace_s from the signal (on a
+        rank that learned of it through ``agreed``, from then). None: no kill is foreseen (SIGUSR1
+        without a known end) or nothing was asked for."""
+        watch = self._watch
+        if watch is None or self.signum is None:
+            return None
+        if self.signum in (signal.SIGUSR1, TIME_LIMIT):
+            return None if watch.end_time is None else watch.end_time - time.time()
+        return watch.grace_s - self.seconds_since()
 
     def seconds_since(self) -> float:
         return 0.0 if self.received_at is None else time.monotonic() - self.received_at

@@ -29,7 +29,7 @@ from megatron_dapo.eval import evaluate_with_rows
 from megatron_dapo.metrics_log import MetricsLogger, format_progress, progress_keys, read_metrics
 from megatron_dapo.observe.observer import Observer
 from megatron_dapo.observe.profiler import StepProfiler
-from megatron_dapo.preemption import TIME_LIMIT, StopRequest, Watch
+from megatron_dapo.preemption import ABANDON_SAFETY_S, TIME_LIMIT, StopRequest, Watch
 from megatron_dapo.reward import VALUE_REWARD_FN
 from megatron_dapo.rollout.engine import eval_sampling_params
 from megatron_dapo.rollout.partial import partial_metrics, token_versions
@@ -202,6 +202,8 @@ def _loop(run: Run, stop: StopRequest, dyn: DynamicSampler, pipeline: RolloutPip
             pipeline.drop()  # a generation budget spent: batches asked for ahead will not be trained on
         last = finished or (pipeline.max_staleness > 0  # the job's end: nothing to wait for at its stop
                             and placement.gather([_job_ends_after_next(cfg, clock, end_time, step, evaluates)])[0])
+        for ahead in [] if last else pipeline.released():  # a stop released them: asked for again, in order
+            gen.submit(ahead)
         for target in pipeline.targets(step, finished=last):  # generated while this step trains
             # no new prompts for the next step when the groups carried over (surplus=carry) fill it
             ahead = gen.draw(target, 0, 0 if target == step + 1 and dyn.is_full else dyn.request_size(gen_batch))
@@ -258,8 +260,9 @@ def _loop(run: Run, stop: StopRequest, dyn: DynamicSampler, pipeline: RolloutPip
         return TrainResult(final_eval=final, step=done)
     if done > saved:
         actor.onload_after_rollout()  # an evaluation may have left the state off
-        pipeline.collect_in_flight(lambda request: placement.collect(request)[1])  # kept with the checkpoint
+        _collect_at_stop(run, pipeline, stop, clock)  # kept with the checkpoint
         _save(run, dyn, pipeline, gen, obs, done, generated, clock)
+    stop.saved()  # the last step is saved: the watchdog stands down
     latest = _latest(run)
     return TrainResult(final_eval=final, step=done, stopped_by=stop.name, checkpoint=latest and str(latest),
                        stop_latency_s=stop.seconds_since())
@@ -284,6 +287,24 @@ def _write_if_due(run: Run, log: MetricsLogger, step: int, finished: bool):
         started = time.monotonic()
         pending = run.actor.write_checkpoint(str(run.ckpt_dir), step)
     return pending, time.monotonic() - started
+
+
+def _collect_at_stop(run: Run, pipeline: RolloutPipeline, stop: StopRequest, clock: StepClock) -> None:
+    """The batches in flight at a stop: those the engines finish while the save after them still ends
+    before the kill, collected; the others released, asked for again at resume (rollout/pipeline.py)."""
+    placement, ready = run.placement, 0
+    if not any(a.in_flight for a in pipeline.ahead):  # the same on every trainer rank
+        return
+    if placement.is_leader:
+        left = stop.seconds_left()
+        # room for twice the last save (a save under load takes longer) and the watchdog's margin, twice
+        deadline = None if left is None else time.monotonic() + left - 2 * ((clock.save or 0.0) + ABANDON_SAFETY_S)
+        ready = pipeline.ready_count(placement.ready, deadline)
+    released = pipeline.collect_in_flight(lambda request: placement.collect(request)[1],
+                                          placement.gather([ready])[0])
+    if released and run.rank == 0:
+        logger.warning("stop: %d generation batch(es) in flight not finished in time for the save before the "
+                       "kill: saved as requests, generated again at resume from this checkpoint's weights", released)
 
 
 def _save(run: Run, dyn: DynamicSampler, pipeline: RolloutPipeline, gen: GenerationBatches, obs: Observer,

@@ -15,16 +15,21 @@ skipped prompts) as of the step that asked for it.
 
 A checkpoint holds nothing in flight: no batch is asked for past a step that saves (``targets``),
 so a kill resumes from a drained pipeline exactly as the uninterrupted run went on. A stop between
-two saves (a signal) waits for what is in flight (``collect_in_flight``) and keeps the rollouts in
-the trainer state (``to_json``), so the resumed run trains on the very batches the uninterrupted
-one would have. Nothing is asked for ahead when the job's end would stop the run after the next
-step (train.py), so a time-limit stop has nothing to wait for; a run that ends (its last step, or
-its generation budget spent) drops what is in flight (``drop``).
+two saves (a signal) waits for what is in flight (``ready_count``, ``collect_in_flight``) and keeps
+the rollouts in the trainer state (``to_json``), so the resumed run trains on the very batches the
+uninterrupted one would have, as long as the wait leaves time for the save before the kill. A batch
+the engines cannot finish by then (a 32B batch takes minutes; a grace is ~30 s) is released: saved
+as its prompts, seed and carried groups, and asked for again at resume, from the checkpoint's
+weights (``released``). Nothing is asked for ahead when the job's end would stop the run after the
+next step (train.py), so a time-limit stop has nothing to wait for; a run that ends (its last step,
+or its generation budget spent) drops what is in flight (``drop``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from megatron_dapo.rollout.engine import Rollout
@@ -42,15 +47,21 @@ class Ahead:
     rollouts: list[list[Rollout]] | None = None  # once collected at a stop (the leader's; [] elsewhere)
     carried: list[Carried] = field(default_factory=list)  # rollout.partial: groups it continues (the leader's)
 
+    @property
+    def in_flight(self) -> bool:
+        return self.rollouts is None and self.request is not None
+
     def to_json(self) -> dict:
-        rollouts = [[dataclasses.asdict(r) for r in group] for group in self.rollouts or []]
+        """``rollouts`` null: released at a stop, asked for again at resume."""
+        rollouts = None if self.rollouts is None else [[dataclasses.asdict(r) for r in g] for g in self.rollouts]
         return {"step": self.step, "indices": self.indices, "seed": self.seed, "rollouts": rollouts,
                 "carried": [c.to_json() for c in self.carried]}
 
     @classmethod
     def from_json(cls, data: dict) -> "Ahead":
+        saved = data["rollouts"]
         return cls(step=int(data["step"]), indices=list(data["indices"]), seed=int(data["seed"]),
-                   rollouts=[[Rollout(**r) for r in group] for group in data["rollouts"]],
+                   rollouts=None if saved is None else [[Rollout(**r) for r in group] for group in saved],
                    carried=[Carried.from_json(c) for c in data.get("carried", ())])
 
 
@@ -100,26 +111,52 @@ class RolloutPipeline:
             return self.ahead.pop(0)
         return None
 
-    def collect_in_flight(self, collect) -> None:
-        """Before a stop's save: the rollouts of every batch still in flight, from ``collect(request)``
-        (a placement's, in the order asked); batches restored from a checkpoint hold theirs already."""
+    def ready_count(self, ready: Callable[[int], bool], deadline: float | None, poll_s: float = 0.1) -> int:
+        """How many of the batches in flight, from the oldest (the engines answer in the order asked),
+        ``ready(request)`` says are done by ``deadline`` (time.monotonic(); None: waits for all)."""
+        count = 0
         for ahead in self.ahead:
-            if ahead.rollouts is None:
+            if not ahead.in_flight:
+                continue
+            while not ready(ahead.request):
+                if deadline is not None and time.monotonic() >= deadline:
+                    return count
+                time.sleep(poll_s)
+            count += 1
+        return count
+
+    def collect_in_flight(self, collect, count: int | None = None) -> int:
+        """Before a stop's save: the rollouts of the first ``count`` batches still in flight (None:
+        every one), from ``collect(request)`` (a placement's, in the order asked); the others are
+        released (asked for again at resume). Batches restored from a checkpoint hold theirs already.
+        Returns how many were released."""
+        released = 0
+        for ahead in [a for a in self.ahead if a.in_flight]:
+            if count is None or count > 0:
                 ahead.rollouts = collect(ahead.request)
+                count = None if count is None else count - 1
+            else:
+                ahead.request, released = None, released + 1
+        return released
+
+    def released(self) -> list[Ahead]:
+        """Batches released at a stop and restored: neither in flight nor collected."""
+        return [a for a in self.ahead if a.rollouts is None and a.request is None]
 
     def drop(self) -> None:
         """The run ends: what is in flight will never be trained on (the engines drop it at their stop)."""
         self.ahead.clear()
 
     def restore(self, saved: list[dict]) -> None:
-        """On resume: the batches a stop collected (``to_json``), in step order."""
+        """On resume: the batches a stop collected or released (``to_json``), in step order."""
         self.ahead = [Ahead.from_json(a) for a in saved]
         if self.ahead:
             self._last = self.ahead[-1].step
 
     def to_json(self) -> list[dict]:
-        """The batches in flight, collected (a stop's save); [] at a periodic save (none in flight)."""
-        missing = [a.step for a in self.ahead if a.rollouts is None]
+        """The batches in flight, collected or released (a stop's save); [] at a periodic save (none
+        in flight)."""
+        missing = [a.step for a in self.ahead if a.in_flight]
         if missing:
             raise RuntimeError(f"batches of steps {missing} are still in flight: collect them before saving")
         return [a.to_json() for a in self.ahead]

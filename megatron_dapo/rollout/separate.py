@@ -5,7 +5,8 @@ transfer group and never build megatron, the data or a reward pool. Trainer rank
 resolved config once the run is prepared (``start``, so the demo's files exist and every engine
 loads the same model); per generation batch a request (``generate``: each engine replica generates
 its contiguous share, seeded by the prompts' global positions as colocated replicas are) and, when
-it needs the results, ``collect`` (the replica leaders' results come back in replica order); per
+it needs the results, ``collect`` (the replica leaders' results come back in replica order; a stop
+asks ``ready`` first, without waiting); per
 weight sync the export's stream (``weights``, with its version); ``stop`` when the run ends.
 
 An engine rank does the work in a thread of its own, strictly in the order asked, while its main
@@ -98,6 +99,14 @@ class SeparatePlacement:
         self._idle += max(idle for _, idle in parts)
         groups = [group for part, _ in parts if part is not None for group in part]
         return range(len(groups)), groups
+
+    def ready(self, request: int) -> bool:
+        """Whether every engine rank has finished a submitted batch (the leader asks without waiting;
+        elsewhere False): a stop's wait for what is in flight (rollout/pipeline.py)."""
+        if not self.is_leader:
+            return False
+        broadcast_object(self.split, ("ready", request))
+        return all(allgather_objects(self.split, None)[1:])
 
     def generate(self, prompt_ids: Sequence[Sequence[int]], n: int,
                  params: SamplingParams) -> tuple[range, list[list[Rollout]]]:
@@ -219,6 +228,11 @@ class _Worker(threading.Thread):
                 self._done.wait()
             return self.results.pop(request)
 
+    def done(self, request: int) -> bool:
+        """Whether ``request``'s result is there (or the worker failed: the collect raises it)."""
+        with self._done:
+            return request in self.results or self.error is not None
+
     def raise_error(self) -> None:
         """The worker's failure, raised here (on the main thread) when there is one."""
         if self.error is not None:
@@ -267,6 +281,8 @@ def _answer(split: WorldSplit, worker: _Worker) -> None:
             worker.work.put(request)
         elif kind == "collect":
             allgather_objects(split, worker.result(request[1]))
+        elif kind == "ready":
+            allgather_objects(split, worker.done(request[1]))
         elif kind == "weights":
             held = _Held()
             receive_weights(split, held)

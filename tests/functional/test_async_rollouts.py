@@ -9,9 +9,12 @@ the next steps' first batches while the trainers train.
 - At staleness 2 a stop (SIGTERM to every rank, trainers and engines) with a batch in flight keeps
   it in the checkpoint, and a later kill of every process resumes from a drained checkpoint: the
   run dir ends with the uninterrupted run's records, value for value.
+- A stop whose batch in flight the engines cannot finish before the kill saves it as a request,
+  asked for again at resume.
 """
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -20,6 +23,7 @@ from tests.helpers.demo import copy_demo_base
 from tests.helpers.separate_runs import kill_all, records, reference_run, run, start_then, stop_every_rank, values
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+STALLING = "tests.helpers.stalling_engine"
 
 
 def test_staleness_1_learns_and_reports_the_lag_of_its_timeline(demo_base, tmp_path):
@@ -84,3 +88,41 @@ def test_carried_over_groups_that_fill_a_step_leave_nothing_in_flight(demo_base,
     assert [r["step"] for r in recs] == [1, 2, 3, 4]
     assert any(r["dynamic_sampling/num_gen_batches"] == 0 for r in recs[:3])  # steps full before they began
     assert (run_dir / "checkpoints" / "step_00000003").is_dir()
+
+
+STALL = ["rollout.engine=stalling_hf", "rollout.max_staleness=1", "algorithm.filter_groups.enable=false",
+         "train.total_steps=8", "checkpoint.save_every=3", "checkpoint.stop_grace_s=15", "eval.every=0",
+         "eval.before_train=false"]
+
+
+def test_a_stop_releases_a_batch_the_engines_cannot_finish_before_the_kill(demo_base, tmp_path):
+    """Step 6's batch, asked for in step 5, stalls on the engines (tests/helpers/stalling_engine.py)
+    while SIGTERM, sent in step 5, stops the run after it with a 15-s grace: the stop polls the
+    engines until waiting longer would leave the save too little time, then saves the batch as a
+    request (prompts, seed), and the trainers exit 0 before the kill. The resumed run asks for it
+    again: step 6 trains on it from the checkpoint's weights (lag 0 where the uninterrupted run's is
+    1), and the run ends with every step's record once."""
+    run_dir = copy_demo_base(demo_base, tmp_path / "run")
+    marker = tmp_path / "stall"
+    latest = run_dir / "checkpoints" / "latest"
+
+    def stall_then_stop(agent) -> None:
+        marker.touch()  # step 5's batch has started on the engines; step 6's will stall
+        stop_every_rank(agent)
+        deadline = time.time() + 300
+        while not (latest.is_file() and latest.read_text().strip() == "step_00000005"):
+            assert agent.poll() is None and time.time() < deadline, "the trainers did not save step 5"
+            time.sleep(0.05)
+        marker.unlink()  # the engines finish the stalled batch nobody will collect, then stop
+
+    status, log = start_then(run_dir, STALL, 4, stall_then_stop, module=STALLING, env={"STALL_FILE": str(marker)})
+    assert status == 0, log[-5000:]
+    assert "stopped by SIGTERM after step 5 of 8" in log, log[-3000:]
+    assert "1 generation batch(es) in flight not finished in time" in log and "abandoning" not in log
+    state = json.loads((run_dir / "checkpoints" / "step_00000005" / "trainer_state.json").read_text())
+    assert [(a["step"], a["rollouts"]) for a in state["ahead"]] == [(5, None)]
+    assert records(run_dir)[-1]["rollout/version_lag_max"] == 1  # step 5's batch came from step 4's weights
+    run(run_dir, *STALL, module=STALLING)
+    recs = records(run_dir)
+    assert [r["step"] for r in recs] == list(range(1, 9))
+    assert recs[5]["rollout/version_lag_max"] == 0  # asked for again at resume, from step 5's weights

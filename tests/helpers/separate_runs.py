@@ -22,15 +22,17 @@ SEPARATE = ["rollout.placement=separate", "rollout.num_ranks=2", "train.old_log_
 ENV = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
 
 
-def command(run_dir: Path, *overrides: str) -> list[str]:
+def command(run_dir: Path, *overrides: str, module: str = "megatron_dapo.cli") -> list[str]:
+    """``module``: the CLI, or a test's module that registers its pieces and runs it."""
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4", "-m",
-            "megatron_dapo.cli", "train", "--config", str(ROOT / "conf" / "cpu_tiny.yaml"), f"logging.dir={run_dir}",
+            module, "train", "--config", str(ROOT / "conf" / "cpu_tiny.yaml"), f"logging.dir={run_dir}",
             *SEPARATE, *overrides]
 
 
-def run(run_dir: Path, *overrides: str) -> str:
+def run(run_dir: Path, *overrides: str, module: str = "megatron_dapo.cli") -> str:
     """A whole run (exit 0 asserted); its output."""
-    out = subprocess.run(command(run_dir, *overrides), cwd=ROOT, capture_output=True, text=True, timeout=900, env=ENV)
+    out = subprocess.run(command(run_dir, *overrides, module=module), cwd=ROOT, capture_output=True, text=True,
+                         timeout=900, env=ENV)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-5000:]
     return out.stdout + out.stderr
 
@@ -53,15 +55,16 @@ def values(recs: list[dict]) -> dict[int, dict]:
             for r in recs}
 
 
-def start_then(run_dir: Path, overrides: list[str], after_step: int, act) -> tuple[int, str]:
+def start_then(run_dir: Path, overrides: list[str], after_step: int, act, *, module: str = "megatron_dapo.cli",
+               env: dict | None = None) -> tuple[int, str]:
     """Starts the run in a session of its own, waits for this launch's record of ``after_step`` (a
     killed launch's later records stay until the next one resumes), then ``act(launcher)``; (the
     launcher's exit status, its output)."""
     log = run_dir.parent / f"{run_dir.name}.out"
     with open(log, "w") as out:
         launched = time.time()
-        agent = subprocess.Popen(command(run_dir, *overrides), cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
-                                 env=ENV, start_new_session=True)
+        agent = subprocess.Popen(command(run_dir, *overrides, module=module), cwd=ROOT, stdout=out,
+                                 stderr=subprocess.STDOUT, env={**ENV, **(env or {})}, start_new_session=True)
         deadline = launched + 600
         while not any(r["step"] >= after_step and r["time"] >= launched for r in records(run_dir)):
             assert agent.poll() is None and time.time() < deadline, log.read_text()

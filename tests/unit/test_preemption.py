@@ -145,3 +145,23 @@ def test_an_error_after_a_stop_signal_ends_the_rank_like_its_peer(armed, sent, r
         assert "SIGTERM, then RuntimeError in the step in flight (Connection closed by peer): abandoning" in done.stderr
     else:
         assert "Traceback" in done.stderr  # without a stop request an error stays an error
+
+
+def test_seconds_left_to_the_kill_are_counted_as_the_watchdog_counts_them():
+    """What a stop may spend waiting for the batches in flight (train._collect_at_stop)."""
+    from megatron_dapo.preemption import TIME_LIMIT, StopRequest, Watch
+
+    def stopped(signum, *, since: float, end_time: float | None) -> StopRequest:
+        stop = StopRequest()  # not installed: no handlers, the request set as the handler sets it
+        stop.watch(Watch(seconds_to_finish=lambda: 0.0, last_checkpoint=lambda: "none yet", on_abandon=print,
+                         grace_s=25.0, end_time=end_time))
+        stop.signum, stop.received_at = int(signum), time.monotonic() - since
+        return stop
+
+    end = time.time() + 100
+    assert stopped(signal.SIGTERM, since=3, end_time=end).seconds_left() == pytest.approx(22, abs=0.5)
+    assert stopped(signal.SIGINT, since=30, end_time=None).seconds_left() == pytest.approx(-5, abs=0.5)
+    assert stopped(signal.SIGUSR1, since=3, end_time=end).seconds_left() == pytest.approx(100, abs=0.5)
+    assert stopped(TIME_LIMIT, since=0, end_time=end).seconds_left() == pytest.approx(100, abs=0.5)
+    assert stopped(signal.SIGUSR1, since=3, end_time=None).seconds_left() is None  # no end: no kill foreseen
+    assert StopRequest().seconds_left() is None

@@ -4,6 +4,7 @@ up to max_staleness steps ahead, never past a step that saves nor past the last 
 keeps of them; the lag metric; the settings around it."""
 
 import dataclasses
+import time
 
 import pytest
 
@@ -11,6 +12,7 @@ from megatron_dapo.config import DAPOConfig, RolloutConfig
 from megatron_dapo.errors import ConfigError
 from megatron_dapo.groups import Group, version_lag
 from megatron_dapo.rollout.engine import Rollout
+from megatron_dapo.rollout.partial import Carried
 from megatron_dapo.rollout.pipeline import Ahead, RolloutPipeline
 from megatron_dapo.run import ASYNC_TIS_CAP, with_async_defaults
 from megatron_dapo.trainer_state import TrainerState
@@ -149,3 +151,43 @@ def test_nothing_is_asked_ahead_when_the_jobs_end_stops_the_run_after_the_next_s
     assert _job_ends_after_next(cfg, clock, now + 25 + margin - 5, step=0, evaluates=False)
     assert _job_ends_after_next(cfg, clock, now + 25 + margin + 5, step=0, evaluates=True)  # + this step's eval
     assert not _job_ends_after_next(cfg, clock, None, step=0, evaluates=False)
+
+
+def test_a_stop_releases_what_the_engines_cannot_finish_before_the_kill_and_a_resume_asks_again():
+    """k=2, steps 2 and 3 in flight at a stop. The engines finish step 2's batch after a few polls;
+    step 3's is not done by the deadline: released (saved without rollouts, no request), restored
+    as such, and asked for again: its prompts, seed and carried groups unchanged."""
+    pipe = RolloutPipeline(2, 8, 0)
+    pipe.add(Ahead(2, [4, 5], seed=21, request=7))
+    carried = Carried(9, [Rollout(prompt_ids=[1], response_ids=[2, 3], weight_version=1)])
+    pipe.add(Ahead(3, [6], seed=31, request=8, carried=[carried]))
+    polls = []
+
+    def ready(request):  # step 2's batch is done at the third poll, step 3's never
+        polls.append(request)
+        return request == 7 and polls.count(7) >= 3
+
+    deadline = time.monotonic() + 0.5
+    assert pipe.ready_count(ready, deadline, poll_s=0.01) == 1
+    assert time.monotonic() >= deadline and polls[:3] == [7, 7, 7] and set(polls[3:]) == {8}
+    got = Rollout(prompt_ids=[1], response_ids=[4], weight_version=1)
+    assert pipe.collect_in_flight(lambda request: [[got]] if request == 7 else pytest.fail("collected 8"),
+                                  count=1) == 1
+    assert [a.rollouts for a in pipe.ahead] == [[[got]], None] and pipe.released() == [pipe.ahead[1]]
+    saved = TrainerState.from_json(TrainerState(step=1, sampler={}, ahead=tuple(pipe.to_json())).to_json(), "x")
+    assert [a["rollouts"] is None for a in saved.ahead] == [False, True]
+    again = RolloutPipeline(2, 8, 0)
+    again.restore(list(saved.ahead))
+    assert again.take(2).rollouts == [[got]]
+    (released,) = again.released()
+    assert (released.indices, released.seed, released.carried, released.request) == ([6], 31, [carried], None)
+    released.request = 12  # asked for again (train.py): in flight like any other, collected at the next stop
+    assert not again.released() and again.ready_count(lambda request: True, None) == 1
+
+
+def test_a_stop_without_a_deadline_waits_for_every_batch():
+    pipe = RolloutPipeline(1, 8, 0)
+    pipe.add(Ahead(2, [4], seed=2, request=3))
+    answers = iter([False, False, True])
+    assert pipe.ready_count(lambda request: next(answers), None, poll_s=0.0) == 1
+    assert pipe.collect_in_flight(lambda request: [[]]) == 0 and pipe.to_json()[0]["rollouts"] == [[]]
