@@ -130,14 +130,13 @@ class RolloutPipeline:
         every one), from ``collect(request)`` (a placement's, in the order asked); the others are
         released (asked for again at resume). Batches restored from a checkpoint hold theirs already.
         Returns how many were released."""
-        released = 0
-        for ahead in [a for a in self.ahead if a.in_flight]:
-            if count is None or count > 0:
-                ahead.rollouts = collect(ahead.request)
-                count = None if count is None else count - 1
-            else:
-                ahead.request, released = None, released + 1
-        return released
+        in_flight = [a for a in self.ahead if a.in_flight]
+        kept = len(in_flight) if count is None else count
+        for ahead in in_flight[:kept]:
+            ahead.rollouts = collect(ahead.request)
+        for ahead in in_flight[kept:]:
+            ahead.request = None
+        return len(in_flight[kept:])
 
     def released(self) -> list[Ahead]:
         """Batches released at a stop and restored: neither in flight nor collected."""
