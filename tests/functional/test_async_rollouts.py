@@ -56,6 +56,7 @@ def test_staleness_2_lags_as_its_timeline(reference):
     assert [r["rollout/version_lag_max"] for r in records(reference)] == [0, 1, 2, 0, 1, 2]
 
 
+@pytest.mark.alone
 def test_a_stop_then_a_kill_resume_to_the_same_records(reference, tmp_path):
     """SIGTERM to every rank after step 1 stops the run after step 2 with step 3's batch in flight,
     kept in the checkpoint; the rerun takes it, saves at step 3 and is killed (every process) after
@@ -95,6 +96,7 @@ STALL = ["rollout.engine=stalling_hf", "rollout.max_staleness=1", "algorithm.fil
          "eval.before_train=false"]
 
 
+@pytest.mark.alone
 def test_a_stop_releases_a_batch_the_engines_cannot_finish_before_the_kill(demo_base, tmp_path):
     """Step 6's batch, asked for in step 5, stalls on the engines (tests/helpers/stalling_engine.py)
     while SIGTERM, sent in step 5, stops the run after it with a 15-s grace: the stop polls the
