@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from tests.helpers.demo import make_demo_base
-from tests.helpers.workers import ALONE, flocked, shared_dir, worker_slot
 
 # The slow marker's threshold (pyproject.toml): a test outside the slow tier that takes longer is
 # named in the summary, so that the fast tier does not grow unnoticed.
@@ -30,24 +29,13 @@ def pytest_configure(config):
     apply_cpu_compat()  # megatron-core on a machine without CUDA; a no-op with CUDA (docs/cpu_compat.md)
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the xdist_group marks
 def pytest_collection_modifyitems(config, items):
-    for item in items:
-        if "slurm" in item.keywords:  # one cluster at a time: every SLURM test in one xdist worker
-            item.add_marker(pytest.mark.xdist_group("slurm"))
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs CUDA (GPU-marked test)")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_protocol(item, nextitem):
-    # under xdist, an `alone` test has the machine to itself (tests/helpers/workers.py)
-    with worker_slot(alone=ALONE in item.keywords):
-        yield
 
 
 _durations: dict[str, float] = {}
@@ -115,14 +103,6 @@ def world_of_one(world_of_one_env):
 @pytest.fixture(scope="session")
 def demo_base(tmp_path_factory) -> Path:
     """A run dir holding conf/cpu_tiny.yaml's toy task, warmed-up base and completion marker, made
-    once per session (under xdist, once for all workers); tests.helpers.demo.copy_demo_base copies
-    it into a test's run dir, where a run with the default toy settings skips the warm-up (any other
-    toy.* / seed is refused there)."""
-    root = shared_dir(tmp_path_factory.getbasetemp())
-    base, done = root / "demo_base", root / "demo_base.done"
-    with flocked(root / "demo_base.lock", exclusive=True):
-        if not done.exists():
-            base.mkdir(exist_ok=True)
-            make_demo_base(base)
-            done.touch()
-    return base
+    once per session; tests.helpers.demo.copy_demo_base copies it into a test's run dir, where a run
+    with the default toy settings skips the warm-up (any other toy.* / seed is refused there)."""
+    return make_demo_base(tmp_path_factory.mktemp("demo_base"))

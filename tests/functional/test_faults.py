@@ -22,7 +22,7 @@ import pytest
 from tests.helpers.demo import copy_demo_base
 
 ROOT = Path(__file__).resolve().parents[2]
-pytestmark = [pytest.mark.slow, pytest.mark.alone]  # signals, graces, the job's end: real-time windows
+pytestmark = pytest.mark.slow
 STEPS = 10
 ARGS = [f"train.total_steps={STEPS}", "checkpoint.save_every=2", "eval.every=5", "logging.tensorboard=false"]
 ENV = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "MASTER_ADDR")}

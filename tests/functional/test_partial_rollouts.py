@@ -74,7 +74,6 @@ def reference(demo_base, tmp_path_factory) -> Path:
     return reference_run(demo_base, tmp_path_factory, "partial_reference", *STALE1)
 
 
-@pytest.mark.alone
 def test_a_kill_then_a_stop_resume_partial_rollouts_to_the_same_records(reference, tmp_path):
     """A kill of every process after step 6 resumes from step 4's checkpoint, which holds groups
     still growing; SIGTERM to every rank after step 5 then stops the run after step 6 (or 7) with

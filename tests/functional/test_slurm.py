@@ -28,7 +28,7 @@ from tests.helpers.slurm_cluster import SlurmCluster, slurm_available
 ROOT = Path(__file__).resolve().parents[2]
 REASON = slurm_available()
 # each test: one-minute jobs run 1-3 times with requeue holds (the first also makes the reference)
-pytestmark = [pytest.mark.slow, pytest.mark.distributed, pytest.mark.slurm, pytest.mark.alone, pytest.mark.timeout(1200),
+pytestmark = [pytest.mark.slow, pytest.mark.distributed, pytest.mark.slurm, pytest.mark.timeout(1200),
               pytest.mark.skipif(REASON is not None, reason=REASON or "")]
 STEPS = 300  # more than a one-minute job holds: quiet, ~9 s of start-up, then ~0.16 s a step
 # Dynamic sampling off: with it, a toy task the run has nearly solved makes a step draw ever more

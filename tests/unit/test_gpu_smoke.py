@@ -96,7 +96,6 @@ def test_exit_status_maps_to_pass_fail_skip(tmp_path):
     assert out.returncode == 1 and lines(out)["versions"].endswith("exit 1: broken: the ABI"), out.stdout
 
 
-@pytest.mark.alone
 @pytest.mark.slow
 def test_an_overrunning_step_is_killed_with_its_children_and_the_run_goes_on(tmp_path):
     pidfile = tmp_path / "grandchild.pid"
@@ -116,7 +115,6 @@ def test_an_overrunning_step_is_killed_with_its_children_and_the_run_goes_on(tmp
         "the step's child process outlived its time box"
 
 
-@pytest.mark.alone
 @pytest.mark.slow
 def test_the_budget_cuts_the_boxes(tmp_path):
     checks = fake_checks(tmp_path, "time.sleep(60)\n")

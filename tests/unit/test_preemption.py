@@ -101,7 +101,6 @@ def _watched(tmp_path, estimate: float, grace: float, step_s: float):
     return done, time.monotonic() - start, out.read_text() if out.exists() else None
 
 
-@pytest.mark.alone
 def test_a_step_that_cannot_finish_within_the_grace_is_abandoned_at_once(tmp_path):
     done, seconds, line = _watched(tmp_path, estimate=100.0, grace=25.0, step_s=30.0)
     assert done.returncode == 0 and "step finished" not in done.stdout
@@ -111,7 +110,6 @@ def test_a_step_that_cannot_finish_within_the_grace_is_abandoned_at_once(tmp_pat
     assert line in done.stderr
 
 
-@pytest.mark.alone
 def test_a_step_that_fits_finishes_and_one_that_overruns_is_abandoned_before_the_kill(tmp_path):
     done, _, line = _watched(tmp_path, estimate=1.0, grace=6.0, step_s=1.0)
     assert done.returncode == 0 and "step finished" in done.stdout and line is None

@@ -21,7 +21,7 @@ README = ROOT / "README.md"
 
 QUICK_START = (
     "./install.sh && .venv/bin/megatron-dapo train --config conf/cpu_tiny.yaml",
-    "./install.sh test && .venv/bin/python -m pytest -q -n 2",
+    "./install.sh test && .venv/bin/python -m pytest -q",
 )
 FAST_TIER = '.venv/bin/python -m pytest -q -m "not slow"'
 MAX_LINES = 300

@@ -20,7 +20,6 @@ def test_parse_scontrol_line_keeps_values_with_equals_and_spaces():
                    "CPUs/Task": "1"}
 
 
-@pytest.mark.slurm
 @pytest.mark.skipif(REASON is not None, reason=REASON or "")
 def test_two_node_job_runs_on_both_nodes_and_exit_codes_propagate(tmp_path):
     cluster = SlurmCluster(tmp_path / "slurm")
