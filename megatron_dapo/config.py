@@ -31,8 +31,7 @@ def _fail(msg: str) -> None:
 
 
 def _require(section: str, obj: Any, **rules: tuple[Callable[[Any], bool], str]) -> None:
-    """Each named field against its rule: the first one broken fails naming ``section.field``, the
-    rule and the value (``rules``: field -> (predicate, the rule in words))."""
+    """Each field in ``rules`` (name -> (predicate, the rule in words)): the first broken fails naming it."""
     for name, (ok, rule) in rules.items():
         value = getattr(obj, name)
         if not ok(value):
@@ -156,6 +155,8 @@ class RolloutConfig:
                               "still running continues from its prefix in the next batch, from the weights then")
     partial_tokens: int = _f(0, "with partial: the tokens a response may grow by in one generation batch, a divisor "
                                 "of max_response_length; 0 = max_response_length / 4")
+    partial_unfinished: Literal["carry", "abort"] = _f(
+        "carry", "with partial: groups still growing when a step is full: carried on, or aborted (dropped)")
 
     def __post_init__(self):
         if self.sleep_level not in (1, 2):
@@ -480,8 +481,7 @@ class DAPOConfig:
 
     @property
     def surplus(self) -> str:
-        """Kept groups beyond a step's batch: algorithm.filter_groups.surplus, always "carry" with partial
-        rollouts, where they are the short groups (docs/DESIGN.md, docs/async_rollouts.md measured it)."""
+        """algorithm.filter_groups.surplus, always "carry" with partial rollouts (docs/async_rollouts.md: why)."""
         return "carry" if self.rollout.partial else self.algorithm.filter_groups.surplus
 
     @property

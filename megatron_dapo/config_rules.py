@@ -74,6 +74,9 @@ def validate_cross_section(cfg: Any) -> None:
         # every piece but the last is then exactly that long, and a response's pieces end at its limit
         _fail(f"rollout.partial_tokens={r.partial_tokens or 'max_response_length / 4'} does not divide "
               f"rollout.max_response_length={r.max_response_length}; choose a divisor")
+    if r.partial_unfinished != "carry" and not r.partial:
+        _fail(f"rollout.partial_unfinished={r.partial_unfinished} needs rollout.partial=true (without it no group is "
+              "still growing when a step is full); set rollout.partial=true or drop the setting")
     if r.partial and t.old_log_probs == "rollout":
         _fail("rollout.partial=true with train.old_log_probs=rollout: a continued response's first pieces come from "
               "older weights, not this step's pi_old; set train.old_log_probs=trainer")

@@ -87,6 +87,13 @@ class GenerationBatches:
                                 keep=keep, rows=rows, fetch=fetch, carry_all=carry_all)
         return batch, indices
 
+    def abort_carry(self) -> int:
+        """Drops the carry (rollout.partial_unfinished=abort, at a full step) and returns the response
+        tokens its groups held: the leader's count (elsewhere the groups hold no rollouts)."""
+        tokens = sum(len(r.response_ids) for c in self.carry for r in c.rollouts)
+        self.carry = []
+        return tokens
+
     def carry_json(self) -> list[dict]:
         """The carry, for the trainer state (the leader's; elsewhere the groups without rollouts)."""
         return [c.to_json() for c in self.carry]

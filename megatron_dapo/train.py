@@ -190,6 +190,8 @@ def _loop(run: Run, stop: StopRequest, dyn: DynamicSampler, pipeline: RolloutPip
                 dyn.add(batch.groups, batch.acc)
             groups, ds_metrics = dyn.pop()
             if cfg.rollout.partial:  # the carry before a batch asked for ahead takes it
+                if cfg.rollout.partial_unfinished == "abort":  # the groups still growing are dropped
+                    ds_metrics["rollout/aborted_tokens"] = float(gen.abort_carry())
                 ds_metrics.update(partial_metrics(groups, gen.carry, step))
         metrics.update(_device_used("generating"))
         placement.sleep()  # the engine's memory goes to the trainer until the next sync

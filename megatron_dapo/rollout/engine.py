@@ -116,6 +116,10 @@ class Rollout:
             raise ValueError(f"finish_reason must be 'stop' or 'length', got {self.finish_reason!r}")
 
 
+class GenerationAborted(RuntimeError):
+    """Raised by a ``generate`` that ``abort`` ended: it has no outputs."""
+
+
 @runtime_checkable
 class RolloutEngine(Protocol):
     """What train.py and eval call; both engines implement it. Each class also has
@@ -157,6 +161,13 @@ class RolloutEngine(Protocol):
     def shutdown(self) -> None:
         """The end of the run (Run.close): release the engine while the process group it may use
         still exists."""
+        ...
+
+    def abort(self) -> None:
+        """Called from another thread than the one generating, when nobody will collect what it
+        generates (an engine rank's stop, rollout/separate.py): a ``generate`` running now ends
+        soon, raising GenerationAborted, and every later one at once. An engine that cannot stop a
+        batch it has begun ignores it (its ``aborts`` class attribute is False): the batch finishes."""
         ...
 
 

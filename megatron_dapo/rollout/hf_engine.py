@@ -27,12 +27,14 @@ checking the vLLM engine.
 from __future__ import annotations
 
 import inspect
+import threading
 from collections.abc import Iterable, Sequence
 
 import torch
 from transformers import DynamicCache
 
 from megatron_dapo.rollout.engine import (
+    GenerationAborted,
     Rollout,
     SamplingParams,
     check_prompts,
@@ -56,6 +58,7 @@ class HFEngine:
 
     reads_hf_weights = True  # from_config loads model.hf_path; the first sync replaces them
     continues_prefixes = True  # token ids in, token ids out: prompt + a response's prefix continues it
+    aborts = True  # its decode loop checks for abort() at every token
 
     def __init__(self, model: torch.nn.Module, *, eos_token_ids: Sequence[int] | None = None,
                  pad_token_id: int | None = None, max_batch_size: int = 256):
@@ -70,6 +73,7 @@ class HFEngine:
         # transformers 5.x renamed forward's past_key_values to cache (the old name warns).
         params = inspect.signature(model.forward).parameters
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
+        self._aborted = threading.Event()
 
     @classmethod
     def from_pretrained(cls, path: str, *, dtype: torch.dtype = torch.float32, **kwargs) -> HFEngine:
@@ -140,6 +144,8 @@ class HFEngine:
         logits_BV = self._forward(ids_BL, mask_BL, pos_BL, cache)
         race = _RaceBlocks(generators, params.max_tokens, logits_BV.shape[-1])
         for step in range(params.max_tokens):
+            if self._aborted.is_set():
+                raise GenerationAborted("the HF engine was aborted while generating")
             live = [not finished[r] for r in rows]
             race_BV = race.at(step, live) if params.temperature else None  # greedy draws nothing
             tokens_B, logp_B = sample_next(logits_BV, params, race.generators, race_BV=race_BV)
@@ -213,6 +219,11 @@ class HFEngine:
 
     def shutdown(self) -> None:
         """No-op: nothing outlives the model, which is garbage like any other object."""
+
+    def abort(self) -> None:
+        """The running generate raises GenerationAborted at its next token, and every later one at
+        its first (RolloutEngine.abort)."""
+        self._aborted.set()
 
 
 def sample_next(logits_BV: torch.Tensor, params: SamplingParams, generators: Sequence[torch.Generator], *,

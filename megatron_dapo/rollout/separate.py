@@ -37,7 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_dapo.rollout.engine import Rollout, SamplingParams
+from megatron_dapo.rollout.engine import GenerationAborted, Rollout, SamplingParams
 from megatron_dapo.rollout.placement import gather_all, replica_layout, shard_range, stamp
 from megatron_dapo.rollout.weight_sync import finish_update
 from megatron_dapo.rollout.worlds import (
@@ -171,6 +171,8 @@ class _Worker(threading.Thread):
         self.results: dict[int, tuple[list | None, float]] = {}
         self.error: BaseException | None = None
         self.served = 0
+        self.engine = None  # once built; the main thread aborts it at the stop
+        self.generating = False
         self._done = threading.Condition()
 
     def run(self) -> None:
@@ -184,10 +186,19 @@ class _Worker(threading.Thread):
                 kind = item[0]
                 if kind == "start":
                     engine, leader, replica, num_replicas = self._build(item[1])
+                    self.engine = engine
                 elif kind == "generate":
                     request, prompt_ids, n, params = item[1:]
                     share = shard_range(len(prompt_ids), replica, num_replicas)
-                    out = engine.generate([prompt_ids[i] for i in share], n, params, prompt_indices=list(share))
+                    self.generating = True
+                    try:
+                        out = engine.generate([prompt_ids[i] for i in share], n, params, prompt_indices=list(share))
+                    except GenerationAborted:
+                        logger.info("engine rank %d: the generation batch in flight aborted at the stop",
+                                    self.split.side_rank)
+                        continue  # nobody collects it; the next item is the stop
+                    finally:
+                        self.generating = False
                     with self._done:
                         self.results[request] = (stamp(out, version) if leader else None, idle)
                         self._done.notify_all()
@@ -250,6 +261,17 @@ class _Worker(threading.Thread):
                 dropped += 1
             # a weight load goes too: the engine stops, no later batch needs it
 
+    def abort(self) -> None:
+        """Ends the batch the engine is generating, if the engine can (its ``aborts``): at the
+        stop nobody collects it, and its rank would otherwise finish it before exiting (minutes at
+        scale, past a preempted job's kill)."""
+        engine = self.engine
+        if engine is not None and engine.aborts:
+            engine.abort()
+        elif engine is not None and self.generating:
+            logger.warning("engine rank %d: its engine cannot abort the generation batch in flight; the rank "
+                           "exits once it is done", self.split.side_rank)
+
 
 def serve(split: WorldSplit) -> int:
     """An engine rank's whole run: build the engine at ``start``, answer until ``stop``; returns
@@ -265,6 +287,7 @@ def serve(split: WorldSplit) -> int:
             _answer(split, worker)
     finally:  # the worker ends with the loop, however it ends, without the work nobody will collect
         worker.drop_pending()
+        worker.abort()
         worker.work.put(("stop",))
         worker.join(timeout=600)
     worker.raise_error()

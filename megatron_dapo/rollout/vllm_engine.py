@@ -193,6 +193,7 @@ class VLLMEngine:
 
     reads_hf_weights = False  # a run's engine starts with dummy weights (load_format="dummy")
     continues_prefixes = True  # token ids in, token ids out: prompt + a response's prefix continues it
+    aborts = False  # abort() is ignored: see there
 
     def __init__(self, model_path: str, *, mode: Literal["colocated", "standalone"] = "colocated",
                  tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.7,
@@ -407,6 +408,11 @@ class VLLMEngine:
         if self._asleep:
             self.llm.wake_up(tags=None if len(self._asleep) == 2 else sorted(self._asleep))
             self._asleep = set()
+
+    def abort(self) -> None:
+        """Ignored (``aborts`` is False): the offline LLM's generate steps its engine on the calling
+        thread, and aborting its requests from another thread would race that loop; a batch begun
+        finishes."""
 
     def shutdown(self) -> None:
         """Stop the engine and, in process, tear down vLLM's parallel groups (and the one-process

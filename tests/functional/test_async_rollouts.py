@@ -56,7 +56,6 @@ def test_staleness_2_lags_as_its_timeline(reference):
     assert [r["rollout/version_lag_max"] for r in records(reference)] == [0, 1, 2, 0, 1, 2]
 
 
-@pytest.mark.alone
 def test_a_stop_then_a_kill_resume_to_the_same_records(reference, tmp_path):
     """SIGTERM to every rank after step 1 stops the run after step 2 with step 3's batch in flight,
     kept in the checkpoint; the rerun takes it, saves at step 3 and is killed (every process) after
@@ -96,14 +95,14 @@ STALL = ["rollout.engine=stalling_hf", "rollout.max_staleness=1", "algorithm.fil
          "eval.before_train=false"]
 
 
-@pytest.mark.alone
 def test_a_stop_releases_a_batch_the_engines_cannot_finish_before_the_kill(demo_base, tmp_path):
     """Step 6's batch, asked for in step 5, stalls on the engines (tests/helpers/stalling_engine.py)
     while SIGTERM, sent in step 5, stops the run after it with a 15-s grace: the stop polls the
     engines until waiting longer would leave the save too little time, then saves the batch as a
-    request (prompts, seed), and the trainers exit 0 before the kill. The resumed run asks for it
-    again: step 6 trains on it from the checkpoint's weights (lag 0 where the uninterrupted run's is
-    1), and the run ends with every step's record once."""
+    request (prompts, seed), and the trainers exit 0 before the kill; the engines abort the batch
+    (still stalled: the marker stays) and exit too. The resumed run asks for it again: step 6 trains
+    on it from the checkpoint's weights (lag 0 where the uninterrupted run's is 1), and the run ends
+    with every step's record once."""
     run_dir = copy_demo_base(demo_base, tmp_path / "run")
     marker = tmp_path / "stall"
     latest = run_dir / "checkpoints" / "latest"
@@ -115,12 +114,13 @@ def test_a_stop_releases_a_batch_the_engines_cannot_finish_before_the_kill(demo_
         while not (latest.is_file() and latest.read_text().strip() == "step_00000005"):
             assert agent.poll() is None and time.time() < deadline, "the trainers did not save step 5"
             time.sleep(0.05)
-        marker.unlink()  # the engines finish the stalled batch nobody will collect, then stop
 
     status, log = start_then(run_dir, STALL, 4, stall_then_stop, module=STALLING, env={"STALL_FILE": str(marker)})
     assert status == 0, log[-5000:]
     assert "stopped by SIGTERM after step 5 of 8" in log, log[-3000:]
     assert "1 generation batch(es) in flight not finished in time" in log and "abandoning" not in log
+    assert marker.exists() and "the generation batch in flight aborted at the stop" in log, log[-3000:]
+    marker.unlink()
     state = json.loads((run_dir / "checkpoints" / "step_00000005" / "trainer_state.json").read_text())
     assert [(a["step"], a["rollouts"]) for a in state["ahead"]] == [(5, None)]
     assert records(run_dir)[-1]["rollout/version_lag_max"] == 1  # step 5's batch came from step 4's weights

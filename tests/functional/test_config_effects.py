@@ -149,6 +149,11 @@ CASES: dict[str, Case] = {
                          {"train.old_log_probs": "trainer"}),
     "rollout.partial_tokens": C("8", metric("rollout/partial_responses"),
                                 {"train.old_log_probs": "trainer", "rollout.partial": "true"}),
+    "rollout.partial_unfinished": C("abort", lambda a, b: max(r.get("rollout/aborted_tokens", 0) for r in a.records) > 0
+                                    and max(r["rollout/carried_groups"] for r in a.records) == 0
+                                    and max(r["rollout/carried_groups"] for r in b.records) > 0,
+                                    FILTER | {"train.old_log_probs": "trainer", "rollout.partial": "true", "data.gen_prompts_per_batch": "16",
+                                              "rollout.partial_tokens": "4"}),
     "rollout.check_logprob_mismatch": C("false", lambda a, b: "rollout/logprob_mismatch" in b.last.keys() - a.last.keys()),
     "algorithm.adv_estimator": C("grpo_mean_only", metric("actor/pg_loss")),
     "algorithm.adv_eps": C("0.5", metric("actor/pg_loss")),

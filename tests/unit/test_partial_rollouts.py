@@ -115,6 +115,8 @@ def test_settings_and_refusals():
         DAPOConfig(rollout=RolloutConfig(max_response_length=20482, partial=True), train=trainer)
     with pytest.raises(ConfigError, match="set rollout.partial=true"):
         DAPOConfig(rollout=RolloutConfig(partial_tokens=8))
+    with pytest.raises(ConfigError, match="rollout.partial_unfinished=abort needs rollout.partial=true"):
+        DAPOConfig(rollout=RolloutConfig(partial_unfinished="abort"))
     with pytest.raises(ConfigError, match="rollout.partial=true with train.old_log_probs=rollout"):
         DAPOConfig(rollout=RolloutConfig(partial=True), train=TrainConfig(old_log_probs="rollout"))
     cfg = DAPOConfig(rollout=RolloutConfig(engine="hf", partial=True), train=TrainConfig(old_log_probs="trainer"))
@@ -141,3 +143,14 @@ def test_the_carry_and_a_batchs_carried_groups_round_trip_through_the_trainer_st
     assert Carried.from_json(back.carried[0]) == group
     assert Ahead.from_json(back.ahead[0]) == ahead
     assert TrainerState.from_json({k: v for k, v in state.to_json().items() if k != "carried"}, "x").carried == ()
+
+
+def test_aborting_the_carry_drops_its_groups_and_counts_their_tokens():
+    """rollout.partial_unfinished=abort: at a full step the groups still growing go, and the
+    tokens generated for them (finished responses of those groups included) are the waste metric."""
+    from megatron_dapo.gen_batches import GenerationBatches
+
+    gen = GenerationBatches.__new__(GenerationBatches)  # the carry alone: no run is needed
+    gen.carry = [Carried(4, [_r([1], [2, 3, 4, 5]), _r([1], [6, 7], "stop")]), Carried(9, [_r([1, 2], [8])])]
+    assert gen.abort_carry() == 7 and gen.carry == [] and gen.carry_json() == []
+    assert gen.abort_carry() == 0

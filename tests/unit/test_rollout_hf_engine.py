@@ -1,5 +1,8 @@
 """HF-transformers rollout engine: seeding, left padding, log-prob contract, stops, weight updates."""
 
+import threading
+import time
+
 import pytest
 import torch
 
@@ -294,3 +297,33 @@ def test_sampling_params_from_configs():
     ev = eval_sampling_params(EvalConfig(), max_tokens=20480, stop_token_ids=[9])
     assert (ev.temperature, ev.top_p, ev.top_k, ev.max_tokens) == (1.0, 0.7, -1, 20480)
     assert ev.stop_token_ids == (9,) and not ev.logprobs
+
+
+def test_abort_ends_the_running_generate_at_its_next_token_and_every_later_one():
+    """abort() from another thread (rollout/separate.py's stop): the generate running raises
+    GenerationAborted at its next decode step instead of finishing its tokens, and so does every
+    later call. The abort is sent from a forward, i.e. while the batch is being decoded."""
+    from megatron_dapo.rollout.engine import GenerationAborted
+
+    eng = HFEngine(tiny_qwen2(0), eos_token_ids=(), max_batch_size=64)
+    forwards = []
+    real_forward = eng._forward
+
+    def forward(*args):
+        forwards.append(1)
+        if len(forwards) == 3:  # the prefill and two decode steps done
+            threading.Thread(target=eng.abort).start()
+            time.sleep(0.2)  # the abort lands before the next token
+        return real_forward(*args)
+
+    eng._forward = forward
+    params = SamplingParams(temperature=1.0, max_tokens=40, seed=1)
+    with pytest.raises(GenerationAborted):
+        eng.generate(PROMPTS, n=2, params=params)
+    assert len(forwards) == 3, "the generate went on decoding after the abort"
+    with pytest.raises(GenerationAborted):
+        eng.generate(PROMPTS, n=2, params=params)
+    assert len(forwards) == 4  # a later call stops after its prefill, at its first token
+    from megatron_dapo.rollout.vllm_engine import VLLMEngine
+
+    assert HFEngine.aborts and not VLLMEngine.aborts
