@@ -68,11 +68,12 @@ def test_vllm_engines_at_staleness_1_with_partial_rollouts_learn(colocated, tmp_
     here shows both on vLLM.)"""
     base, _ = colocated
     records = _torchrun(_with_base(base, tmp_path / "stale"), 4, *SEPARATE, "rollout.max_staleness=1",
-                        "rollout.partial=true", "rollout.partial_tokens=4", "train.total_steps=40",
+                        "rollout.partial=true", "rollout.partial_tokens=4", "train.total_steps=60",
                         "checkpoint.save_every=10")
     evals = [r["eval/avg@4"] for r in records if "eval/avg@4" in r]
     before, after = evals[0], evals[-1]
-    # the colocated vLLM demo's bar (test_cpu_tiny_vllm.py: 0.051 -> 0.238 in 40 steps)
+    # the colocated vLLM demo's bar (test_cpu_tiny_vllm.py: 0.051 -> 0.238 in 40 steps); in 60 steps,
+    # since 40 with 4-token pieces once reached only 0.057 -> 0.158 (docs/verification.md, stop 40)
     assert before < 0.3 and after - before > 0.15 and after > 3 * before, (before, after)
     trained = records[1:]  # most answers take more than 4 tokens: pieces, carried groups, older first pieces
     assert max(r["rollout/partial_responses"] for r in trained) > 0.9

@@ -56,6 +56,7 @@ def test_spread_touches_the_whole_class():
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_a_slice_of_every_class_is_clear(tmp_path):
     verdicts = bic.campaign(list(CLASSES), workers=2, per_class=4, root=tmp_path, progress=False)
     assert {v.cls for v in verdicts} == set(CLASSES)

@@ -12,6 +12,7 @@ from tests.helpers.container import CHECK, resolve_check
 pytestmark = pytest.mark.slow
 
 
+@pytest.mark.extended  # a check of the pinned set against the package index
 def test_requirements_resolve_for_the_image():
     rc = resolve_check()
     out = subprocess.run([sys.executable, str(CHECK)], capture_output=True, text=True, timeout=900,

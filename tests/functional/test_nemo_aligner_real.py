@@ -91,6 +91,7 @@ def test_fit_dynamic_sampling_counts(tmp_path, nproc):
                 "finish_inference"} <= set(got["timers"])
 
 
+@pytest.mark.extended  # three probes (~65 s); CI keeps the step and fit probes above
 @pytest.mark.timeout(900)  # three probes of up to 300 s each (each takes ~35 s here)
 def test_checkpoint_resume_equals_uninterrupted(tmp_path):
     runs = {}
@@ -111,6 +112,7 @@ def test_checkpoint_resume_equals_uninterrupted(tmp_path):
     assert first["weights"] != straight["weights"]
 
 
+@pytest.mark.extended  # a check of the pinned NeMo stack: each stand-in removed in turn
 def test_every_cpu_standin_is_needed(tmp_path):
     out = tmp_path / "out.json"
     r = nemo_venv.run([str(nemo_venv.NEMO_PYTHON), str(nemo_venv.PROBES / "probe_removal.py"), str(out)], out,
