@@ -1,9 +1,9 @@
-"""Shared test set-up: GPU tests skip without CUDA; known-harmless third-party start-up messages
-filtered as at the CLI (megatron_dapo/quiet.py); megatron-core's CPU compatibility layer applied
-once for the session (mcore/cpu_compat.py); paths to the repo's data files; the extended tier skipped unless
---extended; a one-process torch.distributed world; the CPU demo's toy task and warmed-up base, made once per session; and a
-summary line for every test outside the slow tier that took a slow test's time (tests/README.md).
-Shared helpers (not fixtures) are in tests/helpers/."""
+"""Shared test set-up: GPU tests skip without CUDA; the extended tier skips unless --extended;
+known-harmless third-party start-up messages filtered as at the CLI (megatron_dapo/quiet.py);
+megatron-core's CPU compatibility layer applied once for the session (mcore/cpu_compat.py); paths to
+the repo's data files; a one-process torch.distributed world; the CPU demo's toy task and warmed-up
+base, made once per session; and a summary line for every test outside the slow tier that took a
+slow test's time (tests/README.md). Shared helpers (not fixtures) are in tests/helpers/."""
 
 import os
 import socket
