@@ -19,7 +19,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 LOGPROB_ABS_TOL = 1e-4  # fp32 engine vs fp32 trainer, different kernels and summation orders
 
 
-@pytest.mark.extended  # vLLM learning in CI: test_async_rollouts_vllm.py (its staleness-0 run is this run's equal)
+# vLLM learning in CI: test_async_rollouts_vllm.py (its staleness-0 run writes the colocated run's records)
+@pytest.mark.extended
 def test_vllm_config_learns_under_torchrun(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
            "megatron_dapo.cli", "train", "--config", str(ROOT / "conf" / "cpu_tiny_vllm.yaml"),

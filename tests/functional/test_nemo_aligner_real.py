@@ -91,7 +91,7 @@ def test_fit_dynamic_sampling_counts(tmp_path, nproc):
                 "finish_inference"} <= set(got["timers"])
 
 
-@pytest.mark.extended  # three probes (~65 s); CI keeps the step and fit probes above
+@pytest.mark.extended  # three probes; CI keeps the step and fit probes above
 @pytest.mark.timeout(900)  # three probes of up to 300 s each (each takes ~35 s here)
 def test_checkpoint_resume_equals_uninterrupted(tmp_path):
     runs = {}

@@ -103,7 +103,8 @@ def test_a_job_at_its_time_limit_stops_requeues_and_resumes_to_the_same_records(
 def test_the_warning_signal_reaches_the_trainers_through_torchrun(reference, cluster, tmp_path):
     """--signal=USR1@50 goes to every process of the step: torchrun ignores it (launch.sh), the
     trainers finish their step, save and exit 0. Not requeued (REQUEUE=0; the resume is the test
-    above's, in the extended tier): the records so far are the uninterrupted run's, and the last step is saved."""
+    above's, in the extended tier): the records so far are the uninterrupted run's, and the last step
+    is saved."""
     run_dir = copy_demo_base(reference, tmp_path / "run")
     out = tmp_path / "job.out"
     rc = _sbatch(cluster, out, f"logging.dir={run_dir}", *ARGS, time_min=1, timeout=600, signal_lead=50,
