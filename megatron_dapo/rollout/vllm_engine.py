@@ -65,8 +65,10 @@ vLLM API used (0.32.0; sources read in vllm-project/vllm and in the installed wh
 ``LLM(model, tensor_parallel_size, data_parallel_size, distributed_executor_backend,
 gpu_memory_utilization, kv_cache_memory_bytes, enforce_eager, dtype, max_model_len, seed,
 enable_sleep_mode, logprobs_mode, skip_tokenizer_init, generation_config, load_format,
-enable_prefix_caching)``; ``LLM.generate(prompts=[{"prompt_token_ids": [...]}], sampling_params=[...],
-use_tqdm=False)`` -> RequestOutput.outputs[0].{token_ids, logprobs, finish_reason} (token_ids include
+enable_prefix_caching)``; ``LLM.enqueue(prompts=[{"prompt_token_ids": [...]}], sampling_params=[...],
+use_tqdm=False)`` -> request ids, then ``LLM.llm_engine.{has_unfinished_requests, step, abort_request(ids,
+internal=True)}`` (what ``LLM.generate`` runs, stepped here so that an abort can end it: 0.32.0 and
+0.33.0 alike) -> RequestOutput.outputs[0].{token_ids, logprobs, finish_reason} (token_ids include
 the stop token; logprobs[t] is a dict token_id -> Logprob with ``.logprob``); ``SamplingParams(n,
 temperature, top_p, top_k, max_tokens, stop_token_ids, seed, logprobs, detokenize)``;
 ``LLM.collective_rpc(fn)`` (fn(worker) in every worker), ``LLM.reset_prefix_cache``,
@@ -80,6 +82,7 @@ import gc
 import logging
 import os
 import random
+import threading
 from collections.abc import Iterable, Sequence
 from typing import Any, Literal
 
@@ -87,7 +90,7 @@ import torch
 
 from megatron_dapo.errors import ConfigError
 from megatron_dapo.rollout import vllm_colocation as _c
-from megatron_dapo.rollout.engine import Rollout, SamplingParams, check_prompts, sequence_seed
+from megatron_dapo.rollout.engine import GenerationAborted, Rollout, SamplingParams, check_prompts, sequence_seed
 from megatron_dapo.rollout.placement import replica_layout
 from megatron_dapo.rollout.vllm_checks import (
     check_cpu_head_dim,
@@ -193,7 +196,7 @@ class VLLMEngine:
 
     reads_hf_weights = False  # a run's engine starts with dummy weights (load_format="dummy")
     continues_prefixes = True  # token ids in, token ids out: prompt + a response's prefix continues it
-    aborts = False  # abort() is ignored: see there
+    aborts = True  # generate() steps the engine itself and ends its requests after abort()
 
     def __init__(self, model_path: str, *, mode: Literal["colocated", "standalone"] = "colocated",
                  tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.7,
@@ -286,6 +289,7 @@ class VLLMEngine:
                                          self.model_runner, self.sleep_level)
         self._asleep: set[str] = set()
         self._reloading = False
+        self._aborted = threading.Event()
 
     @staticmethod
     def preflight(cfg: Any) -> None:
@@ -348,13 +352,33 @@ class VLLMEngine:
         requests = [(i, to_vllm_params(self._vllm, params, seed=sequence_seed(base, index, k),
                                        stop_token_ids=stops))
                     for i, index in enumerate(indices) for k in range(n)]
-        outputs = self.llm.generate(
-            prompts=[{"prompt_token_ids": list(prompt_ids[i])} for i, _ in requests],
-            sampling_params=[sp for _, sp in requests], use_tqdm=False)
+        ids = self.llm.enqueue(prompts=[{"prompt_token_ids": list(prompt_ids[i])} for i, _ in requests],
+                               sampling_params=[sp for _, sp in requests], use_tqdm=False)
+        outputs = self._run(ids)
         result: list[list[Rollout]] = [[] for _ in prompt_ids]
         for (i, _), out in zip(requests, outputs, strict=True):
             result[i].append(to_rollout(prompt_ids[i], out.outputs[0], params.logprobs))
         return result
+
+    def _run(self, ids: list[str]) -> list[Any]:
+        """Steps the engine until the requests ``ids`` (enqueue's, vLLM-internal) finish, as
+        LLM.generate does on this thread; their outputs in the order enqueued (vLLM's sort: outputs
+        carry the counter's ids). After abort() it ends them at the next engine step, from this thread
+        (the only one that steps the engine, so nothing races; finished ids are ignored), and raises
+        GenerationAborted. It keeps stepping while another data-parallel replica still has requests
+        (``has_unfinished_requests`` is a collective of vLLM's DP group, which a replica that left
+        would hang): at a stop every replica is aborted, so they leave together."""
+        engine, finished, aborting = self.llm.llm_engine, [], False
+        while True:
+            if self._aborted.is_set() and not aborting:
+                engine.abort_request(ids, internal=True)
+                aborting = True
+            if not engine.has_unfinished_requests():
+                break
+            finished += [out for out in engine.step() if out.finished]
+        if aborting:
+            raise GenerationAborted("the vLLM engine was aborted while generating")
+        return sorted(finished, key=lambda out: int(out.request_id))
 
     # ------------------------------------------------------------------ weights and memory
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -410,9 +434,11 @@ class VLLMEngine:
             self._asleep = set()
 
     def abort(self) -> None:
-        """Ignored (``aborts`` is False): the offline LLM's generate steps its engine on the calling
-        thread, and aborting its requests from another thread would race that loop; a batch begun
-        finishes."""
+        """The running generate ends its requests at its next engine step and raises
+        GenerationAborted, and so does every later one (RolloutEngine.abort). Only a flag is set
+        here: vLLM's engine is stepped by the generating thread, and ending requests from another
+        thread would race that loop (``_run``)."""
+        self._aborted.set()
 
     def shutdown(self) -> None:
         """Stop the engine and, in process, tear down vLLM's parallel groups (and the one-process

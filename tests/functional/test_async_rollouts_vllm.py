@@ -3,18 +3,20 @@ under torchrun, ranks 0-1 training at DP=2, ranks 2-3 two vLLM replicas (data-pa
 engines' own world). At staleness 0 it writes the colocated 2-process vLLM run's records value for
 value; at staleness 1 with partial rollouts (vLLM continuing each cut response from its prefix) it
 learns as the colocated vLLM demo does (tests/functional/test_cpu_tiny_vllm.py: 0.051 -> 0.238 in 40
-steps on this kind of machine)."""
+steps on this kind of machine); a stop aborts the batch both replicas are generating."""
 
 import json
 import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from tests.helpers.demo import DEMO_DIRS, LAUNCHER_VARS
+from tests.helpers.separate_runs import start_then, stop_every_rank
 
 pytest.importorskip("vllm", reason="vLLM is not installed (./install.sh vllm)")
 
@@ -79,3 +81,35 @@ def test_vllm_engines_at_staleness_1_with_partial_rollouts_learn(colocated, tmp_
     assert max(r["rollout/partial_responses"] for r in trained) > 0.9
     assert max(r["rollout/carried_groups"] for r in trained) > 0
     assert max(r["rollout/version_lag_max"] for r in trained) >= 2
+
+
+def test_a_stop_aborts_the_batch_the_vllm_engines_are_generating(colocated, tmp_path):
+    """Step 6's batch, asked for in step 5, stalls on both vLLM replicas with its requests in vLLM
+    (tests/helpers/stalling_engine.py) while SIGTERM stops the run after step 5 (not sooner: the
+    first step, vLLM's warm-up, takes ~15 s, and the grace's estimate is the slowest of the last 3): the trainers release
+    it and save; each engine rank aborts it (vLLM ends its requests; the two replicas leave their
+    data-parallel lockstep together) and exits, the stall never lifted. Without the abort each rank
+    waits out the stall (120 s), then generates the batch nobody collects. Resuming from the release
+    is test_async_rollouts.py's (the HF engine)."""
+    run_dir = _with_base(colocated[0], tmp_path / "run")
+    marker = tmp_path / "stall"
+    latest = run_dir / "checkpoints" / "latest"
+
+    def stall_then_stop(agent) -> None:
+        marker.touch()  # step 5's batch has started on the engines; step 6's will stall
+        stop_every_rank(agent)
+        deadline = time.time() + 300
+        while not (latest.is_file() and latest.read_text().strip() == "step_00000005"):
+            assert agent.poll() is None and time.time() < deadline, "the trainers did not save step 5"
+            time.sleep(0.05)
+
+    stall = ["rollout.engine=stalling_vllm", "rollout.max_staleness=1", "algorithm.filter_groups.enable=false",
+             "train.total_steps=8", "checkpoint.save_every=0", "checkpoint.stop_grace_s=15", *RUN,
+             "eval.before_train=false"]
+    status, log = start_then(run_dir, stall, 4, stall_then_stop, module="tests.helpers.stalling_engine",
+                             env={"STALL_FILE": str(marker)}, config="cpu_tiny_vllm.yaml")
+    assert status == 0, log[-5000:]
+    assert "stopped by SIGTERM after step 5 of 8" in log and "abandoning" not in log, log[-3000:]
+    assert "1 generation batch(es) in flight not finished in time" in log, log[-3000:]
+    assert log.count("the generation batch in flight aborted at the stop") == 2, log[-3000:]
+    assert "cannot abort" not in log and marker.exists()

@@ -22,10 +22,12 @@ SEPARATE = ["rollout.placement=separate", "rollout.num_ranks=2", "train.old_log_
 ENV = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
 
 
-def command(run_dir: Path, *overrides: str, module: str = "megatron_dapo.cli") -> list[str]:
-    """``module``: the CLI, or a test's module that registers its pieces and runs it."""
+def command(run_dir: Path, *overrides: str, module: str = "megatron_dapo.cli",
+            config: str = "cpu_tiny.yaml") -> list[str]:
+    """``module``: the CLI, or a test's module that registers its pieces and runs it; ``config``:
+    under conf/ (the vLLM demo's is cpu_tiny_vllm.yaml)."""
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4", "-m",
-            module, "train", "--config", str(ROOT / "conf" / "cpu_tiny.yaml"), f"logging.dir={run_dir}",
+            module, "train", "--config", str(ROOT / "conf" / config), f"logging.dir={run_dir}",
             *SEPARATE, *overrides]
 
 
@@ -56,15 +58,16 @@ def values(recs: list[dict]) -> dict[int, dict]:
 
 
 def start_then(run_dir: Path, overrides: list[str], after_step: int, act, *, module: str = "megatron_dapo.cli",
-               env: dict | None = None) -> tuple[int, str]:
+               env: dict | None = None, config: str = "cpu_tiny.yaml") -> tuple[int, str]:
     """Starts the run in a session of its own, waits for this launch's record of ``after_step`` (a
     killed launch's later records stay until the next one resumes), then ``act(launcher)``; (the
     launcher's exit status, its output)."""
     log = run_dir.parent / f"{run_dir.name}.out"
     with open(log, "w") as out:
         launched = time.time()
-        agent = subprocess.Popen(command(run_dir, *overrides, module=module), cwd=ROOT, stdout=out,
-                                 stderr=subprocess.STDOUT, env={**ENV, **(env or {})}, start_new_session=True)
+        agent = subprocess.Popen(command(run_dir, *overrides, module=module, config=config), cwd=ROOT,
+                                 stdout=out, stderr=subprocess.STDOUT, env={**ENV, **(env or {})},
+                                 start_new_session=True)
         deadline = launched + 600
         while not any(r["step"] >= after_step and r["time"] >= launched for r in records(run_dir)):
             assert agent.poll() is None and time.time() < deadline, log.read_text()

@@ -326,4 +326,4 @@ def test_abort_ends_the_running_generate_at_its_next_token_and_every_later_one()
     assert len(forwards) == 4  # a later call stops after its prefill, at its first token
     from megatron_dapo.rollout.vllm_engine import VLLMEngine
 
-    assert HFEngine.aborts and not VLLMEngine.aborts
+    assert HFEngine.aborts and VLLMEngine.aborts  # vLLM's: tests/unit/test_rollout_vllm_engine.py

@@ -13,6 +13,7 @@ The pure-logic tests at the top need no vllm; the rest skip, with the reason, wh
 import dataclasses
 import importlib.util
 import sys
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -25,6 +26,7 @@ from megatron_dapo.config import (
 from megatron_dapo.rollout import SamplingParams, get_engine_cls, score_logprobs, sync_weights
 from megatron_dapo.rollout import vllm_checks
 from megatron_dapo.rollout import vllm_engine as ve
+from megatron_dapo.rollout.engine import GenerationAborted
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 needs_vllm = pytest.mark.skipif(not HAVE_VLLM, reason="vllm is not installed (./install.sh vllm installs "
@@ -293,6 +295,42 @@ def test_update_weights_makes_the_engine_the_new_model(engines, models, tied):
     sync_weights(eng, new.state_dict().items(), bucket_bytes=1 << 20)
     sync_weights(eng, old.state_dict().items(), bucket_bytes=1 << 20)
     assert max_diff(old, flat(eng.generate(PROMPTS, n=1, params=params)), temperature) < TOL
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_abort_ends_the_running_generate_at_its_next_step_and_every_later_one(engines):
+    """abort() from another thread (rollout/separate.py's stop), sent while the engine steps: the
+    generate raises GenerationAborted before its next step instead of decoding its 40 tokens (no
+    EOS here), and leaves no request in vLLM; a later call raises without a step. The module's
+    engine is then made to generate again for the other tests (a stopping rank never does)."""
+    eng = engines[False]
+    core, steps = eng.llm.llm_engine, []
+    real_step = core.step
+
+    def step():
+        steps.append(1)
+        if len(steps) == 3:  # the prefill and a decode step done
+            aborter = threading.Thread(target=eng.abort)
+            aborter.start()
+            aborter.join()
+        return real_step()
+
+    eos, params = eng.eos_token_ids, SamplingParams(temperature=1.0, max_tokens=40, seed=2)
+    core.step, eng.eos_token_ids = step, ()
+    try:
+        with pytest.raises(GenerationAborted):
+            eng.generate(PROMPTS, n=2, params=params)
+        assert len(steps) == 3, f"the generate went on for {len(steps)} engine steps after the abort"
+        assert core.get_num_unfinished_requests() == 0
+        with pytest.raises(GenerationAborted):
+            eng.generate(PROMPTS, n=2, params=params)
+        assert len(steps) == 3
+    finally:
+        del core.step
+        eng.eos_token_ids = eos
+        eng._aborted.clear()
+    assert [len(r.response_ids) for r in flat(eng.generate(PROMPTS, n=1, params=params))] != []
 
 
 @pytest.mark.slow
