@@ -68,12 +68,13 @@ def train(cfg: DAPOConfig, stop: StopRequest | None = None) -> TrainResult:
             if not split.is_trainer:
                 try:
                     served = serve(split)
-                except Exception:
+                except Exception as error:
                     if stop.signum is None:
                         raise
                     # A signal's grace ran out and the trainers left mid-exchange: as they do, exit 0
-                    # (the launcher requeues on 0), the checkpoint is theirs.
-                    logger.warning("engine rank %d: the trainers left after %s", split.side_rank, stop.name)
+                    # (the launcher requeues on 0), the checkpoint is theirs; named: it may be the engine's.
+                    logger.warning("engine rank %d: the trainers left after %s (%s: %s)", split.side_rank,
+                                   stop.name, type(error).__name__, str(error)[:300])
                     served = -1
                 logger.info("engine rank %d: served %d generation requests", split.side_rank, served)
                 return TrainResult(final_eval={}, step=0, engine_rank=True)
@@ -204,11 +205,11 @@ def _loop(run: Run, stop: StopRequest, dyn: DynamicSampler, pipeline: RolloutPip
             pipeline.drop()  # a generation budget spent: batches asked for ahead will not be trained on
         last = finished or (pipeline.max_staleness > 0  # the job's end: nothing to wait for at its stop
                             and placement.gather([_job_ends_after_next(cfg, clock, end_time, step, evaluates)])[0])
-        for ahead in [] if last else pipeline.released():  # a stop released them: asked for again, in order
-            gen.submit(ahead)
+        for ahead in [] if last or cfg.rollout.placement != "separate" else pipeline.released(step):
+            gen.submit(ahead)  # a stop released them: asked for again, in order (else in their steps)
         for target in pipeline.targets(step, finished=last):  # generated while this step trains
-            # no new prompts for the next step when the groups carried over (surplus=carry) fill it
-            ahead = gen.draw(target, 0, 0 if target == step + 1 and dyn.is_full else dyn.request_size(gen_batch))
+            # no new prompts when the groups carried over (surplus=carry) fill every step up to it
+            ahead = gen.draw(target, 0, dyn.ahead_request_size(gen_batch, target - step))
             if ahead.indices or ahead.carried:
                 gen.submit(ahead)
                 pipeline.add(ahead)

@@ -115,6 +115,14 @@ class DynamicSampler:
         wanted = missing * (1 + self.MARGIN) / max(self.keep_rate, missing / cap)
         return max(missing, min(cap, math.ceil(wanted - 1e-9)))  # 11.000000000000002 asks for 11
 
+    def ahead_request_size(self, fixed: int, steps_ahead: int) -> int:
+        """Prompts to ask for in the first batch of the step ``steps_ahead`` after this one (a batch
+        asked for ahead, after ``pop``): none when the groups held now fill every step up to it on
+        their own, else ``request_size``. Such a batch is taken in its step even when held groups
+        fill it; asked for at full size two or more steps ahead, each step held more groups than it
+        trained and the held groups, and their lag, grew without bound (surplus="carry")."""
+        return 0 if len(self._held) >= steps_ahead * self.prompts_per_step else self.request_size(fixed)
+
     def carries_all(self) -> bool:
         """Whether the next batch's dropped groups must come with their payloads: it is the step's
         last allowed one and an exhausted step fills from it (``on_exhausted="fill"``)."""

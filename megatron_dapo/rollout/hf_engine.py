@@ -141,6 +141,8 @@ class HFEngine:
         rows = list(range(num_seqs))  # the response of each batch row: rows leave as they finish
         cache = _new_cache(self.model.config)
 
+        if self._aborted.is_set():  # a batch queued behind an aborted one: not even its prefill
+            raise GenerationAborted("the HF engine was aborted before generating")
         logits_BV = self._forward(ids_BL, mask_BL, pos_BL, cache)
         race = _RaceBlocks(generators, params.max_tokens, logits_BV.shape[-1])
         for step in range(params.max_tokens):
@@ -221,8 +223,8 @@ class HFEngine:
         """No-op: nothing outlives the model, which is garbage like any other object."""
 
     def abort(self) -> None:
-        """The running generate raises GenerationAborted at its next token, and every later one at
-        its first (RolloutEngine.abort)."""
+        """The running generate raises GenerationAborted at its next token, and every later one
+        before its prefill (RolloutEngine.abort)."""
         self._aborted.set()
 
 

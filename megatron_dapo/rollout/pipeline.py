@@ -91,8 +91,8 @@ class RolloutPipeline:
             return []
         out = []
         for target in range(self._last + 1, min(step + self.max_staleness, self.total_steps - 1) + 1):
-            if any(self.save_every and r % self.save_every == 0 for r in range(step + 1, target + 1)):
-                break  # a save at the end of step r - 1 must find nothing in flight
+            if self._saves_before(step, target):
+                break
             out.append(target)
         if out:
             self._last = out[-1]
@@ -138,9 +138,17 @@ class RolloutPipeline:
             ahead.request = None
         return len(in_flight[kept:])
 
-    def released(self) -> list[Ahead]:
-        """Batches released at a stop and restored: neither in flight nor collected."""
-        return [a for a in self.ahead if a.rollouts is None and a.request is None]
+    def released(self, step: int | None = None) -> list[Ahead]:
+        """Batches released at a stop and restored: neither in flight nor collected; with ``step``,
+        those that may be asked for again at its end (no save before theirs: a resume may save more
+        often than the run that released them). The others are generated in their own step."""
+        return [a for a in self.ahead if a.rollouts is None and a.request is None
+                and (step is None or not self._saves_before(step, a.step))]
+
+    def _saves_before(self, step: int, target: int) -> bool:
+        """Whether a periodic save falls between the end of ``step`` and step ``target``: one at the
+        end of step r - 1 (record r, r % save_every == 0) must find nothing in flight."""
+        return any(self.save_every and r % self.save_every == 0 for r in range(step + 1, target + 1))
 
     def drop(self) -> None:
         """The run ends: what is in flight will never be trained on (the engines drop it at their stop)."""

@@ -172,7 +172,8 @@ class _Worker(threading.Thread):
         self.error: BaseException | None = None
         self.served = 0
         self.engine = None  # once built; the main thread aborts it at the stop
-        self.generating = False
+        self.aborts = False  # whether the run's engine class can abort (known at "start")
+        self.stopping = self.generating = False
         self._done = threading.Condition()
 
     def run(self) -> None:
@@ -187,6 +188,8 @@ class _Worker(threading.Thread):
                 if kind == "start":
                     engine, leader, replica, num_replicas = self._build(item[1])
                     self.engine = engine
+                    if self.stopping and engine.aborts:  # a stop came while it was built
+                        engine.abort()
                 elif kind == "generate":
                     request, prompt_ids, n, params = item[1:]
                     share = shard_range(len(prompt_ids), replica, num_replicas)
@@ -194,9 +197,9 @@ class _Worker(threading.Thread):
                     try:
                         out = engine.generate([prompt_ids[i] for i in share], n, params, prompt_indices=list(share))
                     except GenerationAborted:
-                        logger.info("engine rank %d: the generation batch in flight aborted at the stop",
-                                    self.split.side_rank)
-                        continue  # nobody collects it; the next item is the stop
+                        logger.info("engine rank %d: generation request %d aborted at the stop",
+                                    self.split.side_rank, request)
+                        continue  # nobody collects it; the stop comes after the requests still queued
                     finally:
                         self.generating = False
                     with self._done:
@@ -249,22 +252,28 @@ class _Worker(threading.Thread):
         if self.error is not None:
             raise RuntimeError(f"engine rank {self.split.side_rank} failed") from self.error
 
-    def drop_pending(self) -> int:
-        """Forgets the generation requests not yet started (a stop: nobody will collect them)."""
-        dropped = 0
+    def drop_pending(self) -> None:
+        """At a stop, forgets the work not yet started that nobody needs: weight loads (no batch will
+        be collected) and, when the engine cannot abort, everything. An engine that aborts keeps its
+        generation requests and ends each at once: every rank must take part in each (vLLM's replicas
+        step together), which a rank that dropped one another rank's worker had already taken broke."""
+        kept = []
         while True:
             try:
                 item = self.work.get_nowait()
             except queue.Empty:
-                return dropped
-            if item[0] == "generate":
-                dropped += 1
-            # a weight load goes too: the engine stops, no later batch needs it
+                break
+            if self.aborts and item[0] in ("start", "generate"):
+                kept.append(item)
+        for item in kept:
+            self.work.put(item)
 
     def abort(self) -> None:
-        """Ends the batch the engine is generating, if the engine can (its ``aborts``): at the
-        stop nobody collects it, and its rank would otherwise finish it before exiting (minutes at
-        scale, past a preempted job's kill)."""
+        """Ends the batch the engine is generating and those still queued, if the engine can (its
+        ``aborts``): at the stop nobody collects them, and its rank would otherwise finish them before
+        exiting (minutes at scale, past a preempted job's kill). An engine still being built is aborted
+        once built."""
+        self.stopping = True
         engine = self.engine
         if engine is not None and engine.aborts:
             engine.abort()
@@ -285,11 +294,14 @@ def serve(split: WorldSplit) -> int:
         # for the next request (unverified: no GPU was lent).
         with torch.cuda.stream(torch.cuda.Stream()) if split.device.type == "cuda" else contextlib.nullcontext():
             _answer(split, worker)
-    finally:  # the worker ends with the loop, however it ends, without the work nobody will collect
+    finally:  # the worker ends with the loop, however it ends, aborting the work nobody will collect
         worker.drop_pending()
         worker.abort()
         worker.work.put(("stop",))
         worker.join(timeout=600)
+        if worker.is_alive():
+            logger.warning("engine rank %d: the engine did not end within 600 s of the stop; leaving it",
+                           split.side_rank)
     worker.raise_error()
     return worker.served
 
@@ -300,6 +312,10 @@ def _answer(split: WorldSplit, worker: _Worker) -> None:
     while True:
         request = broadcast_object(split)
         kind = request[0]
+        if kind == "start":
+            from megatron_dapo.rollout.engine import get_engine_cls
+
+            worker.aborts = get_engine_cls(request[1].rollout.engine).aborts
         if kind in ("start", "generate"):
             worker.work.put(request)
         elif kind == "collect":
@@ -311,9 +327,6 @@ def _answer(split: WorldSplit, worker: _Worker) -> None:
             receive_weights(split, held)
             worker.work.put(("weights", request[1], held.buckets))
         elif kind == "stop":
-            dropped = worker.drop_pending()
-            if dropped:
-                logger.info("engine rank %d: %d generation requests dropped at the stop", split.side_rank, dropped)
             return
         else:
             raise RuntimeError(f"engine rank {split.side_rank}: unknown request {kind!r}")

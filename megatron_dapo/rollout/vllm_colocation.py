@@ -6,7 +6,9 @@ or tests/distributed/test_vllm_colocated.py):
 - functions run inside each worker (``LLM.collective_rpc``) for a layerwise weight reload;
 - ``restore_process_state``: undo what building an engine changes in the trainer's process;
 - ``keep_world_on_shutdown``: an engine's shutdown must not destroy the trainer's process group;
-- ``unique_cpu_shm_names``: colocated CPU engines must not share /dev/shm segment names.
+- ``unique_cpu_shm_names``: colocated CPU engines must not share /dev/shm segment names;
+- ``step_requests``: LLM.generate's loop (``LLM.llm_engine``'s step, abort_request), stepped by the
+  engine so that an abort can end it, and ``tp_cpu_group`` for the ranks of a replica to agree on one.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import contextlib
 import itertools
 import os
 import random
+import threading
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -153,3 +156,48 @@ def unique_cpu_shm_names(active: bool) -> Iterator[None]:
         yield
     finally:
         shm.make_group_name = original
+
+
+def tp_cpu_group() -> Any:
+    """vLLM's gloo group of this rank's tensor-parallel replica (built with the engine)."""
+    from vllm.distributed.parallel_state import get_tp_group
+
+    return get_tp_group().cpu_group
+
+
+def step_requests(engine: Any, ids: list[str], aborted: threading.Event, tp_group: Any = None) -> list[Any]:
+    """Steps ``engine`` (an LLM's llm_engine) until the requests ``ids`` (``LLM.enqueue``'s, internal)
+    finish, as LLM.generate does; their outputs in the order enqueued (vLLM's own sort: outputs carry
+    the request counter's ids).
+
+    Once ``aborted`` is set (from another thread) the requests end at the next step, ended by this
+    thread, the only one that steps the engine, and GenerationAborted is raised. With ``tp_group``
+    (external launcher, TP > 1) the replica's ranks agree on it first, one all-reduce a step: each
+    runs a scheduler of its own, and a rank ending its requests a step before the others would leave
+    them in a forward it never joins. The loop keeps stepping while another data-parallel replica
+    has requests (``has_unfinished_requests`` is a collective of the DP group, hung by a replica that
+    left): at a stop every replica is aborted, so they leave together. Finished ids are ignored by
+    abort_request.
+    """
+    from megatron_dapo.rollout.engine import GenerationAborted
+
+    finished, aborting = [], False
+    while True:
+        if not aborting and _any_rank(aborted.is_set(), tp_group):
+            engine.abort_request(ids, internal=True)
+            aborting = True
+        if not engine.has_unfinished_requests():
+            break
+        finished += [out for out in engine.step() if out.finished]
+    if aborting:
+        raise GenerationAborted("the vLLM engine was aborted while generating")
+    return sorted(finished, key=lambda out: int(out.request_id))
+
+
+def _any_rank(flag: bool, group: Any) -> bool:
+    """``flag`` or-ed over ``group``'s ranks (a collective of the group); ``flag`` without one."""
+    if group is None:
+        return flag
+    box = torch.tensor([int(flag)])
+    torch.distributed.all_reduce(box, op=torch.distributed.ReduceOp.MAX, group=group)
+    return bool(box.item())

@@ -90,7 +90,7 @@ import torch
 
 from megatron_dapo.errors import ConfigError
 from megatron_dapo.rollout import vllm_colocation as _c
-from megatron_dapo.rollout.engine import GenerationAborted, Rollout, SamplingParams, check_prompts, sequence_seed
+from megatron_dapo.rollout.engine import Rollout, SamplingParams, check_prompts, sequence_seed
 from megatron_dapo.rollout.placement import replica_layout
 from megatron_dapo.rollout.vllm_checks import (
     check_cpu_head_dim,
@@ -290,6 +290,8 @@ class VLLMEngine:
         self._asleep: set[str] = set()
         self._reloading = False
         self._aborted = threading.Event()
+        # the ranks of a replica must agree on an abort (external launcher: each steps its own scheduler)
+        self._tp_group = _c.tp_cpu_group() if mode == "colocated" and tensor_parallel_size > 1 else None
 
     @staticmethod
     def preflight(cfg: Any) -> None:
@@ -361,24 +363,9 @@ class VLLMEngine:
         return result
 
     def _run(self, ids: list[str]) -> list[Any]:
-        """Steps the engine until the requests ``ids`` (enqueue's, vLLM-internal) finish, as
-        LLM.generate does on this thread; their outputs in the order enqueued (vLLM's sort: outputs
-        carry the counter's ids). After abort() it ends them at the next engine step, from this thread
-        (the only one that steps the engine, so nothing races; finished ids are ignored), and raises
-        GenerationAborted. It keeps stepping while another data-parallel replica still has requests
-        (``has_unfinished_requests`` is a collective of vLLM's DP group, which a replica that left
-        would hang): at a stop every replica is aborted, so they leave together."""
-        engine, finished, aborting = self.llm.llm_engine, [], False
-        while True:
-            if self._aborted.is_set() and not aborting:
-                engine.abort_request(ids, internal=True)
-                aborting = True
-            if not engine.has_unfinished_requests():
-                break
-            finished += [out for out in engine.step() if out.finished]
-        if aborting:
-            raise GenerationAborted("the vLLM engine was aborted while generating")
-        return sorted(finished, key=lambda out: int(out.request_id))
+        """The requests ``ids``' outputs once vLLM's engine, stepped on this thread, has finished them;
+        after abort() GenerationAborted (vllm_colocation.step_requests)."""
+        return _c.step_requests(self.llm.llm_engine, ids, self._aborted, self._tp_group)
 
     # ------------------------------------------------------------------ weights and memory
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -437,7 +424,7 @@ class VLLMEngine:
         """The running generate ends its requests at its next engine step and raises
         GenerationAborted, and so does every later one (RolloutEngine.abort). Only a flag is set
         here: vLLM's engine is stepped by the generating thread, and ending requests from another
-        thread would race that loop (``_run``)."""
+        thread would race that loop (vllm_colocation.step_requests)."""
         self._aborted.set()
 
     def shutdown(self) -> None:

@@ -12,7 +12,7 @@ the probes now equal the actor's and differ from the dummy ones by far more than
 of prompts); the engine's log-probs of its samples equal actor.get_inference_log_probs. Then one
 DAPO update, sync again: the engine's log-probs of the same tokens (vLLM prompt log-probs) equal
 the actor's new ones and differ from the old ones by far more than the tolerance, and fresh
-samples agree too.
+samples agree too. Last, a stop's abort reaching one rank only ends the batch on both as it must.
 Both sides compute in fp32; the largest difference measured is ~1e-6 (TOL = 1e-4), while
 the update moves the log-probs by ~1.
 """
@@ -154,8 +154,46 @@ def _worker(rank, config_dirs, rollout_tp):
         old_share = [old[i * N + k] for i in mine for k in range(N)]
         assert max_diff(scored, new_share) < TOL, f"tied={tied}: engine vs actor after the update"
         assert max_diff(scored, old_share) > 100 * TOL
+        if tied:
+            _abort_reaching_rank_0_only(engine, rank)
         engine.shutdown()
         destroy_parallel(process_group=False)
+
+
+def _abort_reaching_rank_0_only(engine, rank):
+    """A separate-placement stop's abort, as if it reached rank 0 two engine steps into a batch of
+    16-token responses (no EOS) and rank 1 not at all. At rollout TP=2 the replica's two ranks agree
+    on it and both end the batch at the same step (were rank 0 to end it alone, rank 1's next
+    forward would wait for it for ever). At TP=1 x 2 replicas rank 0 ends its requests and keeps
+    stepping vLLM's dummy batches until rank 1, not aborted, has generated its share."""
+    import torch.distributed as dist
+
+    from megatron_dapo.rollout import SamplingParams
+    from megatron_dapo.rollout.engine import GenerationAborted
+
+    core, steps = engine.llm.llm_engine, []
+    real_step = core.step
+
+    def step():
+        steps.append(1)
+        if rank == 0 and len(steps) == 2:
+            engine.abort()  # the flag only; the loop ends the requests before its next step
+        return real_step()
+
+    core.step, engine.eos_token_ids = step, ()
+    mine = [0, 1, 2, 3] if engine.dp_size == 1 else [[0, 2, 3], [1]][engine.dp_rank]
+    try:
+        engine.generate([PROMPTS[i] for i in mine], N, SamplingParams(max_tokens=16, seed=5), prompt_indices=mine)
+        outcome = "generated"
+    except GenerationAborted:
+        outcome = "aborted"
+    del core.step
+    seen = [None, None]
+    dist.all_gather_object(seen, (outcome, len(steps)))
+    if engine.dp_size == 1:
+        assert seen == [("aborted", 2), ("aborted", 2)], seen
+    else:
+        assert [o for o, _ in seen] == ["aborted", "generated"] and seen[0][1] == seen[1][1] >= 16, seen
 
 
 @pytest.fixture(scope="module")

@@ -323,7 +323,7 @@ def test_abort_ends_the_running_generate_at_its_next_token_and_every_later_one()
     assert len(forwards) == 3, "the generate went on decoding after the abort"
     with pytest.raises(GenerationAborted):
         eng.generate(PROMPTS, n=2, params=params)
-    assert len(forwards) == 4  # a later call stops after its prefill, at its first token
+    assert len(forwards) == 3  # a later call stops before its prefill
     from megatron_dapo.rollout.vllm_engine import VLLMEngine
 
     assert HFEngine.aborts and VLLMEngine.aborts  # vLLM's: tests/unit/test_rollout_vllm_engine.py

@@ -185,9 +185,75 @@ def test_a_stop_releases_what_the_engines_cannot_finish_before_the_kill_and_a_re
     assert not again.released() and again.ready_count(lambda request: True, None) == 1
 
 
+def test_a_released_batch_is_asked_for_again_only_where_no_save_comes_before_it():
+    """A resume may save more often than the run whose stop released a batch: asked for at the end
+    of step 2 or 3, step 4's batch would be in flight at the save that ends step 3 (record 4), which
+    then failed ("still in flight"). It is generated in its own step instead."""
+    saved = [Ahead(4, [1, 2], seed=3).to_json()]  # released: no rollouts, no request
+    often, never = RolloutPipeline(2, 8, save_every=2), RolloutPipeline(2, 8, save_every=0)
+    often.restore(saved)
+    never.restore(saved)
+    assert often.released(2) == often.released(3) == [] and len(often.released()) == 1
+    assert [a.step for a in never.released(2)] == [4]
+    assert often.take(4).indices == [1, 2]  # in its step: generated then, from the newest weights
+
+
 def test_a_stop_without_a_deadline_waits_for_every_batch():
     pipe = RolloutPipeline(1, 8, 0)
     pipe.add(Ahead(2, [4], seed=2, request=3))
     answers = iter([False, False, True])
     assert pipe.ready_count(lambda request: next(answers), None, poll_s=0.0) == 1
     assert pipe.collect_in_flight(lambda request: [[]]) == 0 and pipe.to_json()[0]["rollouts"] == [[]]
+
+
+def _held_and_lag(k: int, steps: int, *, ahead_size) -> tuple[int, int]:
+    """The training loop's rollout (train.py) over the real DynamicSampler and RolloutPipeline:
+    8 prompts a step, generation batches of 16 of which 60% are mixed (seeded), surplus="carry".
+    A batch's groups hold the step whose weights generated it. (most groups held after a step, the
+    largest lag trained)."""
+    import random
+
+    import torch
+
+    from megatron_dapo.algo.dynamic_sampling import DynamicSampler
+
+    rng, pps, size = random.Random(0), 8, 16
+    dyn = DynamicSampler(prompts_per_step=pps, group_size=4, max_num_gen_batches=0, surplus="carry")
+    pipeline, versions = RolloutPipeline(k, steps, 0), {}  # a batch's version, by its first step
+    most, lag = 0, 0
+    for step in range(steps):
+        dyn.start_step()
+        while not dyn.is_full or pipeline.has(step):
+            ahead = pipeline.take(step) or Ahead(step, list(range(size)), 0)
+            acc = torch.tensor([[rng.random() < 0.6, False, False, False] for _ in ahead.indices])
+            dyn.add([versions.pop(step, step) if ahead.request else step] * len(ahead.indices), acc)
+        groups, _ = dyn.pop()
+        lag = max(lag, max(step - v for v in groups))
+        for target in pipeline.targets(step, finished=step + 1 == steps):
+            prompts = ahead_size(dyn, size, target - step)
+            if prompts:
+                versions[target] = step - 1  # asked for now: the weights of the step before
+                pipeline.add(Ahead(target, list(range(prompts)), 0, request=target))
+        most = max(most, len(dyn.held))
+    return most, lag
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_batches_asked_for_ahead_keep_the_held_groups_and_their_lag_bounded(k):
+    """Two or more steps ahead a batch was asked for at full size whatever the groups held
+    (surplus="carry", as partial rollouts force): every step took its batch, held more than it
+    trained, and the held groups and their lag grew with the run (k=2: 49 held and a lag of 9 after
+    30 steps, 306 and 37 after 200). Asked for by what the held groups leave uncovered, both stay
+    bounded: at most k steps' groups and one batch held, a lag of at most 2k + 3."""
+    def old_rule(dyn, size, ahead):
+        return 0 if ahead == 1 and dyn.is_full else dyn.request_size(size)
+
+    def rule(dyn, size, ahead):
+        return dyn.ahead_request_size(size, ahead)
+
+    for steps in (30, 200):
+        most, lag = _held_and_lag(k, steps, ahead_size=rule)
+        assert most <= k * 8 + 16 and lag <= 2 * k + 3, (steps, most, lag)
+    if k >= 2:
+        most, lag = _held_and_lag(k, 200, ahead_size=old_rule)
+        assert most > 100 and lag > 20  # the rule it replaces, for the record
