@@ -14,13 +14,14 @@ the next steps' first batches while the trainers train.
 """
 
 import json
-import time
 from pathlib import Path
 
 import pytest
 
 from tests.helpers.demo import copy_demo_base
-from tests.helpers.separate_runs import kill_all, records, reference_run, run, start_then, stop_every_rank, values
+from tests.helpers.separate_runs import (
+    kill_all, records, reference_run, run, stall_then_stop, start_then, stop_every_rank, values,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 STALLING = "tests.helpers.stalling_engine"
@@ -105,17 +106,7 @@ def test_a_stop_releases_a_batch_the_engines_cannot_finish_before_the_kill(demo_
     with every step's record once."""
     run_dir = copy_demo_base(demo_base, tmp_path / "run")
     marker = tmp_path / "stall"
-    latest = run_dir / "checkpoints" / "latest"
-
-    def stall_then_stop(agent) -> None:
-        marker.touch()  # step 5's batch has started on the engines; step 6's will stall
-        stop_every_rank(agent)
-        deadline = time.time() + 300
-        while not (latest.is_file() and latest.read_text().strip() == "step_00000005"):
-            assert agent.poll() is None and time.time() < deadline, "the trainers did not save step 5"
-            time.sleep(0.05)
-
-    status, log = start_then(run_dir, STALL, 4, stall_then_stop, module=STALLING, env={"STALL_FILE": str(marker)})
+    status, log = stall_then_stop(run_dir, STALL, marker)
     assert status == 0, log[-5000:]
     assert "stopped by SIGTERM after step 5 of 8" in log, log[-3000:]
     assert "1 generation batch(es) in flight not finished in time" in log and "abandoning" not in log

@@ -11,13 +11,12 @@ import re
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from tests.helpers.demo import DEMO_DIRS, LAUNCHER_VARS
-from tests.helpers.separate_runs import start_then, stop_every_rank
+from tests.helpers.separate_runs import stall_then_stop
 
 pytest.importorskip("vllm", reason="vLLM is not installed (./install.sh vllm)")
 
@@ -94,21 +93,10 @@ def test_a_stop_aborts_the_batch_the_vllm_engines_are_generating(colocated, tmp_
     is test_async_rollouts.py's (the HF engine)."""
     run_dir = _with_base(colocated[0], tmp_path / "run")
     marker = tmp_path / "stall"
-    latest = run_dir / "checkpoints" / "latest"
-
-    def stall_then_stop(agent) -> None:
-        marker.touch()  # step 5's batch has started on the engines; step 6's will stall
-        stop_every_rank(agent)
-        deadline = time.time() + 300
-        while not (latest.is_file() and latest.read_text().strip() == "step_00000005"):
-            assert agent.poll() is None and time.time() < deadline, "the trainers did not save step 5"
-            time.sleep(0.05)
-
     stall = ["rollout.engine=stalling_vllm", "rollout.max_staleness=1", "algorithm.filter_groups.enable=false",
              "train.total_steps=8", "checkpoint.save_every=0", "checkpoint.stop_grace_s=15", *RUN,
              "eval.before_train=false"]
-    status, log = start_then(run_dir, stall, 4, stall_then_stop, module="tests.helpers.stalling_engine",
-                             env={"STALL_FILE": str(marker)}, config="cpu_tiny_vllm.yaml")
+    status, log = stall_then_stop(run_dir, stall, marker, config="cpu_tiny_vllm.yaml")
     assert status == 0, log[-5000:]
     assert "stopped by SIGTERM after step 5 of 8" in log and "abandoning" not in log, log[-3000:]
     assert "1 generation batch(es) in flight not finished in time" in log, log[-3000:]

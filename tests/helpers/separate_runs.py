@@ -77,6 +77,26 @@ def start_then(run_dir: Path, overrides: list[str], after_step: int, act, *, mod
     return agent.returncode, log.read_text()
 
 
+def stall_then_stop(run_dir: Path, overrides: list[str], marker: Path, *,
+                    config: str = "cpu_tiny.yaml") -> tuple[int, str]:
+    """Runs with the stalling engines (tests/helpers/stalling_engine.py; ``overrides`` name one) and,
+    once step 4's record is there (step 5's batch has started on the engines), creates ``marker``, so
+    that step 6's batch, asked for in step 5, stalls; sends SIGTERM to every rank and waits for the
+    stop's checkpoint of step 5. (the launcher's exit status, its output)"""
+    latest = run_dir / "checkpoints" / "latest"
+
+    def act(agent) -> None:
+        marker.touch()
+        stop_every_rank(agent)
+        deadline = time.time() + 300
+        while not (latest.is_file() and latest.read_text().strip() == "step_00000005"):
+            assert agent.poll() is None and time.time() < deadline, "the trainers did not save step 5"
+            time.sleep(0.05)
+
+    return start_then(run_dir, overrides, 4, act, module="tests.helpers.stalling_engine",
+                      env={"STALL_FILE": str(marker)}, config=config)
+
+
 def stop_every_rank(agent) -> None:
     """SIGTERM to each of the launcher's 4 workers, as SLURM signals every task of a job step."""
     workers = psutil.Process(agent.pid).children()
