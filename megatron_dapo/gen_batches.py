@@ -61,6 +61,10 @@ class GenerationBatches:
         """Asks the engines for ``ahead`` and returns at once (separate placement)."""
         ahead.request = self.run.placement.submit(*self._request(ahead))
 
+    def cancel(self, requests: list[int]) -> None:
+        """Tells the engines that submitted batches will not be collected (separate placement)."""
+        self.run.placement.cancel(requests)
+
     def generate(self, ahead: Ahead, *, keep: Callable[[torch.Tensor], torch.Tensor], rows: RowSpec | None,
                  carry_all: bool = False) -> tuple[GenBatch, list[int]]:
         """``ahead``'s scored groups (groups.generate_groups, ``carry_all`` as there) and their prompts,

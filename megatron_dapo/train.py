@@ -202,7 +202,7 @@ def _loop(run: Run, stop: StopRequest, dyn: DynamicSampler, pipeline: RolloutPip
         generated += int(ds_metrics["dynamic_sampling/num_groups_generated"]) * cfg.rollout.n
         finished = _finished(cfg, step + 1, generated)
         if finished:
-            pipeline.drop()  # a generation budget spent: batches asked for ahead will not be trained on
+            pipeline.drop(gen.cancel)  # a generation budget spent: batches asked for ahead will not be trained on
         last = finished or (pipeline.max_staleness > 0  # the job's end: nothing to wait for at its stop
                             and placement.gather([_job_ends_after_next(cfg, clock, end_time, step, evaluates)])[0])
         for ahead in [] if last or cfg.rollout.placement != "separate" else pipeline.released(step):

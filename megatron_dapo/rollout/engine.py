@@ -164,10 +164,17 @@ class RolloutEngine(Protocol):
         ...
 
     def abort(self) -> None:
-        """Called from another thread than the one generating, when nobody will collect what it
-        generates (an engine rank's stop, rollout/separate.py): a ``generate`` running now ends
-        soon, raising GenerationAborted, and every later one at once. An engine that cannot stop a
-        batch it has begun ignores it (its ``aborts`` class attribute is False): the batch finishes."""
+        """Called from another thread than the one generating (or, for a batch not begun, from that
+        thread), when nobody will collect what it generates (an engine rank's stop, a cancelled
+        batch: rollout/separate.py): a ``generate`` running now ends
+        soon, raising GenerationAborted, and every later one at once, until ``clear_abort``. An
+        engine that cannot stop a batch it has begun ignores it (its ``aborts`` class attribute is
+        False): the batch finishes."""
+        ...
+
+    def clear_abort(self) -> None:
+        """Undo ``abort`` for the next ``generate`` (called on the generating thread between two,
+        when the batch aborted was cancelled and the engine serves on: rollout/separate.py)."""
         ...
 
 

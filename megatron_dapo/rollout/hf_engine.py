@@ -224,8 +224,12 @@ class HFEngine:
 
     def abort(self) -> None:
         """The running generate raises GenerationAborted at its next token, and every later one
-        before its prefill (RolloutEngine.abort)."""
+        before its prefill, until clear_abort (RolloutEngine.abort)."""
         self._aborted.set()
+
+    def clear_abort(self) -> None:
+        """The next generate runs (RolloutEngine.clear_abort)."""
+        self._aborted.clear()
 
 
 def sample_next(logits_BV: torch.Tensor, params: SamplingParams, generators: Sequence[torch.Generator], *,

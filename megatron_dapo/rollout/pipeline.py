@@ -22,7 +22,7 @@ the engines cannot finish by then (a 32B batch takes minutes; a grace is ~30 s) 
 as its prompts, seed and carried groups, and asked for again at resume, from the checkpoint's
 weights (``released``). Nothing is asked for ahead when the job's end would stop the run after the
 next step (train.py), so a time-limit stop has nothing to wait for; a run that ends (its last step,
-or its generation budget spent) drops what is in flight (``drop``).
+or its generation budget spent) cancels what is in flight (``drop``).
 """
 
 from __future__ import annotations
@@ -150,8 +150,13 @@ class RolloutPipeline:
         end of step r - 1 (record r, r % save_every == 0) must find nothing in flight."""
         return any(self.save_every and r % self.save_every == 0 for r in range(step + 1, target + 1))
 
-    def drop(self) -> None:
-        """The run ends: what is in flight will never be trained on (the engines drop it at their stop)."""
+    def drop(self, cancel: Callable[[list[int]], None]) -> None:
+        """The run ends: what is in flight will never be trained on. ``cancel(requests)`` (a
+        placement's) tells the engines, which abort those batches and serve on: the final evaluation
+        need not wait behind them."""
+        in_flight = [a.request for a in self.ahead if a.in_flight]
+        if in_flight:
+            cancel(in_flight)
         self.ahead.clear()
 
     def restore(self, saved: list[dict]) -> None:

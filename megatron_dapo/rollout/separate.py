@@ -6,7 +6,7 @@ resolved config once the run is prepared (``start``, so the demo's files exist a
 loads the same model); per generation batch a request (``generate``: each engine replica generates
 its contiguous share, seeded by the prompts' global positions as colocated replicas are) and, when
 it needs the results, ``collect`` (the replica leaders' results come back in replica order; a stop
-asks ``ready`` first, without waiting); per
+asks ``ready`` first, without waiting; ``cancel`` names batches nobody will collect); per
 weight sync the export's stream (``weights``, with its version); ``stop`` when the run ends.
 
 An engine rank does the work in a thread of its own, strictly in the order asked, while its main
@@ -108,6 +108,13 @@ class SeparatePlacement:
         broadcast_object(self.split, ("ready", request))
         return all(allgather_objects(self.split, None)[1:])
 
+    def cancel(self, requests: Sequence[int]) -> None:
+        """Submitted batches nobody will collect (a generation budget spent with batches asked for
+        ahead): the engines abort them (or, queued, end them at once) and serve on (every trainer
+        rank calls it; only the leader sends)."""
+        if self.is_leader and requests:
+            broadcast_object(self.split, ("cancel", list(requests)))
+
     def generate(self, prompt_ids: Sequence[Sequence[int]], n: int,
                  params: SamplingParams) -> tuple[range, list[list[Rollout]]]:
         """On the leader every prompt's rollouts (from the engine replicas); elsewhere none."""
@@ -171,10 +178,12 @@ class _Worker(threading.Thread):
         self.results: dict[int, tuple[list | None, float]] = {}
         self.error: BaseException | None = None
         self.served = 0
-        self.engine = None  # once built; the main thread aborts it at the stop
+        self.engine = None  # once built; the main thread aborts it at a stop or a cancel
         self.aborts = False  # whether the run's engine class can abort (known at "start")
-        self.stopping = self.generating = False
-        self._done = threading.Condition()
+        self.stopping = False
+        self.cancelled: set[int] = set()  # requests nobody will collect; the engine serves on
+        self._current: int | None = None  # the generation request the worker runs
+        self._done = threading.Condition()  # also guards stopping, cancelled, _current and the abort flag
 
     def run(self) -> None:
         engine, version, idle = None, 0, 0.0
@@ -193,19 +202,21 @@ class _Worker(threading.Thread):
                 elif kind == "generate":
                     request, prompt_ids, n, params = item[1:]
                     share = shard_range(len(prompt_ids), replica, num_replicas)
-                    self.generating = True
+                    self._enter(request)
                     try:
                         out = engine.generate([prompt_ids[i] for i in share], n, params, prompt_indices=list(share))
-                    except GenerationAborted:
-                        logger.info("engine rank %d: generation request %d aborted at the stop",
-                                    self.split.side_rank, request)
+                    except GenerationAborted:  # a stop or a cancel (here, or on its replica's other ranks)
+                        logger.info("engine rank %d: generation request %d %s", self.split.side_rank, request,
+                                    "aborted at the stop" if self.stopping else "cancelled, aborted")
                         continue  # nobody collects it; the stop comes after the requests still queued
                     finally:
-                        self.generating = False
+                        self._current = None
                     with self._done:
-                        self.results[request] = (stamp(out, version) if leader else None, idle)
+                        if request not in self.cancelled:  # else finished before the cancel reached it
+                            self.results[request] = (stamp(out, version) if leader else None, idle)
+                            self.served += 1
                         self._done.notify_all()
-                    idle, self.served = 0.0, self.served + 1
+                    idle = 0.0
                 elif kind == "weights":
                     for bucket in item[2]:
                         engine.update_weights(bucket)
@@ -219,6 +230,29 @@ class _Worker(threading.Thread):
             with self._done:
                 self.error = error
                 self._done.notify_all()
+
+    def _enter(self, request: int) -> None:
+        """Before generating ``request``: the engine's abort flag says whether nobody will collect it
+        (a stop, a cancel), set or cleared under the lock that ``cancel`` and ``abort`` take, so that
+        neither lands on the request after the one it meant. Every rank enters every request, an
+        aborted one too: vLLM's replicas step together."""
+        with self._done:
+            self._current = request
+            if self.stopping or request in self.cancelled:
+                if self.engine.aborts:
+                    self.engine.abort()
+            elif self.engine.aborts:
+                self.engine.clear_abort()
+
+    def cancel(self, requests: Sequence[int]) -> None:
+        """Generation requests nobody will collect (SeparatePlacement.cancel): the one generating is
+        aborted, a queued one ends at once when the worker takes it, a finished one's result goes."""
+        with self._done:
+            self.cancelled.update(requests)
+            for request in requests:
+                self.results.pop(request, None)
+            if self._current in self.cancelled and self.engine is not None and self.engine.aborts:
+                self.engine.abort()
 
     def _build(self, cfg):
         from megatron_dapo.rollout.engine import get_engine_cls
@@ -273,11 +307,11 @@ class _Worker(threading.Thread):
         ``aborts``): at the stop nobody collects them, and its rank would otherwise finish them before
         exiting (minutes at scale, past a preempted job's kill). An engine still being built is aborted
         once built."""
-        self.stopping = True
-        engine = self.engine
-        if engine is not None and engine.aborts:
-            engine.abort()
-        elif engine is not None and self.generating:
+        with self._done:
+            self.stopping, engine = True, self.engine
+            if engine is not None and engine.aborts:
+                engine.abort()
+        if engine is not None and not engine.aborts and self._current is not None:
             logger.warning("engine rank %d: its engine cannot abort the generation batch in flight; the rank "
                            "exits once it is done", self.split.side_rank)
 
@@ -320,6 +354,8 @@ def _answer(split: WorldSplit, worker: _Worker) -> None:
             worker.work.put(request)
         elif kind == "collect":
             allgather_objects(split, worker.result(request[1]))
+        elif kind == "cancel":
+            worker.cancel(request[1])
         elif kind == "ready":
             allgather_objects(split, worker.done(request[1]))
         elif kind == "weights":

@@ -422,10 +422,14 @@ class VLLMEngine:
 
     def abort(self) -> None:
         """The running generate ends its requests at its next engine step and raises
-        GenerationAborted, and so does every later one (RolloutEngine.abort). Only a flag is set
+        GenerationAborted, and so does every later one until clear_abort (RolloutEngine.abort). Only a flag is set
         here: vLLM's engine is stepped by the generating thread, and ending requests from another
         thread would race that loop (vllm_colocation.step_requests)."""
         self._aborted.set()
+
+    def clear_abort(self) -> None:
+        """The next generate runs (RolloutEngine.clear_abort); its requests are new ones."""
+        self._aborted.clear()
 
     def shutdown(self) -> None:
         """Stop the engine and, in process, tear down vLLM's parallel groups (and the one-process

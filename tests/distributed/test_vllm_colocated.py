@@ -165,7 +165,9 @@ def _abort_reaching_rank_0_only(engine, rank):
     16-token responses (no EOS) and rank 1 not at all. At rollout TP=2 the replica's two ranks agree
     on it and both end the batch at the same step (were rank 0 to end it alone, rank 1's next
     forward would wait for it for ever). At TP=1 x 2 replicas rank 0 ends its requests and keeps
-    stepping vLLM's dummy batches until rank 1, not aborted, has generated its share."""
+    stepping vLLM's dummy batches until rank 1, not aborted, has generated its share. After
+    ``clear_abort`` the engine serves on (a cancelled batch, rollout/separate.py): the same batch
+    again draws what it drew before the abort, token for token."""
     import torch.distributed as dist
 
     from megatron_dapo.rollout import SamplingParams
@@ -180,14 +182,24 @@ def _abort_reaching_rank_0_only(engine, rank):
             engine.abort()  # the flag only; the loop ends the requests before its next step
         return real_step()
 
-    core.step, engine.eos_token_ids = step, ()
+    engine.eos_token_ids = ()
     mine = [0, 1, 2, 3] if engine.dp_size == 1 else [[0, 2, 3], [1]][engine.dp_rank]
+
+    def batch():
+        out = engine.generate([PROMPTS[i] for i in mine], N, SamplingParams(max_tokens=16, seed=5),
+                              prompt_indices=mine)
+        return [[r.response_ids for r in group] for group in out]
+
+    before = batch()
+    core.step = step
     try:
-        engine.generate([PROMPTS[i] for i in mine], N, SamplingParams(max_tokens=16, seed=5), prompt_indices=mine)
+        batch()
         outcome = "generated"
     except GenerationAborted:
         outcome = "aborted"
     del core.step
+    engine.clear_abort()
+    assert batch() == before  # the cancelled batch's requests are gone; the seeds draw as before
     seen = [None, None]
     dist.all_gather_object(seen, (outcome, len(steps)))
     if engine.dp_size == 1:

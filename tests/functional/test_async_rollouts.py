@@ -11,6 +11,8 @@ the next steps' first batches while the trainers train.
   run dir ends with the uninterrupted run's records, value for value.
 - A stop whose batch in flight the engines cannot finish before the kill saves it as a request,
   asked for again at resume.
+- A generation budget spent with a batch in flight cancels it: the engines abort it and serve the
+  final evaluation.
 """
 
 import json
@@ -20,7 +22,8 @@ import pytest
 
 from tests.helpers.demo import copy_demo_base
 from tests.helpers.separate_runs import (
-    kill_all, records, reference_run, run, stall_then_stop, start_then, stop_every_rank, values,
+    cancel_at_budget_end, kill_all, records, reference_run, run, stall_then_stop, start_then, stop_every_rank,
+    values,
 )
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
@@ -119,3 +122,12 @@ def test_a_stop_releases_a_batch_the_engines_cannot_finish_before_the_kill(demo_
     recs = records(run_dir)
     assert [r["step"] for r in recs] == list(range(1, 9))
     assert recs[5]["rollout/version_lag_max"] == 0  # asked for again at resume, from step 5's weights
+
+
+def test_a_spent_generation_budget_cancels_the_batches_asked_for_ahead(demo_base, tmp_path):
+    """The batches of steps 3 and 4 are in flight when the budget is spent in step 2, request 3
+    stalling on both engine replicas (separate_runs.cancel_at_budget_end): the trainers cancel both;
+    each engine rank aborts the one it generates, ends the queued one at once, loads step 2's
+    weights and runs the final evaluation. Without the cancel each stall times out (120 s) and both
+    batches nobody will collect are generated first."""
+    cancel_at_budget_end(copy_demo_base(demo_base, tmp_path / "run"), "stalling_hf")

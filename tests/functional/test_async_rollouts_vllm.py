@@ -3,7 +3,8 @@ under torchrun, ranks 0-1 training at DP=2, ranks 2-3 two vLLM replicas (data-pa
 engines' own world). At staleness 0 it writes the colocated 2-process vLLM run's records value for
 value; at staleness 1 with partial rollouts (vLLM continuing each cut response from its prefix) it
 learns as the colocated vLLM demo does (tests/functional/test_cpu_tiny_vllm.py: 0.051 -> 0.238 in 40
-steps on this kind of machine); a stop aborts the batch both replicas are generating."""
+steps on this kind of machine); a stop aborts the batch both replicas are generating, and a spent
+generation budget cancels it (extended tier: the HF engine's cancel runs in CI)."""
 
 import json
 import os
@@ -16,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.demo import DEMO_DIRS, LAUNCHER_VARS
-from tests.helpers.separate_runs import stall_then_stop
+from tests.helpers.separate_runs import cancel_at_budget_end, stall_then_stop
 
 pytest.importorskip("vllm", reason="vLLM is not installed (./install.sh vllm)")
 
@@ -103,3 +104,14 @@ def test_a_stop_aborts_the_batch_the_vllm_engines_are_generating(colocated, tmp_
     aborted = re.findall(r"engine rank (\d): generation request \d+ aborted at the stop", log)
     assert sorted(aborted) == ["0", "1"], log[-3000:]
     assert "cannot abort" not in log and marker.exists()
+
+
+@pytest.mark.extended  # the HF engine's cancel is in CI (test_async_rollouts.py), vLLM's abort then clear_abort
+@pytest.mark.parametrize("rollout_tp", [1, 2])
+def test_a_spent_generation_budget_cancels_the_batch_the_vllm_engines_are_generating(colocated, tmp_path, rollout_tp):
+    """test_async_rollouts.py's cancel on vLLM (tests/distributed/test_vllm_colocated.py: the same
+    batch after clear_abort draws what it drew before the abort), on two replicas or one of TP=2:
+    request 3 stalls with its requests in vLLM, request 4 waits behind it, and every engine rank
+    aborts both and serves the final evaluation (separate_runs.cancel_at_budget_end)."""
+    cancel_at_budget_end(_with_base(colocated[0], tmp_path / "run"), "stalling_vllm",
+                         f"rollout.tensor_parallel_size={rollout_tp}", config="cpu_tiny_vllm.yaml")

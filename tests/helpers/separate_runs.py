@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -31,10 +32,11 @@ def command(run_dir: Path, *overrides: str, module: str = "megatron_dapo.cli",
             *SEPARATE, *overrides]
 
 
-def run(run_dir: Path, *overrides: str, module: str = "megatron_dapo.cli") -> str:
+def run(run_dir: Path, *overrides: str, module: str = "megatron_dapo.cli", env: dict | None = None,
+        config: str = "cpu_tiny.yaml") -> str:
     """A whole run (exit 0 asserted); its output."""
-    out = subprocess.run(command(run_dir, *overrides, module=module), cwd=ROOT, capture_output=True, text=True,
-                         timeout=900, env=ENV)
+    out = subprocess.run(command(run_dir, *overrides, module=module, config=config), cwd=ROOT, capture_output=True,
+                         text=True, timeout=900, env={**ENV, **(env or {})})
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-5000:]
     return out.stdout + out.stderr
 
@@ -95,6 +97,23 @@ def stall_then_stop(run_dir: Path, overrides: list[str], marker: Path, *,
 
     return start_then(run_dir, overrides, 4, act, module="tests.helpers.stalling_engine",
                       env={"STALL_FILE": str(marker)}, config=config)
+
+
+def cancel_at_budget_end(run_dir: Path, engine: str, *overrides: str, config: str = "cpu_tiny.yaml") -> None:
+    """A run whose generation budget (200; 16 prompts x 8 responses a step) is spent in step 2 while
+    the batches of steps 3 and 4, asked for in step 1 (staleness 3; the engines' requests 3 and 4),
+    are in flight, request 3 stalling until aborted on the stalling engine ``engine``
+    (tests/helpers/stalling_engine.py, ``STALL_CALL``): asserts that every engine rank cancelled
+    both, the stall ended by the abort, and the run ended with step 2's record and its evaluation."""
+    log = run(run_dir, f"rollout.engine={engine}", "rollout.max_staleness=3", "algorithm.filter_groups.enable=false",
+              "data.gen_prompts_per_batch=16", "train.generation_budget=200", "train.total_steps=8",
+              "checkpoint.save_every=0", "eval.every=0", "eval.before_train=false", *overrides,
+              module="tests.helpers.stalling_engine", env={"STALL_CALL": "3"}, config=config)
+    recs = records(run_dir)
+    assert [r["step"] for r in recs] == [1, 2] and "eval/avg@4" in recs[-1], recs
+    assert log.count("call 3 stall ended by an abort") == 2 and "timed out" not in log, log[-3000:]
+    cancelled = re.findall(r"engine rank (\d): generation request (\d) cancelled, aborted", log)
+    assert sorted(cancelled) == [("0", "3"), ("0", "4"), ("1", "3"), ("1", "4")], log[-3000:]
 
 
 def stop_every_rank(agent) -> None:

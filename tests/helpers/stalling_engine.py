@@ -3,7 +3,9 @@ stop that cannot wait for it (tests/functional/test_async_rollouts.py, test_asyn
 
 ``StallingHFEngine`` is the real HF engine; a batch that starts while the file named by
 ``$STALL_FILE`` exists waits until the test deletes it (at most ``MAX_STALL_S``) or the engine is
-aborted (then it raises, as a batch aborted while decoding does), then generates.
+aborted (then it raises, as a batch aborted while decoding does), then generates. With
+``$STALL_CALL`` set, only the engine's call of that number (from 1; training batches and
+evaluations alike) stalls, until aborted or ``MAX_STALL_S``, and says how its stall ended.
 ``StallingVLLMEngine`` is the real vLLM engine; such a batch stalls the same way after its requests
 are in vLLM, before its first engine step, so that an abort goes through the real one: vLLM ends
 the requests and the replicas leave their data-parallel lockstep together.
@@ -24,21 +26,32 @@ from megatron_dapo.rollout.vllm_engine import VLLMEngine
 MAX_STALL_S = 120.0
 
 
-def _stall(aborted) -> None:
-    marker, started = Path(os.environ.get("STALL_FILE", "/nonexistent")), time.monotonic()
+def _stall(engine) -> None:
+    engine.calls = getattr(engine, "calls", 0) + 1
+    aborted, started = engine._aborted, time.monotonic()
+    only = os.environ.get("STALL_CALL")
+    if only is not None:
+        if engine.calls != int(only):
+            return
+        while not aborted.is_set() and time.monotonic() - started < MAX_STALL_S:
+            time.sleep(0.05)
+        how = "by an abort" if aborted.is_set() else "timed out"
+        print(f"stalling engine: call {engine.calls} stall ended {how}", file=sys.stderr, flush=True)
+        return
+    marker = Path(os.environ.get("STALL_FILE", "/nonexistent"))
     while marker.exists() and not aborted.is_set() and time.monotonic() - started < MAX_STALL_S:
         time.sleep(0.05)
 
 
 class StallingHFEngine(HFEngine):
     def generate(self, prompt_ids, n, params, *, prompt_indices=None):
-        _stall(self._aborted)
+        _stall(self)
         return super().generate(prompt_ids, n, params, prompt_indices=prompt_indices)
 
 
 class StallingVLLMEngine(VLLMEngine):
     def _run(self, ids):
-        _stall(self._aborted)
+        _stall(self)
         return super()._run(ids)
 
 

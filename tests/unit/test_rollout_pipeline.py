@@ -128,12 +128,16 @@ def test_a_second_stop_collects_only_what_is_in_flight():
     assert asked == [7] and pipe.ahead[0].rollouts == saved.rollouts and pipe.to_json()
 
 
-def test_a_run_that_ends_drops_what_is_in_flight():
+def test_a_run_that_ends_cancels_what_is_in_flight():
     pipe = RolloutPipeline(2, 8, 0)
     for t in pipe.targets(0, finished=False):
-        pipe.add(Ahead(t, [t], seed=t, request=t))
-    pipe.drop()  # the generation budget ran out at step 1: its final save finds nothing in flight
-    assert pipe.to_json() == []
+        pipe.add(Ahead(t, [t], seed=t, request=t + 10))
+    pipe.ahead[0].rollouts = []  # collected at a stop before a resume: nothing to cancel
+    cancelled = []
+    pipe.drop(cancelled.extend)  # the generation budget ran out at step 1: its final save finds nothing in flight
+    assert cancelled == [12] and pipe.to_json() == []
+    pipe.drop(cancelled.extend)  # nothing in flight: the engines are not asked
+    assert cancelled == [12]
 
 
 def test_nothing_is_asked_ahead_when_the_jobs_end_stops_the_run_after_the_next_step():
