@@ -112,8 +112,7 @@ def prepare_run(cfg: DAPOConfig, *, lock: bool = True, engines=None) -> Prepared
     remote engines of a separate placement (this process is then a trainer of its own world)."""
     rank, world = ranks.rank(), ranks.world_size()
     cfg = with_async_defaults(cfg)
-    check_rollout(cfg, world if engines is None else engines.split.num_engines)
-    check_model(cfg)
+    check_settings(cfg, world if engines is None else engines.split.num_engines)
     if cfg.num_threads:
         import torch
 
@@ -300,6 +299,15 @@ def _build(prep: Prepared) -> Run:
               placement=placement, pool=pool, sampler=sampler)
     prep.lock = None  # the Run holds it now
     return run
+
+
+def check_settings(cfg: DAPOConfig, engine_ranks: int) -> None:
+    """The rollout and model settings this launch (``engine_ranks`` ranks hold engines) or this
+    machine cannot run; a ConfigError. A separate placement runs it on every rank before its split
+    starts any process group, so that a bad setting is one line on every rank, not a trainer's error
+    that the engines wait out or that the transfer group's teardown hides."""
+    check_rollout(cfg, engine_ranks)
+    check_model(cfg)
 
 
 def check_model(cfg: DAPOConfig) -> None:

@@ -35,7 +35,7 @@ from megatron_dapo.rollout.engine import eval_sampling_params
 from megatron_dapo.rollout.partial import partial_metrics, token_versions
 from megatron_dapo.rollout.pipeline import RolloutPipeline
 from megatron_dapo.rollout.weight_sync import MISMATCH_KEYS, logprob_mismatch
-from megatron_dapo.run import Run, build_run, prepare_run
+from megatron_dapo.run import Run, build_run, check_settings, prepare_run
 from megatron_dapo.time_limit import StepClock, job_end_time, write_status
 from megatron_dapo.trainer_state import TrainerState
 
@@ -64,6 +64,7 @@ def train(cfg: DAPOConfig, stop: StopRequest | None = None) -> TrainResult:
             from megatron_dapo.rollout.separate import Engines, serve
             from megatron_dapo.rollout.worlds import split_world
 
+            check_settings(cfg, cfg.rollout.num_ranks)
             split = split_world(cfg.rollout.num_ranks, tensor_parallel_size=cfg.rollout.tensor_parallel_size)
             if not split.is_trainer:
                 try:

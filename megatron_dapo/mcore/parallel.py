@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_dapo.errors import ConfigError
+from megatron_dapo.gpu_binding import bind_gpu, check_distinct_gpus, gpu_identity
 from megatron_dapo import ranks
 from megatron_dapo.config import ModelConfig, ParallelConfig
 from megatron_dapo.mcore.cpu_compat import require_cpu_compat
@@ -88,10 +89,15 @@ def initialize_parallel(hf_config, *, parallel: ParallelConfig, model: ModelConf
     world_size = ranks.world_size()
     sizes = validate_parallel(hf_config, parallel=parallel, model=model, world_size=world_size, on_gpu=on_gpu)
     if not dist.is_initialized():
-        if on_gpu:
-            torch.cuda.set_device(ranks.local_rank())
         backend, timeout = "nccl" if on_gpu else "gloo", datetime.timedelta(minutes=timeout_minutes)
-        if ranks.launched():
+        if on_gpu:
+            bind_gpu()
+        if ranks.launched() and on_gpu:  # one GPU a rank, checked before NCCL's late refusal
+            store, rank, size = next(dist.rendezvous("env://"))
+            store.set_timeout(timeout)
+            check_distinct_gpus(store, rank, size, gpu_identity())
+            dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout)
+        elif ranks.launched():
             dist.init_process_group(backend, timeout=timeout)
         else:  # plain `python ...`: no launcher, no rendezvous address needed
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)

@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from megatron_dapo import ranks
 from megatron_dapo.errors import ConfigError
+from megatron_dapo.gpu_binding import bind_gpu, check_distinct_gpus, gpu_identity
 from megatron_dapo.rollout.weight_sync import bucketed, count_bucket, finish_update, new_counts
 
 _END = "end"  # the header that closes a weight stream
@@ -96,7 +97,8 @@ def split_world(num_engine_ranks: int, *, tensor_parallel_size: int = 1, backend
     num_trainers = check_split(world_size, num_engine_ranks, tensor_parallel_size)
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if backend == "nccl":  # as initialize_parallel does for a world it starts: one GPU a process
-        torch.cuda.set_device(ranks.local_rank())
+        bind_gpu()
+        check_distinct_gpus(store, rank, world_size, gpu_identity())
     timeout = datetime.timedelta(minutes=timeout_minutes)
     store.set_timeout(timeout)
     is_trainer = rank < num_trainers

@@ -52,3 +52,23 @@ def test_separate_engines_at_staleness_0_reproduce_the_colocated_run(demo_base, 
     for engine in (0, 1):
         assert f"engine rank {engine}: rollout replica {engine} of 2 (hf engine), answering" in log
     assert "rank 0: rollout replica 0 of 1 (hf engine, rollout TP 1), scoring" in log
+
+
+def test_a_setting_the_machine_cannot_run_is_one_line_on_every_rank_before_the_split(tmp_path):
+    """The settings checks run on every rank before the split starts any process group: on a GPU
+    the trainer's error came after the transfer group was built, and the teardown's own broadcast
+    on it hid the error (docs/gpu.md). Here: the TE spec on a CPU, 1 trainer and 1 engine rank."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
+           "megatron_dapo.cli", "train", "--config", str(ROOT / "conf" / "cpu_tiny.yaml"),
+           f"logging.dir={tmp_path / 'run'}", "rollout.placement=separate", "rollout.num_ranks=1",
+           "model.transformer_impl=transformer_engine"]
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    log = out.stdout + out.stderr
+    assert out.returncode != 0, log[-3000:]
+    line = ("megatron-dapo: config error: model.transformer_impl=transformer_engine needs CUDA; use local (or auto) "
+            "on CPU")
+    assert log.count(line) == 2, log[-3000:]  # the trainer's and the engine's
+    # torchrun's own report of a failed child is a traceback; none runs through our code
+    assert str(ROOT / "megatron_dapo") not in log and "engine rank 0" not in log, log[-3000:]
+    assert not (tmp_path / "run").exists()  # nothing written
