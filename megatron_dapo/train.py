@@ -62,9 +62,9 @@ def train(cfg: DAPOConfig, stop: StopRequest | None = None) -> TrainResult:
     try:
         if cfg.rollout.placement == "separate":  # the engines' ranks leave here (rollout/separate.py)
             from megatron_dapo.rollout.separate import Engines, serve
-            from megatron_dapo.rollout.worlds import split_world
+            from megatron_dapo.rollout.worlds import sides, split_world
 
-            check_settings(cfg, cfg.rollout.num_ranks)
+            check_settings(cfg, sides(cfg.rollout, ranks.world_size())[1])  # every rank, before any group
             split = split_world(cfg.rollout.num_ranks, tensor_parallel_size=cfg.rollout.tensor_parallel_size)
             if not split.is_trainer:
                 try:

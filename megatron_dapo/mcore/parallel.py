@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_dapo.errors import ConfigError
-from megatron_dapo.gpu_binding import bind_gpu, check_distinct_gpus, gpu_identity
+from megatron_dapo.gpu_binding import bind_gpu, check_bindings
 from megatron_dapo import ranks
 from megatron_dapo.config import ModelConfig, ParallelConfig
 from megatron_dapo.mcore.cpu_compat import require_cpu_compat
@@ -89,18 +89,14 @@ def initialize_parallel(hf_config, *, parallel: ParallelConfig, model: ModelConf
     world_size = ranks.world_size()
     sizes = validate_parallel(hf_config, parallel=parallel, model=model, world_size=world_size, on_gpu=on_gpu)
     if not dist.is_initialized():
+        binding = bind_gpu() if on_gpu else None
         backend, timeout = "nccl" if on_gpu else "gloo", datetime.timedelta(minutes=timeout_minutes)
-        if on_gpu:
-            bind_gpu()
-        if ranks.launched() and on_gpu:  # one GPU a rank, checked before NCCL's late refusal
-            store, rank, size = next(dist.rendezvous("env://"))
-            store.set_timeout(timeout)
-            check_distinct_gpus(store, rank, size, gpu_identity())
-            dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout)
-        elif ranks.launched():
+        if ranks.launched():
             dist.init_process_group(backend, timeout=timeout)
         else:  # plain `python ...`: no launcher, no rendezvous address needed
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        if binding is not None:  # NCCL has built no communicator yet: it would refuse two ranks on one GPU late
+            check_bindings(_every_rank(binding))
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=parallel.tensor_model_parallel_size,
         pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
@@ -110,6 +106,17 @@ def initialize_parallel(hf_config, *, parallel: ParallelConfig, model: ModelConf
     )
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     return sizes
+
+
+def _every_rank(obj) -> list:
+    """Every rank's ``obj`` of the default world, in rank order, over a gloo group of its own."""
+    group = dist.new_group(backend="gloo")
+    try:
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, obj, group=group)
+        return gathered
+    finally:
+        dist.destroy_process_group(group)
 
 
 def all_gather_rows(local: torch.Tensor, group) -> torch.Tensor:

@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from megatron_dapo import ranks
 from megatron_dapo.errors import ConfigError
-from megatron_dapo.gpu_binding import bind_gpu, check_distinct_gpus, gpu_identity
+from megatron_dapo.gpu_binding import bind_gpu, check_bindings
 from megatron_dapo.rollout.weight_sync import bucketed, count_bucket, finish_update, new_counts
 
 _END = "end"  # the header that closes a weight stream
@@ -96,11 +96,12 @@ def split_world(num_engine_ranks: int, *, tensor_parallel_size: int = 1, backend
     store, rank, world_size = next(dist.rendezvous("env://"))
     num_trainers = check_split(world_size, num_engine_ranks, tensor_parallel_size)
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    if backend == "nccl":  # as initialize_parallel does for a world it starts: one GPU a process
-        bind_gpu()
-        check_distinct_gpus(store, rank, world_size, gpu_identity())
     timeout = datetime.timedelta(minutes=timeout_minutes)
     store.set_timeout(timeout)
+    if backend == "nccl":  # as initialize_parallel does for a world it starts: one GPU a rank, checked first
+        binding = bind_gpu()
+        launch = dist.ProcessGroupGloo(dist.PrefixStore("gpu_binding/", store), rank, world_size, timeout)
+        check_bindings(gather_objects(launch, world_size, torch.device("cpu"), binding))
     is_trainer = rank < num_trainers
     side = "trainers" if is_trainer else "engines"
     dist.init_process_group(backend, store=dist.PrefixStore(f"{side}/", store),
@@ -146,18 +147,22 @@ def broadcast_object(split: WorldSplit, obj=None) -> object:
 
 
 def allgather_objects(split: WorldSplit, obj) -> list:
-    """Every transfer-group member's ``obj``, in group rank order (trainer rank 0 first): the
-    lengths, then the bytes padded to the longest."""
-    data = _pickled(obj).to(split.device)
-    members = 1 + split.num_engines
-    sizes = [torch.zeros(1, dtype=torch.int64, device=split.device) for _ in range(members)]
-    mine = torch.tensor([data.numel()], dtype=torch.int64, device=split.device)
-    split.transfer.allgather([sizes], [mine]).wait()
+    """Every transfer-group member's ``obj``, in group rank order (trainer rank 0 first)."""
+    return gather_objects(split.transfer, 1 + split.num_engines, split.device, obj)
+
+
+def gather_objects(group, members: int, device: torch.device, obj) -> list:
+    """Every member's ``obj`` over ``group`` (a process group object of ``members`` ranks, its
+    tensors on ``device``), in its rank order: the lengths, then the bytes padded to the longest."""
+    data = _pickled(obj).to(device)
+    sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(members)]
+    mine = torch.tensor([data.numel()], dtype=torch.int64, device=device)
+    group.allgather([sizes], [mine]).wait()
     longest = int(max(s.item() for s in sizes))
-    padded = torch.zeros(longest, dtype=torch.uint8, device=split.device)
+    padded = torch.zeros(longest, dtype=torch.uint8, device=device)
     padded[:data.numel()] = data
-    parts = [torch.empty(longest, dtype=torch.uint8, device=split.device) for _ in range(members)]
-    split.transfer.allgather([parts], [padded]).wait()
+    parts = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in range(members)]
+    group.allgather([parts], [padded]).wait()
     return [_unpickled(p[:int(s.item())]) for p, s in zip(parts, sizes)]
 
 
