@@ -79,16 +79,19 @@ def start_then(run_dir: Path, overrides: list[str], after_step: int, act, *, mod
     return agent.returncode, log.read_text()
 
 
-def stall_then_stop(run_dir: Path, overrides: list[str], marker: Path, *,
-                    config: str = "cpu_tiny.yaml") -> tuple[int, str]:
-    """Runs with the stalling engines (tests/helpers/stalling_engine.py; ``overrides`` name one) and,
-    once step 4's record is there (step 5's batch has started on the engines), creates ``marker``, so
-    that step 6's batch, asked for in step 5, stalls; sends SIGTERM to every rank and waits for the
-    stop's checkpoint of step 5. (the launcher's exit status, its output)"""
+def stall_then_stop(run_dir: Path, overrides: list[str], *, config: str = "cpu_tiny.yaml") -> tuple[int, str]:
+    """Runs with the stalling engines (tests/helpers/stalling_engine.py; ``overrides`` name one, one
+    generation batch a step and no evaluation, so that an engine's call k is step k's batch), step
+    6's batch, asked for in step 5, stalling until aborted (``STALL_CALL=6``); once step 4's record
+    is there (step 5's batch has started on the engines), sends SIGTERM to every rank and waits for
+    the stop's checkpoint of step 5. (the launcher's exit status, its output)
+
+    The stall is the engines' sixth call, not a file the test creates after step 4's record: a
+    file came too late when the engines had finished step 5's batch before the record (steps of
+    ~0.2 s) and started step 6's at once (a CI run of 8b3c50b, docs/verification.md)."""
     latest = run_dir / "checkpoints" / "latest"
 
     def act(agent) -> None:
-        marker.touch()
         stop_every_rank(agent)
         deadline = time.time() + 300
         while not (latest.is_file() and latest.read_text().strip() == "step_00000005"):
@@ -96,7 +99,7 @@ def stall_then_stop(run_dir: Path, overrides: list[str], marker: Path, *,
             time.sleep(0.05)
 
     return start_then(run_dir, overrides, 4, act, module="tests.helpers.stalling_engine",
-                      env={"STALL_FILE": str(marker)}, config=config)
+                      env={"STALL_CALL": "6"}, config=config)
 
 
 def cancel_at_budget_end(run_dir: Path, engine: str, *overrides: str, config: str = "cpu_tiny.yaml") -> None:

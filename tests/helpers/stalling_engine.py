@@ -1,11 +1,11 @@
 """Engines that stall: a generation batch still in flight when a stop must save, for the tests of a
 stop that cannot wait for it (tests/functional/test_async_rollouts.py, test_async_rollouts_vllm.py).
 
-``StallingHFEngine`` is the real HF engine; a batch that starts while the file named by
-``$STALL_FILE`` exists waits until the test deletes it (at most ``MAX_STALL_S``) or the engine is
-aborted (then it raises, as a batch aborted while decoding does), then generates. With
-``$STALL_CALL`` set, only the engine's call of that number (from 1; training batches and
-evaluations alike) stalls, until aborted or ``MAX_STALL_S``, and says how its stall ended.
+``StallingHFEngine`` is the real HF engine; the engine's call numbered ``$STALL_CALL`` (from 1;
+training batches and evaluations alike) waits until the engine is aborted (then it raises, as a
+batch aborted while decoding does) or ``MAX_STALL_S`` has passed (then it generates), and says how
+its stall ended. A call number, not a file a test creates: a test cannot create one between two
+batches that an engine runs back to back.
 ``StallingVLLMEngine`` is the real vLLM engine; such a batch stalls the same way after its requests
 are in vLLM, before its first engine step, so that an abort goes through the real one: vLLM ends
 the requests and the replicas leave their data-parallel lockstep together.
@@ -17,7 +17,6 @@ the engine ranks' included, and runs the CLI.
 import os
 import sys
 import time
-from pathlib import Path
 
 from megatron_dapo.rollout.engine import ENGINES
 from megatron_dapo.rollout.hf_engine import HFEngine
@@ -28,19 +27,13 @@ MAX_STALL_S = 120.0
 
 def _stall(engine) -> None:
     engine.calls = getattr(engine, "calls", 0) + 1
-    aborted, started = engine._aborted, time.monotonic()
-    only = os.environ.get("STALL_CALL")
-    if only is not None:
-        if engine.calls != int(only):
-            return
-        while not aborted.is_set() and time.monotonic() - started < MAX_STALL_S:
-            time.sleep(0.05)
-        how = "by an abort" if aborted.is_set() else "timed out"
-        print(f"stalling engine: call {engine.calls} stall ended {how}", file=sys.stderr, flush=True)
+    if engine.calls != int(os.environ.get("STALL_CALL", "0")):
         return
-    marker = Path(os.environ.get("STALL_FILE", "/nonexistent"))
-    while marker.exists() and not aborted.is_set() and time.monotonic() - started < MAX_STALL_S:
+    aborted, started = engine._aborted, time.monotonic()
+    while not aborted.is_set() and time.monotonic() - started < MAX_STALL_S:
         time.sleep(0.05)
+    how = "by an abort" if aborted.is_set() else "timed out"
+    print(f"stalling engine: call {engine.calls} stall ended {how}", file=sys.stderr, flush=True)
 
 
 class StallingHFEngine(HFEngine):
