@@ -4,6 +4,7 @@
     python tools/node_smoke.py model --out DIR [--shape 1.5B|tiny]
     python tools/node_smoke.py data --out DIR
     python tools/node_smoke.py check-run --run DIR --log LOG --steps N [--resumed-from K]
+    python tools/node_smoke.py check-separate --run DIR --steps N
     python tools/node_smoke.py report --run DIR --model DIR --log LOG ... --out report.json
 
 Exit status: 0 pass, anything else fails (the last line, ``FAIL: ...``, says why). Nothing here
@@ -180,6 +181,38 @@ def stage_check_run(args) -> None:
     print(f"  {args.steps} step(s) trained{resumed}, evaluated at step 0, checkpoint of step {args.steps} saved")
 
 
+def check_separate(run: Path, steps: int) -> list[str]:
+    """What the separate stage's run (staleness 1, no save) must show; the problems (empty: passed).
+    Every step after the first trained on a batch generated while the step before trained (lag 1:
+    its weights went to the engines after that batch), and the waits were measured."""
+    metrics = run / "metrics.jsonl"
+    if not metrics.is_file():
+        return [f"{metrics} was not written"]
+    trained = trained_steps(read_records(metrics))
+    problems = []
+    if sorted(trained) != list(range(1, steps + 1)):
+        problems.append(f"steps trained {sorted(trained)}, wanted 1..{steps}")
+    lags = {s: r.get("rollout/version_lag_max") for s, r in trained.items() if s > 1}
+    if any(lag != 1 for lag in lags.values()):
+        problems.append(f"rollout/version_lag_max per step {lags}, wanted 1 after the first")
+    missing = [k for k in ("timing_s/trainer_waited", "timing_s/engines_idle", "timing_s/weight_sync")
+               if any(k not in r for r in trained.values())]
+    if missing:
+        problems.append(f"records without {missing}")
+    return problems
+
+
+def stage_check_separate(args) -> None:
+    problems = check_separate(Path(args.run), args.steps)
+    if problems:
+        raise fail("; ".join(problems))
+    trained = trained_steps(read_records(Path(args.run) / "metrics.jsonl"))
+    waited = sum(r["timing_s/trainer_waited"] for r in trained.values())
+    total = sum(r["timing_s/step"] for r in trained.values() if "timing_s/step" in r)
+    print(f"  {args.steps} steps at staleness 1, lag 1 after the first; trainer rank 0 waited {waited:.0f} s of "
+          f"{total:.0f} s")
+
+
 # -- report ------------------------------------------------------------------------------------
 def vllm_runners(logs: dict[str, str]) -> dict[str, list[dict]]:
     """{log name: the distinct 'vLLM <version>, model runner vN, sleep level N' lines in it}."""
@@ -291,7 +324,7 @@ def stage_report(args) -> None:
 
 
 STAGES = {"versions": stage_versions, "model": stage_model, "data": stage_data, "check-run": stage_check_run,
-          "report": stage_report}
+          "check-separate": stage_check_separate, "report": stage_report}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -308,6 +341,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log", required=True, help="the run's console log")
     p.add_argument("--steps", type=int, required=True, help="train.total_steps of the run")
     p.add_argument("--resumed-from", type=int, help="the log must say it resumed from this step")
+    p = sub.add_parser("check-separate", help="a separate-placement run at staleness 1: every step, lag 1, waits")
+    p.add_argument("--run", required=True, help="the run's logging.dir")
+    p.add_argument("--steps", type=int, required=True, help="train.total_steps of the run")
     p = sub.add_parser("report", help="vLLM runner, mismatch, phase times, memory vs the plan -> report.json")
     p.add_argument("--run", required=True, help="the run's logging.dir (metrics.jsonl, config.yaml)")
     p.add_argument("--model", required=True, help="model.hf_path (its config.json, for the plan)")

@@ -20,8 +20,9 @@ sys.path.insert(0, str(ROOT / "tools"))
 import node_smoke  # noqa: E402
 
 ENV = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-STAGES = ["versions", "model", "data", "dry-run", "train", "resume", "report"]
-GPU_STAGES = ["train", "resume", "report"]
+STAGES = ["versions", "model", "data", "dry-run", "train", "resume", "report", "separate"]
+GPU_STAGES = ["train", "resume", "report", "separate"]
+EIGHT_GPU_STAGES = ["train", "resume", "report"]
 RUNNER_LINE = "2026-12-01 10:00:00 megatron_dapo.rollout.vllm_engine: vLLM 0.33.0, model runner v2, sleep level 2\n"
 
 
@@ -88,10 +89,43 @@ def _stand_in_python(tmp_path, gpus: int) -> Path:
 
 
 def test_with_fewer_than_8_gpus_the_gpu_stages_skip_saying_so(tmp_path):
-    out = smoke("--out", tmp_path, "--only", ",".join(GPU_STAGES), python=_stand_in_python(tmp_path, 4))
+    out = smoke("--out", tmp_path, "--only", ",".join(EIGHT_GPU_STAGES), python=_stand_in_python(tmp_path, 4))
     got = lines(out)
-    assert out.returncode == 0 and list(got) == GPU_STAGES, out.stdout + out.stderr
-    assert all(got[s].startswith("SKIP") and got[s].endswith("4 GPU(s) here, the stage needs 8") for s in GPU_STAGES)
+    assert out.returncode == 0 and list(got) == EIGHT_GPU_STAGES, out.stdout + out.stderr
+    assert all(got[s].startswith("SKIP") and got[s].endswith("4 GPU(s) here, the stage needs 8")
+               for s in EIGHT_GPU_STAGES)
+    out = smoke("--out", tmp_path, "--only", "separate", python=_stand_in_python(tmp_path, 2))
+    assert lines(out)["separate"].endswith("2 GPU(s) here, the stage needs 3"), out.stdout
+
+
+@pytest.mark.parametrize("gpus,layout", [
+    (4, "--nproc-per-node 3 -m megatron_dapo.cli train"),
+    (8, "--nproc-per-node 8 -m megatron_dapo.cli train"),
+])
+def test_the_separate_stage_runs_staleness_1_under_the_hang_watch_in_the_gpus_there(tmp_path, gpus, layout):
+    """Its command as composed for 4 and for 8 GPUs (a stand-in Transformer Engine lets it get past the
+    parts check; the stand-in interpreter ends the launch at once, and the watch passes its status on)."""
+    fake = tmp_path / "fake"
+    (fake / "transformer_engine").mkdir(parents=True)
+    (fake / "transformer_engine" / "__init__.py").write_text("")
+    python = tmp_path / "python"  # also ends the launch at once: the command is what is checked here
+    python.write_text(f"#!/usr/bin/env bash\nif [ \"$1\" = -c ] && [[ \"$2\" == *device_count* ]]; then "
+                      f"echo '1 {gpus} 141'; exit 0; fi\n"
+                      "if [ \"$1\" = -m ] && [ \"$2\" = torch.distributed.run ]; then exit 7; fi\n"
+                      f"exec {sys.executable} \"$@\"\n")
+    python.chmod(0o755)
+    env = {**ENV, "PYTHONPATH": f"{fake}{os.pathsep}{ENV.get('PYTHONPATH', '')}"}
+    out = subprocess.run(["bash", str(SCRIPT), "--python", str(python), "--out", str(tmp_path / "out"), "--only",
+                          "separate", "--box", "separate=120"], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert lines(out)["separate"].startswith("FAIL") and "exit 7" in lines(out)["separate"], out.stdout
+    command = (tmp_path / "out" / "separate.log").read_text().splitlines()[0]
+    assert "tools/hang_watch.py --run" in command and "--stall 300 --first 900 --" in command and layout in command
+    for override in ("rollout.placement=separate", "rollout.max_staleness=1", "train.total_steps=12",
+                     "checkpoint.save_every=0", "check-separate --run"):
+        assert override in command, command
+    assert ("rollout.num_ranks=4" in command) == (gpus == 8)
+    assert ("rollout.num_ranks=2 parallel.tensor_model_parallel_size=1" in command) == (gpus < 8)
 
 
 @pytest.mark.skipif(__import__("importlib").util.find_spec("transformer_engine") is not None,
@@ -194,6 +228,24 @@ def _tokenizer():
     from megatron_dapo.toy.tokenizer import build_toy_tokenizer
 
     return build_toy_tokenizer()
+
+
+def test_check_separate_wants_every_step_at_lag_1_and_the_waits(tmp_path, capsys):
+    run = tmp_path / "separate"
+    run.mkdir()
+    step = {"actor/pg_loss": 0.1, "timing_s/trainer_waited": 0.5, "timing_s/engines_idle": 0.2,
+            "timing_s/weight_sync": 0.1, "timing_s/step": 2.0}
+    recs = [{"step": s, **step, "rollout/version_lag_max": 0.0 if s == 1 else 1.0} for s in (1, 2, 3)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    assert node_smoke.check_separate(run, 3) == []
+    node_smoke.main(["check-separate", "--run", str(run), "--steps", "3"])
+    assert "3 steps at staleness 1, lag 1 after the first; trainer rank 0 waited 2 s of 6 s" in capsys.readouterr().out
+    recs[2]["rollout/version_lag_max"] = 0.0  # a batch generated from the newest weights: no overlap
+    del recs[1]["timing_s/trainer_waited"]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs[:3]))
+    problems = node_smoke.check_separate(run, 4)
+    assert problems[0] == "steps trained [1, 2, 3], wanted 1..4" and "{2: 1.0, 3: 0.0}" in problems[1]
+    assert "timing_s/trainer_waited" in problems[2]
 
 
 def test_check_run_wants_every_step_the_eval_the_checkpoint_and_the_resume(tmp_path):
