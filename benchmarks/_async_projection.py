@@ -10,7 +10,8 @@ later pieces of those begun in earlier batches, which hold their prefix as conte
 again (at the plan's MFU, no prefix cache assumed). Generation per replica: continuous batching over the lengths, at the
 plan's decode costs (the weights' read per step, the KV read per token of live context), as many
 sequences at once as the KV cache holds (colocated: the plan's share beside the trainer's state;
-separate: vLLM's default 0.9 of a GPU of its own); training:
+separate: the recipe's rollout.gpu_memory_utilization of a GPU of its own, the value the engine ranks
+are given); training:
 the plan's estimate, scaled to the lengths' mean and to the trainers' share of the GPUs; the weights:
 the whole bf16 model once over the transfer group. Assumptions are returned with the figures.
 """
@@ -39,7 +40,6 @@ SCENARIOS = {  # name -> (lognormal median, sigma, generation batches per step)
     "2 batches a step": (4000, 0.8, 2),
 }
 TRANSFER_BYTES_PER_S = 10e9  # trainer rank 0 to the engines: one NIC, well under 400 Gb/s
-ENGINE_ALONE_UTILIZATION = 0.9  # vLLM's default gpu_memory_utilization
 DECODE_EFFICIENCY = 0.6  # generation_model.DECODE_BANDWIDTH_EFFICIENCY, as the plan uses it
 MODES = ("separate k=0", "separate k=1", "separate k=2", "partial k=1")
 PREFILL_MFU = 0.3  # the plan's MFU for FLOP-bound work
@@ -68,9 +68,10 @@ def project(steps: int = 4) -> dict:
     costs = dict(weights_step_s=p.rollout.weights / hbm, kv_step_s_per_token=p.rollout.kv_bytes_per_token_per_gpu / hbm,
                  prompt_tokens=cfg.data.max_prompt_length // 2)
     tp = cfg.rollout.tensor_parallel_size
-    # An engine on GPUs of its own holds no trainer state: vLLM's default 0.9 of the GPU, less its
-    # weights and profile peak, is KV cache (colocated it gets the plan's share beside the trainer).
-    kv_alone = ENGINE_ALONE_UTILIZATION * p.capacity_bytes - p.rollout.weights - p.rollout.activations
+    # An engine on GPUs of its own holds no trainer state: rollout.gpu_memory_utilization of the GPU
+    # (the value the engine ranks get), less its weights and profile peak, is KV cache (colocated
+    # it gets the plan's share beside the trainer).
+    kv_alone = cfg.rollout.gpu_memory_utilization * p.capacity_bytes - p.rollout.weights - p.rollout.activations
     responses = cfg.data.gen_prompts_per_batch * cfg.rollout.n
     plan_tokens = cfg.data.max_prompt_length / 2 + cfg.rollout.max_response_length / 2  # the plan's assumption
     piece = cfg.rollout.max_response_length // 4
@@ -80,7 +81,8 @@ def project(steps: int = 4) -> dict:
                            "weights_step_ms": costs["weights_step_s"] * 1e3,
                            "kv_us_per_token": costs["kv_step_s_per_token"] * 1e6,
                            "transfer_GBps": TRANSFER_BYTES_PER_S / 1e9, "plan_step_min": p.step_s / 60,
-                           "plan_train_min": (p.step_s - p.generation.seconds) / 60, "piece_tokens": piece}}
+                           "plan_train_min": (p.step_s - p.generation.seconds) / 60, "piece_tokens": piece,
+                           "engine_gpu_memory_utilization": cfg.rollout.gpu_memory_utilization}}
     for name, (median, sigma, per_step) in SCENARIOS.items():
         batches = [[lengths(responses, median, sigma, seed=100 * s + j) for j in range(per_step)] for s in range(steps)]
         flat = [x for step in batches for b in step for x in b]

@@ -43,7 +43,7 @@ def cmd_score(args: argparse.Namespace) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     """The checked layout and the per-GPU memory plan (memory_plan.py); exit 2 when it does not fit."""
     from megatron_dapo.layout import describe_layout, model_shape
-    from megatron_dapo.memory_plan import check_fits, plan
+    from megatron_dapo.memory_plan import check_fits, check_waits, plan
     from megatron_dapo.plan_report import format_plan
 
     cfg = load_config(args.config, args.overrides)
@@ -54,6 +54,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                   gpus_per_node=args.gpus_per_node)
     print(format_plan(result), flush=True)
     check_fits(result, cfg)
+    check_waits(result, cfg)
     return 0
 
 

@@ -76,11 +76,13 @@ class ParallelConfig:
     sequence_parallel: bool = _f(False, "shard LayerNorm/dropout activations along the sequence (needs TP > 1)")
     context_parallel_size: int = _f(1, "CP: splits long sequences across ranks")
     use_distributed_optimizer: bool = _f(True, "shard optimizer states across data-parallel ranks")
+    timeout_minutes: float = _f(30.0, "how long one collective may wait for the other ranks (NCCL's watchdog, gloo's "
+                                      "timeout); no collective waits for a generation batch or a training phase")
 
     def __post_init__(self):
         one = _at_least(1)
         _require("parallel", self, tensor_model_parallel_size=one, pipeline_model_parallel_size=one,
-                 context_parallel_size=one)
+                 context_parallel_size=one, timeout_minutes=_above(0))
         vpp = self.virtual_pipeline_model_parallel_size
         if vpp is not None and (vpp < 2 or self.pipeline_model_parallel_size < 2):
             _fail(f"parallel.virtual_pipeline_model_parallel_size={vpp} needs a value >= 2 and "
@@ -157,6 +159,9 @@ class RolloutConfig:
                                 "of max_response_length; 0 = max_response_length / 4")
     partial_unfinished: Literal["carry", "abort"] = _f(
         "carry", "with partial: groups still growing when a step is full: carried on, or aborted (dropped)")
+    wait_timeout_minutes: float = _f(240.0, "with placement=separate: how long a rank waits for the other side's "
+                                            "work (the engines' generation, the trainers' step) before it gives "
+                                            "up; `megatron-dapo plan` checks the planned step against it")
 
     def __post_init__(self):
         if self.sleep_level not in (1, 2):
@@ -172,7 +177,7 @@ class RolloutConfig:
         if self.kv_cache_memory_mb < 0:
             _fail(f"rollout.kv_cache_memory_mb must be >= 0 (0 = use gpu_memory_utilization), got {self.kv_cache_memory_mb}")
         _require("rollout", self, max_response_length=_at_least(1), tensor_parallel_size=_at_least(1),
-                 weight_sync_bucket_mb=_at_least(1))
+                 weight_sync_bucket_mb=_at_least(1), wait_timeout_minutes=_above(0))
         if not 0 < self.gpu_memory_utilization < 1:
             _fail(f"rollout.gpu_memory_utilization must be in (0, 1), got {self.gpu_memory_utilization}")
         if self.placement not in ("colocated", "separate"):

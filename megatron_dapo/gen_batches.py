@@ -14,6 +14,7 @@ trainer state, and is empty before the first step.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable, Sequence
 
 import torch
@@ -23,7 +24,9 @@ from megatron_dapo.groups import GenBatch, generate_groups
 from megatron_dapo.observe.rows import RowSpec
 from megatron_dapo.rollout.engine import SamplingParams, rollout_sampling_params
 from megatron_dapo.rollout.partial import Carried, items, merge
-from megatron_dapo.rollout.pipeline import Ahead
+from megatron_dapo.rollout.pipeline import Ahead, RolloutPipeline
+
+logger = logging.getLogger(__name__)
 
 
 def seed(cfg: DAPOConfig, step: int, num_gen_batches: int) -> int:
@@ -64,6 +67,28 @@ class GenerationBatches:
     def cancel(self, requests: list[int]) -> None:
         """Tells the engines that submitted batches will not be collected (separate placement)."""
         self.run.placement.cancel(requests)
+
+    def await_in_flight(self, pipeline: RolloutPipeline, until: Callable[[], float | None]) -> None:
+        """Before a step's sync (separate placement): the engines take the new weights only after the
+        batches asked for before them (rollout/engine_server.py), so the sync waits for what is in
+        flight, trainer rank 0 polling the engines and the other trainer ranks waiting for its word.
+        ``until()``: a deadline (a stop's: time.monotonic()), or None; the batches not finished by it
+        are released (rollout/pipeline.py), aborted on the engines and asked for again at resume."""
+        requests = pipeline.in_flight()
+        if not requests:  # the same on every trainer rank
+            return
+        placement = self.run.placement
+        released = pipeline.release(placement.wait_for(requests, until=until))
+        placement.cancel(released, "released at the stop")
+        if released and self.run.rank == 0:
+            logger.warning("stop: %d generation batch(es) in flight not finished in time for the save before the "
+                           "kill: saved as requests, generated again at resume from this checkpoint's weights",
+                           len(released))
+
+    def collect_in_flight(self, pipeline: RolloutPipeline) -> None:
+        """The batches in flight at a stop, kept with the checkpoint: every one the last sync did not
+        release is finished (the sync waited for it)."""
+        pipeline.collect_in_flight(lambda request: self.run.placement.collect(request)[1])
 
     def generate(self, ahead: Ahead, *, keep: Callable[[torch.Tensor], torch.Tensor], rows: RowSpec | None,
                  carry_all: bool = False) -> tuple[GenBatch, list[int]]:

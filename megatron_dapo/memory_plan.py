@@ -407,6 +407,10 @@ def plan(cfg: DAPOConfig, hf: dict, world_size: int, *, gpu: str | GPUModel = "h
                      f"engine GPUs hold the {r.engine} engine alone (not planned), and the step estimate adds "
                      "generation and training as if they took turns (rollout.max_staleness overlaps them: "
                      "docs/async_rollouts.md)")
+        bucket = (r.weight_sync_bucket_mb << 20) / GB
+        notes.append(f"  engine ranks: a weight version streams in one bucket at a time, between generation batches: "
+                     f"{bucket:.2f} GB of device memory besides vLLM's share (rollout.weight_sync_bucket_mb="
+                     f"{r.weight_sync_bucket_mb}), no copy in host memory")
     sleep_host = rollout.weights if rollout is not None and r.sleep_level == 1 else 0.0
     # mcore/offload.py copies the optimizer state (and the weights) into pinned host memory but
     # releases the gradients without a copy (every update zeroes them first): no host memory for them
@@ -436,6 +440,17 @@ def check_fits(result: Plan, cfg: DAPOConfig) -> None:
             f"vLLM's KV cache would hold {r.tokens(r.kv):,.0f} tokens per replica, less than one "
             f"{r.max_sequence}-token sequence (vLLM refuses to start): raise {knob} or "
             f"rollout.tensor_parallel_size={cfg.rollout.tensor_parallel_size}")
+
+
+def check_waits(result: Plan, cfg: DAPOConfig) -> None:
+    """Separate placement: a ConfigError naming rollout.wait_timeout_minutes when it is less than
+    twice the planned step (the longest a rank waits for the other side is a generation batch or a
+    training phase, each within a step; twice, since the plan's estimates are not measurements)."""
+    limit = cfg.rollout.wait_timeout_minutes
+    if cfg.rollout.placement == "separate" and 2 * result.step_s / 60 > limit:
+        raise ConfigError(f"rollout.wait_timeout_minutes={limit:g} is less than twice the planned step "
+                          f"(~{result.step_s / 60:.0f} min): a rank waiting for the other side's generation or "
+                          f"training would give up; raise it to >= {math.ceil(2 * result.step_s / 60)}")
 
 
 def _kv_knob(cfg: DAPOConfig) -> str:

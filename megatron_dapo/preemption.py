@@ -203,6 +203,12 @@ class StopRequest:
             return None if watch.end_time is None else watch.end_time - time.time()
         return watch.grace_s - self.seconds_since()
 
+    def deadline(self, reserve_s: float) -> float | None:
+        """The time.monotonic() by which work must end to leave ``reserve_s`` before this stop's kill;
+        None while no stop is asked for, or when no kill is foreseen (``seconds_left``)."""
+        left = self.seconds_left()
+        return None if left is None else time.monotonic() + left - reserve_s
+
     def seconds_since(self) -> float:
         return 0.0 if self.received_at is None else time.monotonic() - self.received_at
 

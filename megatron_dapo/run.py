@@ -74,13 +74,15 @@ class Run(Prepared):
     sampler: Any
 
     def close(self) -> None:
-        """Ends the reward workers and the engine (before cli tears the process group down: an
-        in-process vLLM tears its own groups down first) and releases the run directory."""
+        """Ends the reward workers and this rank's engine (before cli tears the process group down:
+        an in-process vLLM tears its own groups down first) and releases the run directory. Remote
+        engines (separate placement) are train()'s to stop: it knows whether the run failed."""
         try:
             if self.pool is not None:
                 self.pool.close()
                 self.pool = None
-            self.placement.engine.shutdown()
+            if self.engines is None:
+                self.placement.engine.shutdown()
         finally:  # a failing engine teardown must not keep the run directory locked
             self.release()
 

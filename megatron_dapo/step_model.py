@@ -8,8 +8,15 @@ score, train and send weights; which batches are asked for ahead is the loop's o
 
     trainer, step s:  take its first batch (asked for ahead: wait for it; else ask now and wait),
                       score it; each further batch: ask, wait, score; ask ahead for later steps;
-                      train; send the weights (the engines load them after what is queued)
+                      train; wait for the engines to finish what is queued; send the weights
     engines:          one queue, one job at a time: a generation batch, a weight load
+
+The wait before the send is the protocol's (rollout/engine_server.py): an engine receives a weight
+version only between generation batches, into the model (it holds no second copy), so the trainers
+send it once the engines have generated every batch asked for before it. At k = 1 that is the batch
+the next step takes anyway; at k >= 2 it is every batch asked ahead, so the trainers run at most one
+batch ahead of the engines: k >= 2 adds lag, not overlap. The send's own seconds are counted in
+``train``, before the wait.
 
 Inputs are seconds per phase (``StepWork``): measured on the CPU run (benchmarks/async_rollout.py
 checks the model's ratios against measured ones) or estimated at scale, where a batch's generation
@@ -72,7 +79,9 @@ def separate(work: Sequence[StepWork], *, max_staleness: int, save_every: int = 
         for target in pipeline.targets(s, finished=False):
             ahead[target] = engines.run(work[target].generation[0], asked=now)
         now += w.train
-        engines.run(w.load, asked=now)  # the weights arrive at the end of the send
+        waited += max(0.0, engines.free_at - now)  # the weights go in after every batch asked for before them
+        now = max(now, engines.free_at)
+        engines.run(w.load, asked=now)
         steps.append(now - start)
     return Timeline(tuple(steps), trainer_waited_s=waited, engines_idle_s=engines.idle_until(now))
 

@@ -86,6 +86,7 @@ class StepClock:
     steps: deque = field(default_factory=lambda: deque(maxlen=RECENT_STEPS))
     save: float | None = None  # the last checkpoint save
     eval: float | None = None  # the last evaluation (the one before training included)
+    sync: float | None = None  # the last weight sync (not kept in the trainer state: one step measures it)
     step_started: float | None = None  # time.monotonic() at the start of the step in flight
     step_evaluates: bool = False  # the step in flight ends with an evaluation
 
@@ -105,6 +106,14 @@ class StepClock:
 
     def record_eval(self, seconds: float) -> None:
         self.eval = seconds
+
+    def record_sync(self, seconds: float) -> None:
+        self.sync = seconds
+
+    def rest_after_wait(self, evaluates: bool) -> float:
+        """What follows a step's wait for the engines, as last measured: its sync, its evaluation
+        (``evaluates``) and twice a save (a save under load took 2-3 s more than the last one)."""
+        return (self.sync or 0.0) + ((self.eval or 0.0) if evaluates else 0.0) + 2 * (self.save or 0.0)
 
     @property
     def step_estimate(self) -> float | None:

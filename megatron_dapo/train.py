@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import socket
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,11 +62,14 @@ def train(cfg: DAPOConfig, stop: StopRequest | None = None) -> TrainResult:
     run = engines = None
     try:
         if cfg.rollout.placement == "separate":  # the engines' ranks leave here (rollout/separate.py)
-            from megatron_dapo.rollout.separate import Engines, serve
+            from megatron_dapo.rollout.engine_server import serve
+            from megatron_dapo.rollout.separate import Engines
             from megatron_dapo.rollout.worlds import sides, split_world
 
             check_settings(cfg, sides(cfg.rollout, ranks.world_size())[1])  # every rank, before any group
-            split = split_world(cfg.rollout.num_ranks, tensor_parallel_size=cfg.rollout.tensor_parallel_size)
+            split = split_world(cfg.rollout.num_ranks, tensor_parallel_size=cfg.rollout.tensor_parallel_size,
+                                timeout_minutes=cfg.parallel.timeout_minutes,
+                                wait_minutes=cfg.rollout.wait_timeout_minutes)
             if not split.is_trainer:
                 try:
                     served = serve(split)
@@ -101,8 +105,8 @@ def train(cfg: DAPOConfig, stop: StopRequest | None = None) -> TrainResult:
             if run is not None:
                 run.close()
         finally:
-            if engines is not None:  # told even when the run's own teardown raised
-                engines.shutdown()
+            if engines is not None:  # told even when the run's own teardown raised; after a failure
+                engines.shutdown(failed=sys.exc_info()[0] is not None)  # its links are aborted, not shut down
 
 
 def _train(run: Run, stop: StopRequest) -> TrainResult:
@@ -237,8 +241,14 @@ def _loop(run: Run, stop: StopRequest, dyn: DynamicSampler, pipeline: RolloutPip
                 _accumulate(metrics, update)
         metrics.update(_device_used("training"))
         pending, write_s = _write_if_due(run, log, step + 1, finished)
+        # the engines take the new weights after what is in flight: waited for (timing_s/trainer_waited);
+        # at a stop, only as long as the rest of the step and the save still end before the kill
+        reserve = clock.rest_after_wait(evaluates) + 2 * ABANDON_SAFETY_S
+        gen.await_in_flight(pipeline, until=lambda: stop.deadline(reserve))
         with log.timer("weight_sync"):
+            sync_start = time.monotonic()
             _sync(run, step + 1)
+            clock.record_sync(time.monotonic() - sync_start)
         eval_s = 0.0
         if evaluates or finished:
             eval_start = time.monotonic()
@@ -264,7 +274,7 @@ def _loop(run: Run, stop: StopRequest, dyn: DynamicSampler, pipeline: RolloutPip
         return TrainResult(final_eval=final, step=done)
     if done > saved:
         actor.onload_after_rollout()  # an evaluation may have left the state off
-        _collect_at_stop(run, pipeline, stop, clock)  # kept with the checkpoint
+        gen.collect_in_flight(pipeline)  # kept with the checkpoint
         _save(run, dyn, pipeline, gen, obs, done, generated, clock)
     stop.saved()  # the last step is saved: the watchdog stands down
     latest = _latest(run)
@@ -291,24 +301,6 @@ def _write_if_due(run: Run, log: MetricsLogger, step: int, finished: bool):
         started = time.monotonic()
         pending = run.actor.write_checkpoint(str(run.ckpt_dir), step)
     return pending, time.monotonic() - started
-
-
-def _collect_at_stop(run: Run, pipeline: RolloutPipeline, stop: StopRequest, clock: StepClock) -> None:
-    """The batches in flight at a stop: those the engines finish while the save after them still ends
-    before the kill, collected; the others released, asked for again at resume (rollout/pipeline.py)."""
-    placement, ready = run.placement, 0
-    if not any(a.in_flight for a in pipeline.ahead):  # the same on every trainer rank
-        return
-    if placement.is_leader:
-        left = stop.seconds_left()
-        # room for twice the last save (a save under load takes longer) and the watchdog's margin, twice
-        deadline = None if left is None else time.monotonic() + left - 2 * ((clock.save or 0.0) + ABANDON_SAFETY_S)
-        ready = pipeline.ready_count(placement.ready, deadline)
-    released = pipeline.collect_in_flight(lambda request: placement.collect(request)[1],
-                                          placement.gather([ready])[0])
-    if released and run.rank == 0:
-        logger.warning("stop: %d generation batch(es) in flight not finished in time for the save before the "
-                       "kill: saved as requests, generated again at resume from this checkpoint's weights", released)
 
 
 def _save(run: Run, dyn: DynamicSampler, pipeline: RolloutPipeline, gen: GenerationBatches, obs: Observer,

@@ -73,12 +73,12 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def initialize_parallel(hf_config, *, parallel: ParallelConfig, model: ModelConfig, seed: int,
-                        timeout_minutes: int = 30) -> dict[str, int]:
+def initialize_parallel(hf_config, *, parallel: ParallelConfig, model: ModelConfig, seed: int) -> dict[str, int]:
     """Validate, then start torch.distributed (env:// as torchrun sets it; a one-process world
     when started without a launcher) and megatron's model-parallel groups and RNG tracker.
     Returns ``validate_parallel``'s sizes.
 
+    Every group's collectives wait at most ``parallel.timeout_minutes``.
     ``seed`` seeds megatron's RNG tracker (model_parallel_cuda_manual_seed), which attention
     dropout and recompute fork even when dropout is 0.
     """
@@ -88,6 +88,7 @@ def initialize_parallel(hf_config, *, parallel: ParallelConfig, model: ModelConf
     on_gpu = torch.cuda.is_available()
     world_size = ranks.world_size()
     sizes = validate_parallel(hf_config, parallel=parallel, model=model, world_size=world_size, on_gpu=on_gpu)
+    timeout_minutes = parallel.timeout_minutes
     if not dist.is_initialized():
         binding = bind_gpu() if on_gpu else None
         backend, timeout = "nccl" if on_gpu else "gloo", datetime.timedelta(minutes=timeout_minutes)

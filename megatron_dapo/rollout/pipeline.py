@@ -14,21 +14,22 @@ first batch of the step after it, and a batch drawn ahead sees the pass-rate led
 skipped prompts) as of the step that asked for it.
 
 A checkpoint holds nothing in flight: no batch is asked for past a step that saves (``targets``),
-so a kill resumes from a drained pipeline exactly as the uninterrupted run went on. A stop between
-two saves (a signal) waits for what is in flight (``ready_count``, ``collect_in_flight``) and keeps
-the rollouts in the trainer state (``to_json``), so the resumed run trains on the very batches the
-uninterrupted one would have, as long as the wait leaves time for the save before the kill. A batch
-the engines cannot finish by then (a 32B batch takes minutes; a grace is ~30 s) is released: saved
-as its prompts, seed and carried groups, and asked for again at resume, from the checkpoint's
-weights (``released``). Nothing is asked for ahead when the job's end would stop the run after the
-next step (train.py), so a time-limit stop has nothing to wait for; a run that ends (its last step,
-or its generation budget spent) cancels what is in flight (``drop``).
+so a kill resumes from a drained pipeline exactly as the uninterrupted run went on. The engines
+load a step's new weights only after the batches asked for before them, so every step's sync waits
+for what is in flight (train.py); at a stop that wait has a deadline (the save must end before the
+kill), and a batch the engines cannot finish by then (a 32B batch takes minutes; a grace is ~30 s)
+is released (``release``): aborted on the engines, saved as its prompts, seed and carried groups,
+and asked for again at resume, from the checkpoint's weights (``released``). The finished ones
+are collected before the stop's save (``collect_in_flight``) and kept in the trainer state
+(``to_json``), so the resumed run trains on the very batches the uninterrupted one would have.
+Nothing is asked for ahead when the job's end would stop the run after the next step (train.py),
+so a time-limit stop has nothing to wait for; a run that ends (its last step, or its generation
+budget spent) cancels what is in flight (``drop``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -111,32 +112,25 @@ class RolloutPipeline:
             return self.ahead.pop(0)
         return None
 
-    def ready_count(self, ready: Callable[[int], bool], deadline: float | None, poll_s: float = 0.1) -> int:
-        """How many of the batches in flight, from the oldest (the engines answer in the order asked),
-        ``ready(request)`` says are done by ``deadline`` (time.monotonic(); None: waits for all)."""
-        count = 0
-        for ahead in self.ahead:
-            if not ahead.in_flight:
-                continue
-            while not ready(ahead.request):
-                if deadline is not None and time.monotonic() >= deadline:
-                    return count
-                time.sleep(poll_s)
-            count += 1
-        return count
+    def in_flight(self) -> list[int]:
+        """The request ids of the batches in flight, in the order asked."""
+        return [a.request for a in self.ahead if a.in_flight]
 
-    def collect_in_flight(self, collect, count: int | None = None) -> int:
-        """Before a stop's save: the rollouts of the first ``count`` batches still in flight (None:
-        every one), from ``collect(request)`` (a placement's, in the order asked); the others are
-        released (asked for again at resume). Batches restored from a checkpoint hold theirs already.
-        Returns how many were released."""
-        in_flight = [a for a in self.ahead if a.in_flight]
-        kept = len(in_flight) if count is None else count
-        for ahead in in_flight[:kept]:
-            ahead.rollouts = collect(ahead.request)
-        for ahead in in_flight[kept:]:
+    def release(self, kept: int) -> list[int]:
+        """At a stop: the batches in flight after the first ``kept`` are released (asked for again at
+        resume, from the checkpoint's weights); returns their request ids, for the engines to abort."""
+        released = [a for a in self.ahead if a.in_flight][kept:]
+        requests = [a.request for a in released]
+        for ahead in released:
             ahead.request = None
-        return len(in_flight[kept:])
+        return requests
+
+    def collect_in_flight(self, collect) -> None:
+        """Before a stop's save: the rollouts of every batch still in flight, from ``collect(request)``
+        (a placement's, in the order asked). Batches restored from a checkpoint hold theirs already."""
+        for ahead in self.ahead:
+            if ahead.in_flight:
+                ahead.rollouts = collect(ahead.request)
 
     def released(self, step: int | None = None) -> list[Ahead]:
         """Batches released at a stop and restored: neither in flight nor collected; with ``step``,

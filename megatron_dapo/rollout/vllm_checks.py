@@ -24,13 +24,15 @@ def check_device_memory(fraction: float, free_bytes: int, total_bytes: int) -> N
             f"<= {free_bytes / total_bytes:.2f}, or set rollout.kv_cache_memory_mb")
 
 
-def device_memory() -> tuple[int, int]:
-    """(free, total) bytes of this process's CUDA device as vLLM's start-up check sees them: vLLM
-    empties torch's allocator cache before it measures (v1/worker/gpu_worker.py), so blocks the
-    trainer freed but torch still caches count as free; without emptying, the check here would
-    refuse memory vLLM then gets."""
-    torch.cuda.empty_cache()
-    return torch.cuda.mem_get_info()
+def device_memory(device: torch.device) -> tuple[int, int]:
+    """(free, total) bytes of ``device`` as vLLM's start-up check sees them: vLLM empties torch's
+    allocator cache before it measures (v1/worker/gpu_worker.py), so blocks the trainer freed but
+    torch still caches count as free; without emptying, the check here would refuse memory vLLM
+    then gets. The device is named, never taken as the current one: that is per thread, and a
+    thread starts on GPU 0 (an engine built in a worker thread measured GPU 0)."""
+    with torch.cuda.device(device):
+        torch.cuda.empty_cache()
+    return torch.cuda.mem_get_info(device)
 
 
 def check_cpu_kv_cache(kv_cache_memory_bytes: int | None) -> None:

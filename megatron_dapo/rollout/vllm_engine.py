@@ -88,6 +88,7 @@ from typing import Any, Literal
 
 import torch
 
+from megatron_dapo import ranks
 from megatron_dapo.errors import ConfigError
 from megatron_dapo.rollout import vllm_colocation as _c
 from megatron_dapo.rollout.engine import Rollout, SamplingParams, check_prompts, sequence_seed
@@ -241,8 +242,9 @@ class VLLMEngine:
                 kwargs["data_parallel_size"] = self.dp_size
         hf_config = _hf_config(model_path)
         if on_gpu:
-            if kv_cache_memory_bytes is None:
-                check_device_memory(gpu_memory_utilization, *device_memory())
+            if kv_cache_memory_bytes is None:  # the device vLLM's worker takes: cuda:LOCAL_RANK
+                device = torch.device("cuda", ranks.local_rank())
+                check_device_memory(gpu_memory_utilization, *device_memory(device))
         else:
             check_cpu_kv_cache(kv_cache_memory_bytes)
             check_cpu_head_dim(_head_dim(hf_config), model_path)
@@ -404,8 +406,13 @@ class VLLMEngine:
             return
         self._reloading = False
         self.llm.collective_rpc(_c.finish_reload)
-        if "kv_cache" not in self._asleep:  # LLM.sleep already reset it along with the KV cache
-            self.llm.reset_prefix_cache()
+        # (LLM.sleep resets the prefix cache along with the KV cache)
+        if "kv_cache" not in self._asleep and not self.llm.reset_prefix_cache():
+            # vLLM keeps the cache while running requests hold blocks (v1/core/sched/scheduler.py):
+            # their KV, computed with the old weights, would be reused for new requests
+            raise RuntimeError("vLLM kept its prefix cache after a weight update: requests are still running in "
+                               "the engine, and their KV from the old weights would be reused; finish or abort "
+                               "every generate() before updating the weights")
 
     def sleep(self) -> None:
         """Release device memory for training (no-op without sleep mode, e.g. on CPU)."""

@@ -1,28 +1,36 @@
-"""Separate placement's process groups and weight stream (issue 22, item 1; used by rollout/separate.py).
+"""Separate placement's process groups: a default world for each side, and the links between them.
 
 With ``rollout.placement=separate`` the last ``rollout.num_ranks`` ranks of a launch hold only
 engines. Megatron must not see them: its groups are made over the default process group's world.
 So each side gets a default world of its own, cut out of the launch's one rendezvous store by a
-key prefix::
+key prefix, and trainer rank 0 and the engine ranks share links of their own::
 
     launch ranks   0   1   2   3            rollout.num_ranks = 2
     default world  [train 0, 1] [engine 0, 1]     megatron's TP/PP/DP groups live in the first
-    transfer       0 ----------> 2, 3             trainer rank 0 and every engine rank
+    links          0 ----------> 2, 3             trainer rank 0 and every engine rank
+    trainers       0 ----> 1                      rank 0's answers to the other trainer ranks
 
-The transfer group is built by hand (gloo on CPU, NCCL on GPU) over its members only; the other
-trainer ranks never touch it. Weights travel on it as the colocated sync's stream: every trainer
-rank runs the export (its gathers are collectives of the training world), trainer rank 0
-broadcasts each bucket of (HF name, full tensor) pairs, and every engine rank hands it to the same
-``engine.update_weights`` a colocated sync uses, then ``finish_weight_update``. A bucket travels as
-a small header (names, shapes, dtypes, pickled: its size, then its bytes) and one flat byte
-tensor, so a step's sync is three broadcasts a bucket whatever the number of tensors in it.
+Who uses what, and from which thread (an engine rank runs two: rollout/engine_server.py):
+
+| link | what travels | trainer rank 0 | engine rank |
+|---|---|---|---|
+| ``control``: store doorbell + gloo (channel.py) | requests; rollouts back | main | main |
+| ``progress``: store counters (protocol.py) | done / failed per request | main, reads | worker, writes |
+| ``stream``: gloo | weight bucket headers | main | worker |
+| ``transfer``: NCCL on GPU, gloo on CPU | weight bucket bytes | main | worker |
+
+So on an engine rank one thread, the worker, issues every operation on its device (vLLM's own
+collectives and the weight bytes): NCCL does not allow two threads to drive communicators of one
+device at once, and with the launcher's ``CUDA_DEVICE_MAX_CONNECTIONS=1`` the two would share one
+hardware queue and could wait on each other in a cycle. No collective here waits for the other side's
+work: the control channel's receivers wait in the store, and trainer rank 0 polls the progress
+counters; a collective starts only when every member is known to be at it.
 """
 
 from __future__ import annotations
 
 import datetime
-import pickle
-from collections.abc import Iterable
+import os
 from dataclasses import dataclass
 
 import torch
@@ -31,31 +39,64 @@ import torch.distributed as dist
 from megatron_dapo import ranks
 from megatron_dapo.errors import ConfigError
 from megatron_dapo.gpu_binding import bind_gpu, check_bindings
-from megatron_dapo.rollout.weight_sync import bucketed, count_bucket, finish_update, new_counts
+from megatron_dapo.rollout.channel import Channel, gather_objects
+from megatron_dapo.rollout.protocol import Progress
 
-_END = "end"  # the header that closes a weight stream
+
+@dataclass(frozen=True)
+class EngineLinks:
+    """Trainer rank 0's and the engine ranks' links (module doc's table). ``member``: this process's
+    rank among them (trainer rank 0 is 0, engine rank i is i + 1)."""
+
+    control: Channel
+    progress: Progress
+    stream: object  # a ProcessGroupGloo
+    transfer: object  # a ProcessGroupNCCL on GPU, a ProcessGroupGloo on CPU
+    member: int
+    device: torch.device  # where the transfer group's tensors are
+
+    def close(self, *, failed: bool) -> None:
+        """Shuts every group down, or aborts it after a failure (a peer may be gone: a clean
+        shutdown could wait for it)."""
+        _close([self.control.group, self.stream, self.transfer], failed=failed)
 
 
 @dataclass(frozen=True)
 class WorldSplit:
     """This process's side of a separate-placement launch.
 
-    ``rank``/``world_size``: in the launch; ``side_rank``: in this side's default world;
-    ``transfer``: the weight group (trainer rank 0 is its rank 0, engine rank i its rank i + 1),
-    None on the trainer ranks that are not in it; ``device``: where its tensors must be (NCCL's on
-    this process's GPU)."""
+    ``rank``/``world_size``: in the launch; ``side_rank``: in this side's default world; ``links``:
+    trainer rank 0's and the engines' (None on the other trainer ranks); ``trainers``: rank 0's
+    channel to the other trainer ranks (None on engine ranks and in a world of one trainer);
+    ``device``: this process's (cuda:LOCAL_RANK with NCCL)."""
 
     is_trainer: bool
     rank: int
     world_size: int
     num_trainers: int
     num_engines: int
-    transfer: object | None
+    links: EngineLinks | None = None
+    trainers: Channel | None = None
     device: torch.device = torch.device("cpu")
 
     @property
     def side_rank(self) -> int:
         return self.rank if self.is_trainer else self.rank - self.num_trainers
+
+    def close(self, *, failed: bool = False) -> None:
+        """Every group this process made besides its default world (the CLI tears that one down)."""
+        if self.links is not None:
+            self.links.close(failed=failed)
+        if self.trainers is not None:
+            _close([self.trainers.group], failed=failed)
+
+
+def _close(groups: list, *, failed: bool) -> None:
+    for group in groups:
+        try:
+            group.abort() if failed else group.shutdown()
+        except Exception:  # noqa: BLE001 -- an exit path: the error that brought us here matters more
+            pass
 
 
 def check_split(world_size: int, num_engine_ranks: int, tensor_parallel_size: int) -> int:
@@ -85,141 +126,61 @@ def sides(rollout, world_size: int) -> tuple[int, int]:
 
 
 def split_world(num_engine_ranks: int, *, tensor_parallel_size: int = 1, backend: str | None = None,
-                timeout_minutes: int = 30) -> WorldSplit:
-    """Start this process's default world (its side's ranks) and, on its members, the transfer
-    group, from the launcher's rendezvous (env://: torchrun's or our SLURM launcher's variables).
-    Collective over the whole launch: every rank calls it once, before anything else starts
-    torch.distributed."""
+                timeout_minutes: float = 30.0, wait_minutes: float = 240.0) -> WorldSplit:
+    """Start this process's default world (its side's ranks) and its links, from the launcher's
+    rendezvous (env://: torchrun's or our SLURM launcher's variables). Collective over the whole
+    launch: every rank calls it once, before anything else starts torch.distributed.
+
+    ``timeout_minutes``: every process group's (how long one collective may wait: parallel.timeout_minutes);
+    ``wait_minutes``: how long a rank waits for the other side's work (rollout.wait_timeout_minutes)."""
     if dist.is_initialized():
         raise RuntimeError("split_world must start torch.distributed itself (it is already initialised)")
     check_split(ranks.world_size(), num_engine_ranks, tensor_parallel_size)  # before any rendezvous
     store, rank, world_size = next(dist.rendezvous("env://"))
     num_trainers = check_split(world_size, num_engine_ranks, tensor_parallel_size)
+    is_trainer = rank < num_trainers
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     timeout = datetime.timedelta(minutes=timeout_minutes)
     store.set_timeout(timeout)
+    device = torch.device("cpu")
+    if not is_trainer:
+        # Megatron orders its communication behind compute on one hardware queue (the launcher sets
+        # it for every rank); an engine's generation and weight stream do not want that. Read when
+        # the CUDA context is made: before the bind below.
+        os.environ.pop("CUDA_DEVICE_MAX_CONNECTIONS", None)
     if backend == "nccl":  # as initialize_parallel does for a world it starts: one GPU a rank, checked first
         binding = bind_gpu()
         launch = dist.ProcessGroupGloo(dist.PrefixStore("gpu_binding/", store), rank, world_size, timeout)
         check_bindings(gather_objects(launch, world_size, torch.device("cpu"), binding))
-    is_trainer = rank < num_trainers
+        device = torch.device("cuda", ranks.local_rank())
     side = "trainers" if is_trainer else "engines"
-    dist.init_process_group(backend, store=dist.PrefixStore(f"{side}/", store),
-                            rank=rank if is_trainer else rank - num_trainers,
+    side_rank = rank if is_trainer else rank - num_trainers
+    dist.init_process_group(backend, store=dist.PrefixStore(f"{side}/", store), rank=side_rank,
                             world_size=num_trainers if is_trainer else num_engine_ranks, timeout=timeout)
-    transfer = None
-    if rank == 0 or not is_trainer:  # trainer rank 0 and the engines; the rest never build it
-        members = 1 + num_engine_ranks
-        group_rank = 0 if rank == 0 else rank - num_trainers + 1
-        prefix = dist.PrefixStore("transfer/", store)
+    wait_s = wait_minutes * 60
+
+    def gloo(name: str, member: int, members: int):
+        return dist.ProcessGroupGloo(dist.PrefixStore(f"{name}/", store), member, members, timeout)
+
+    def own(name: str):  # a store client of its own (a blocking wait holds its client)
+        return dist.PrefixStore(f"{name}/", store.clone())
+
+    trainers = None
+    if is_trainer and num_trainers > 1:
+        trainers = Channel(own("trainers_channel"), gloo("trainers_gloo", rank, num_trainers), wait_s=wait_s,
+                           waits_for="trainer rank 0")
+    links = None
+    if rank == 0 or not is_trainer:  # trainer rank 0 and the engines; the other trainers never build them
+        members, member = 1 + num_engine_ranks, 0 if rank == 0 else side_rank + 1
+        control = Channel(own("control_channel"), gloo("control", member, members), wait_s=wait_s,
+                          waits_for="trainer rank 0")
+        stream = gloo("stream", member, members)
         if backend == "nccl":
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = timeout  # the same limit as the worlds' (NCCL's own default is shorter)
-            transfer = dist.ProcessGroupNCCL(prefix, group_rank, members, options)
+            transfer = dist.ProcessGroupNCCL(dist.PrefixStore("transfer/", store), member, members, options)
         else:
-            transfer = dist.ProcessGroupGloo(prefix, group_rank, members, timeout)
-    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-    return WorldSplit(is_trainer, rank, world_size, num_trainers, num_engine_ranks, transfer, device)
-
-
-def _broadcast(split: WorldSplit, tensor: torch.Tensor) -> torch.Tensor:
-    """Rank 0's ``tensor`` on every member of the transfer group (on split.device), returned."""
-    tensor = tensor.to(split.device)
-    opts = dist.BroadcastOptions()
-    opts.rootRank, opts.rootTensor = 0, 0
-    split.transfer.broadcast([tensor], opts).wait()
-    return tensor
-
-
-def _pickled(obj) -> torch.Tensor:
-    return torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
-
-
-def _unpickled(data: torch.Tensor):
-    return pickle.loads(data.cpu().numpy().tobytes())
-
-
-def broadcast_object(split: WorldSplit, obj=None) -> object:
-    """Rank 0's ``obj`` on every member (pickled: a length, then the bytes)."""
-    data = _pickled(obj) if split.rank == 0 else None
-    size = _broadcast(split, torch.tensor([data.numel() if data is not None else 0], dtype=torch.int64))
-    return _unpickled(_broadcast(split, data if data is not None else torch.empty(int(size), dtype=torch.uint8)))
-
-
-def allgather_objects(split: WorldSplit, obj) -> list:
-    """Every transfer-group member's ``obj``, in group rank order (trainer rank 0 first)."""
-    return gather_objects(split.transfer, 1 + split.num_engines, split.device, obj)
-
-
-def gather_objects(group, members: int, device: torch.device, obj) -> list:
-    """Every member's ``obj`` over ``group`` (a process group object of ``members`` ranks, its
-    tensors on ``device``), in its rank order: the lengths, then the bytes padded to the longest."""
-    data = _pickled(obj).to(device)
-    sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(members)]
-    mine = torch.tensor([data.numel()], dtype=torch.int64, device=device)
-    group.allgather([sizes], [mine]).wait()
-    longest = int(max(s.item() for s in sizes))
-    padded = torch.zeros(longest, dtype=torch.uint8, device=device)
-    padded[:data.numel()] = data
-    parts = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in range(members)]
-    group.allgather([parts], [padded]).wait()
-    return [_unpickled(p[:int(s.item())]) for p, s in zip(parts, sizes)]
-
-
-Header = list[tuple[str, tuple[int, ...], torch.dtype]]
-
-
-def pack(bucket: list[tuple[str, torch.Tensor]]) -> tuple[Header, torch.Tensor]:
-    """A bucket as (names, shapes and dtypes; [total bytes] uint8: the tensors' bytes in order)."""
-    header = [(name, tuple(t.shape), t.dtype) for name, t in bucket]
-    flat = (torch.cat([t.detach().contiguous().view(-1).view(torch.uint8) for _, t in bucket]) if bucket
-            else torch.empty(0, dtype=torch.uint8))
-    return header, flat
-
-
-def _sizes(header: Header) -> tuple[list[int], list[int]]:
-    """(each tensor's element size, its bytes)."""
-    items = [torch.empty((), dtype=dtype).element_size() for _, _, dtype in header]
-    return items, [torch.Size(shape).numel() * item for (_, shape, _), item in zip(header, items)]
-
-
-def unpack(header: Header, flat: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-    """``pack``'s inverse: views into ``flat`` where aligned (a piece after a narrower dtype may
-    start off its own alignment, and is copied then)."""
-    items, sizes = _sizes(header)
-    pieces = [p if p.storage_offset() % item == 0 else p.clone()
-              for p, item in zip(torch.split(flat, sizes), items)]
-    return [(name, piece.view(dtype).view(shape)) for (name, shape, dtype), piece in zip(header, pieces)]
-
-
-def send_weights(split: WorldSplit, weights: Iterable[tuple[str, torch.Tensor]],
-                 bucket_bytes: int) -> dict[str, int]:
-    """Trainer side: every trainer rank consumes ``weights`` (the export's collectives), rank 0
-    broadcasts each bucket to the engines. Returns the counts sync_weights returns."""
-    stats = new_counts()
-    for bucket in bucketed(weights, bucket_bytes):
-        count_bucket(stats, bucket)
-        if split.transfer is None:
-            continue
-        header, flat = pack(bucket)
-        broadcast_object(split, header)
-        _broadcast(split, flat)
-    if split.transfer is not None:
-        broadcast_object(split, _END)
-    return stats
-
-
-def receive_weights(split: WorldSplit, engine) -> dict[str, int]:
-    """Engine side: the buckets of one ``send_weights``, each into ``engine.update_weights`` as
-    it arrives, then ``engine.finish_weight_update()``. Returns the same counts."""
-    stats = new_counts()
-    while (header := broadcast_object(split)) != _END:
-        if isinstance(header, tuple):  # a request instead of a bucket: the trainers gave up mid-stream
-            raise RuntimeError(f"engine rank {split.side_rank}: the trainers sent {header[0]!r} in the middle "
-                               "of a weight stream (a trainer failed while exporting; its own error says why)")
-        flat = _broadcast(split, torch.empty(sum(_sizes(header)[1]), dtype=torch.uint8, device=split.device))
-        bucket = unpack(header, flat)
-        engine.update_weights(bucket)
-        count_bucket(stats, bucket)
-    finish_update(engine)
-    return stats
+            transfer = gloo("transfer", member, members)
+        progress = Progress(own("progress"), num_engine_ranks)
+        links = EngineLinks(control, progress, stream, transfer, member, device)
+    return WorldSplit(is_trainer, rank, world_size, num_trainers, num_engine_ranks, links, trainers, device)

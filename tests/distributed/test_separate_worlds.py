@@ -1,4 +1,4 @@
-"""Separate placement's process groups and weight stream (rollout/worlds.py), in 4 processes:
+"""Separate placement's process groups (rollout/worlds.py) and weight stream (rollout/weight_stream.py), in 4 processes:
 ranks 0-1 train (megatron at DP=2 in a default world of their own), ranks 2-3 hold HF engines (a
 default world of 2), and trainer rank 0 streams the trained weights to both engines.
 
@@ -29,11 +29,12 @@ def _worker(rank, out):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from megatron_dapo.rollout.hf_engine import HFEngine
-    from megatron_dapo.rollout.worlds import receive_weights, send_weights, split_world
+    from megatron_dapo.rollout.weight_stream import receive_weights, send_weights
+    from megatron_dapo.rollout.worlds import split_world
 
     split = split_world(2)
     assert dist.get_world_size() == 2 and split.is_trainer == (rank < 2) and split.side_rank == rank % 2
-    assert (split.transfer is None) == (rank == 1)
+    assert (split.links is None) == (rank == 1) and (split.trainers is None) == (rank >= 2)
     if split.is_trainer:
         from megatron.core import parallel_state as ps
 
@@ -42,7 +43,7 @@ def _worker(rank, out):
         actor = MegatronActor(tiny_cfg(), tiny_hf_config())
         assert ps.get_data_parallel_world_size() == 2  # megatron sees the trainers only
         sent = []
-        stats = send_weights(split, (pair for pair in _mixed(actor.export_hf_weights()) if not sent.append(pair)),
+        stats = send_weights(split.links, (pair for pair in _mixed(actor.export_hf_weights()) if not sent.append(pair)),
                              BUCKET)
         if rank == 0:
             save_file({n: t.contiguous() for n, t in sent}, f"{out}/sent.safetensors")
@@ -51,9 +52,10 @@ def _worker(rank, out):
         torch.manual_seed(100 + rank)  # other random weights than the trainer's
         model = Qwen2ForCausalLM(Qwen2Config(**tiny_hf_config()))
         engine = HFEngine(model, eos_token_ids=())
-        stats = receive_weights(split, engine)
+        stats = receive_weights(split.links, engine)
         torch.save((stats, {k: v.clone() for k, v in model.state_dict().items()}), f"{out}/engine{rank}.pt")
     dist.barrier()  # each side's own world: the files of this side are written
+    split.close()
 
 
 def test_trainers_stream_weights_to_engines_in_worlds_of_their_own(tmp_path):

@@ -11,19 +11,22 @@ the next steps' first batches while the trainers train.
   run dir ends with the uninterrupted run's records, value for value.
 - A stop whose batch in flight the engines cannot finish before the kill saves it as a request,
   asked for again at resume.
-- A generation budget spent with a batch in flight cancels it: the engines abort it and serve the
-  final evaluation.
+- A generation budget spent with batches asked for ahead cancels them: the engines drop their
+  results and serve the final evaluation.
+- A batch that outlasts every process group's timeout ends no run (no collective waits for the
+  engines' work), and one thread drives each engine rank's weight transfers.
 """
 
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
 
 from tests.helpers.demo import copy_demo_base
 from tests.helpers.separate_runs import (
-    cancel_at_budget_end, kill_all, records, reference_run, run, stall_then_stop, start_then, stop_every_rank,
-    values,
+    ENV, ROOT, cancel_at_budget_end, command, kill_all, records, reference_run, run, stall_then_stop, start_then,
+    stop_every_rank, values,
 )
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
@@ -94,6 +97,58 @@ def test_carried_over_groups_that_fill_a_step_leave_nothing_in_flight(demo_base,
     assert (run_dir / "checkpoints" / "step_00000003").is_dir()
 
 
+def test_a_batch_that_outlasts_every_collective_timeout_ends_no_run(reference, tmp_path):
+    """Every process group's collectives may wait 6 s (parallel.timeout_minutes=0.1) while step 3's
+    batch, asked for in step 1, stalls 15 s on both engines (tests/helpers/stalling_engine.py,
+    STALL_S): trainer rank 0 polls the engines' progress in the store while the other trainer rank and
+    the engines' main threads wait for its next message in the store, so no collective waits for the
+    batch, and the run writes the reference's records (default timeout) value for value. Traced
+    (tests/helpers/traced_collectives.py): on each engine rank one thread, the worker, issued every
+    operation of the weight transfer group, trainer rank 0's main thread every one of its own, and
+    each member shut the group down at the end; rollouts went from each replica's leader to trainer
+    rank 0 alone; the engine ranks dropped the launcher's CUDA_DEVICE_MAX_CONNECTIONS. (With the
+    engines' requests and results on the transfer group, as before, trainer rank 0's wait for the
+    batch was a gloo collective that timed out.)"""
+    run_dir = copy_demo_base(reference, tmp_path / "run")
+    trace = tmp_path / "trace"
+    trace.mkdir()
+    log = run(run_dir, *STALE2, "parallel.timeout_minutes=0.1", "rollout.engine=stalling_hf",
+              module="tests.helpers.traced_collectives",
+              env={"STALL_CALL": "3", "STALL_S": "15", "TRACE_DIR": str(trace),
+                   "CUDA_DEVICE_MAX_CONNECTIONS": "1"})  # as recipes/lib/launch.sh sets it for every rank
+    assert log.count("call 3 stall ended after 15 s") == 2, log[-3000:]
+    assert values(records(run_dir)) == values(records(reference))
+    ranks = {r: json.loads((trace / f"rank{r}.json").read_text()) for r in range(4)}
+    assert ranks[0]["threads"]["transfer"] == ["MainThread"] and "transfer" not in ranks[1]["threads"], ranks
+    for r in (2, 3):
+        assert ranks[r]["threads"] == {"transfer": ["engine-worker"]} and ranks[r]["calls"]["transfer"] > 6, ranks[r]
+    assert [ranks[r]["transfer_ended"] for r in (0, 2, 3)] == ["shutdown"] * 3, ranks
+    # results only where they are needed: each replica's leader sends its rollouts to trainer rank 0
+    sent = [ranks[r]["calls"].get("send_object", 0) for r in range(4)]
+    assert sent[:2] == [0, 0] and sent[2] == sent[3] > 0 and ranks[0]["calls"]["recv_object"] == sum(sent)
+    assert "recv_object" not in ranks[1]["calls"] | ranks[2]["calls"] | ranks[3]["calls"]
+    # the launcher's CUDA_DEVICE_MAX_CONNECTIONS=1 (Megatron's) stays on the trainers only
+    assert [ranks[r]["CUDA_DEVICE_MAX_CONNECTIONS"] for r in range(4)] == ["1", "1", None, None], ranks
+
+
+def test_an_engine_failure_ends_every_rank_naming_it_and_aborts_the_links(demo_base, tmp_path):
+    """Both engine ranks fail their first weight load (rollout.engine=failing_hf,
+    tests/helpers/traced_collectives.py): trainer rank 0 learns it from the progress counters and
+    raises it, naming the engine rank and its error, and every rank ends (none waits for a peer
+    that has left); every member aborts the transfer group instead of shutting it down."""
+    run_dir = copy_demo_base(demo_base, tmp_path / "run")
+    trace = tmp_path / "trace"
+    trace.mkdir()
+    out = subprocess.run(command(run_dir, "rollout.engine=failing_hf", "train.total_steps=2",
+                                 module="tests.helpers.traced_collectives"),
+                         cwd=ROOT, capture_output=True, text=True, timeout=600, env={**ENV, "TRACE_DIR": str(trace)})
+    log = out.stdout + out.stderr
+    assert out.returncode != 0, log[-3000:]
+    assert "RuntimeError: engine rank 0 failed: ValueError: failing_hf refuses every weight load" in log, log[-3000:]
+    ended = {r: json.loads((trace / f"rank{r}.json").read_text())["transfer_ended"] for r in (0, 2, 3)}
+    assert ended == {0: "abort", 2: "abort", 3: "abort"}, ended
+
+
 STALL = ["rollout.engine=stalling_hf", "rollout.max_staleness=1", "algorithm.filter_groups.enable=false",
          "train.total_steps=8", "checkpoint.save_every=3", "checkpoint.stop_grace_s=15", "eval.every=0",
          "eval.before_train=false"]
@@ -112,7 +167,7 @@ def test_a_stop_releases_a_batch_the_engines_cannot_finish_before_the_kill(demo_
     assert status == 0, log[-5000:]
     assert "stopped by SIGTERM after step 5 of 8" in log, log[-3000:]
     assert "1 generation batch(es) in flight not finished in time" in log and "abandoning" not in log
-    assert log.count("call 6 stall ended by an abort") == 2 and "aborted at the stop" in log, log[-3000:]
+    assert log.count("call 6 stall ended by an abort") == 2 and "released at the stop, aborted" in log, log[-3000:]
     state = json.loads((run_dir / "checkpoints" / "step_00000005" / "trainer_state.json").read_text())
     assert [(a["step"], a["rollouts"]) for a in state["ahead"]] == [(5, None)]
     assert records(run_dir)[-1]["rollout/version_lag_max"] == 1  # step 5's batch came from step 4's weights
@@ -123,9 +178,8 @@ def test_a_stop_releases_a_batch_the_engines_cannot_finish_before_the_kill(demo_
 
 
 def test_a_spent_generation_budget_cancels_the_batches_asked_for_ahead(demo_base, tmp_path):
-    """The batches of steps 3 and 4 are in flight when the budget is spent in step 2, request 3
-    stalling on both engine replicas (separate_runs.cancel_at_budget_end): the trainers cancel both;
-    each engine rank aborts the one it generates, ends the queued one at once, loads step 2's
-    weights and runs the final evaluation. Without the cancel each stall times out (120 s) and both
-    batches nobody will collect are generated first."""
-    cancel_at_budget_end(copy_demo_base(demo_base, tmp_path / "run"), "stalling_hf")
+    """The batches of steps 3 and 4 are generated, not collected, when the budget is spent in step 2
+    (separate_runs.cancel_at_budget_end): the trainers cancel both, each engine rank drops their
+    results, loads step 2's weights and runs the final evaluation. (A batch still generating when
+    nobody will collect it is aborted: the stop tests above, released at the stop.)"""
+    cancel_at_budget_end(copy_demo_base(demo_base, tmp_path / "run"), "hf")

@@ -4,7 +4,8 @@ engines' own world). At staleness 0 it writes the colocated 2-process vLLM run's
 value; at staleness 1 with partial rollouts (vLLM continuing each cut response from its prefix) it
 learns as the colocated vLLM demo does (tests/functional/test_cpu_tiny_vllm.py: 0.051 -> 0.238 in 40
 steps on this kind of machine); a stop aborts the batch both replicas are generating, and a spent
-generation budget cancels it (extended tier: the HF engine's cancel runs in CI)."""
+generation budget cancels the batches generated ahead (extended tier: the HF engine's cancel runs in
+CI); one thread drives each engine rank's device while weights stream every step."""
 
 import json
 import os
@@ -27,11 +28,12 @@ RUN = ["eval.every=0", "logging.tensorboard=false"]
 SEPARATE = ["rollout.placement=separate", "rollout.num_ranks=2"]
 
 
-def _torchrun(run_dir: Path, nproc: int, *overrides: str) -> list[dict]:
+def _torchrun(run_dir: Path, nproc: int, *overrides: str, module: str = "megatron_dapo.cli",
+              env: dict | None = None) -> list[dict]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m",
-           "megatron_dapo.cli", "train", "--config", str(ROOT / "conf" / "cpu_tiny_vllm.yaml"),
+           module, "train", "--config", str(ROOT / "conf" / "cpu_tiny_vllm.yaml"),
            f"logging.dir={run_dir}", *RUN, *overrides]
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
+    env = {**{k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}, **(env or {})}
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-5000:]
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -84,6 +86,30 @@ def test_vllm_engines_at_staleness_1_with_partial_rollouts_learn(colocated, tmp_
     assert max(r["rollout/version_lag_max"] for r in trained) >= 2
 
 
+def test_one_thread_drives_each_engine_device_while_weights_stream_every_step(colocated, tmp_path):
+    """One vLLM replica of rollout TP=2 on the engine ranks, staleness 1, 12 steps: every step's
+    weights are sent while the engines generate the next step's batch (the engines take them after
+    it). Traced (tests/helpers/traced_collectives.py): on each engine rank every operation of vLLM's
+    device communicators (the tensor-parallel all-reduces of each forward) and of the weight transfer
+    group came from one thread, the worker; trainer rank 0's transfers from its main thread. Before,
+    the engine's main thread received the weights while the worker ran vLLM: two threads on one
+    device's communicators, which NCCL does not allow."""
+    base, _ = colocated
+    trace = tmp_path / "trace"
+    trace.mkdir()
+    records = _torchrun(_with_base(base, tmp_path / "run"), 4, *SEPARATE, "rollout.tensor_parallel_size=2",
+                        "rollout.max_staleness=1", "train.total_steps=12", "checkpoint.save_every=0",
+                        "eval.before_train=false", module="tests.helpers.traced_collectives",
+                        env={"TRACE_DIR": str(trace)})
+    assert [r["rollout/version_lag_max"] for r in records if r["step"]][1:] == [1.0] * 11
+    ranks = {r: json.loads((trace / f"rank{r}.json").read_text()) for r in range(4)}
+    assert ranks[0]["threads"]["transfer"] == ["MainThread"] and "transfer" not in ranks[1]["threads"], ranks
+    for r in (2, 3):
+        assert ranks[r]["threads"] == {"transfer": ["engine-worker"], "vllm": ["engine-worker"]}, ranks[r]
+        assert ranks[r]["calls"]["vllm"] > 100 and ranks[r]["calls"]["transfer"] >= 12, ranks[r]
+    assert [ranks[r]["transfer_ended"] for r in (0, 2, 3)] == ["shutdown"] * 3, ranks
+
+
 def test_a_stop_aborts_the_batch_the_vllm_engines_are_generating(colocated, tmp_path):
     """Step 6's batch, asked for in step 5, stalls on both vLLM replicas with its requests in vLLM
     (tests/helpers/stalling_engine.py) while SIGTERM stops the run after step 5 (not sooner: the
@@ -100,17 +126,17 @@ def test_a_stop_aborts_the_batch_the_vllm_engines_are_generating(colocated, tmp_
     assert status == 0, log[-5000:]
     assert "stopped by SIGTERM after step 5 of 8" in log and "abandoning" not in log, log[-3000:]
     assert "1 generation batch(es) in flight not finished in time" in log, log[-3000:]
-    aborted = re.findall(r"engine rank (\d): generation request \d+ aborted at the stop", log)
+    aborted = re.findall(r"engine rank (\d): generation request \d+ released at the stop, aborted", log)
     assert sorted(aborted) == ["0", "1"], log[-3000:]
     assert "cannot abort" not in log and log.count("call 6 stall ended by an abort") == 2, log[-3000:]
 
 
-@pytest.mark.extended  # the HF engine's cancel is in CI (test_async_rollouts.py), vLLM's abort then clear_abort
+@pytest.mark.extended  # the HF engine's cancel is in CI (test_async_rollouts.py)
 @pytest.mark.parametrize("rollout_tp", [1, 2])
-def test_a_spent_generation_budget_cancels_the_batch_the_vllm_engines_are_generating(colocated, tmp_path, rollout_tp):
-    """test_async_rollouts.py's cancel on vLLM (tests/distributed/test_vllm_colocated.py: the same
-    batch after clear_abort draws what it drew before the abort), on two replicas or one of TP=2:
-    request 3 stalls with its requests in vLLM, request 4 waits behind it, and every engine rank
-    aborts both and serves the final evaluation (separate_runs.cancel_at_budget_end)."""
-    cancel_at_budget_end(_with_base(colocated[0], tmp_path / "run"), "stalling_vllm",
+def test_a_spent_generation_budget_cancels_the_batches_the_vllm_engines_generated_ahead(colocated, tmp_path,
+                                                                                      rollout_tp):
+    """test_async_rollouts.py's cancel on vLLM, on two replicas or one of TP=2: the batches of steps
+    3 and 4, generated and not collected, are cancelled, every engine rank drops their results and
+    serves the final evaluation (separate_runs.cancel_at_budget_end)."""
+    cancel_at_budget_end(_with_base(colocated[0], tmp_path / "run"), "vllm",
                          f"rollout.tensor_parallel_size={rollout_tp}", config="cpu_tiny_vllm.yaml")

@@ -1,7 +1,7 @@
 """One GPU a rank (gpu_binding.py): a launch that puts more processes on a node than it shows GPUs,
 or whose ranks see one GPU under different indices, is refused in the same line on every rank
 before NCCL's first collective. The exchange runs as separate placement's split runs it (a gloo
-group over the rendezvous store, rollout/worlds.gather_objects), the ranks as threads; the
+group over the rendezvous store, rollout/channel.gather_objects), the ranks as threads; the
 bindings are given (the H200 run in docs/gpu.md made them from a real GPU)."""
 
 import datetime
@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from megatron_dapo.errors import ConfigError
 from megatron_dapo.gpu_binding import Binding, bind_gpu, check_bindings, first_shared_gpu
-from megatron_dapo.rollout.worlds import gather_objects
+from megatron_dapo.rollout.channel import gather_objects
 
 
 def test_the_first_two_ranks_holding_one_gpu_are_named():

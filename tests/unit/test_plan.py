@@ -135,6 +135,24 @@ def test_separate_placement_plans_the_trainers_ranks_and_refuses_splits_that_can
         assert says in capsys.readouterr().err
 
 
+def test_separate_placement_plans_the_engines_weight_stream_and_refuses_a_wait_shorter_than_two_steps(capsys):
+    """The engine ranks hold one bucket of a weight stream (on the device), never a host copy; every
+    rank's wait for the other side (rollout.wait_timeout_minutes) must cover twice the planned step."""
+    base = ["plan", "--config", str(PAPER), "--world-size", "128", "--shape", "32B", "rollout.placement=separate",
+            "rollout.num_ranks=64"]
+    assert cli.main(base) == 0
+    out = capsys.readouterr().out
+    step = float(out.split("per step (generation")[0].rsplit("~", 1)[1].split()[0])  # "~41.0 min per step"
+    assert "0.54 GB of device memory besides vLLM's share (rollout.weight_sync_bucket_mb=512), no copy in host" in out
+    need = math.ceil(2 * step)
+    assert cli.main([*base, f"rollout.wait_timeout_minutes={need + 1}"]) == 0
+    capsys.readouterr()
+    assert cli.main([*base, f"rollout.wait_timeout_minutes={need - 2}"]) == 2
+    assert f"rollout.wait_timeout_minutes={need - 2} is less than twice the planned step" in capsys.readouterr().err
+    assert cli.main(["plan", "--config", str(PAPER), "--world-size", "128", "--shape", "32B",
+                     "rollout.wait_timeout_minutes=1"]) == 0  # colocated: nobody waits for another side
+
+
 def test_train_dry_run_prints_the_plan_and_starts_nothing(tmp_path, capsys):
     args = ["train", "--dry-run", "--config", str(PAPER), "--world-size", "128", "--shape", "32B",
             f"logging.dir={tmp_path / 'run'}"]

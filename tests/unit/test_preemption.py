@@ -148,7 +148,8 @@ def test_an_error_after_a_stop_signal_ends_the_rank_like_its_peer(armed, sent, r
 
 
 def test_seconds_left_to_the_kill_are_counted_as_the_watchdog_counts_them():
-    """What a stop may spend waiting for the batches in flight (train._collect_at_stop)."""
+    """What a stop may spend waiting for the batches in flight (train.py, before a step's sync):
+    ``seconds_left``, and ``deadline`` = now + that - what must follow the wait."""
     from megatron_dapo.preemption import TIME_LIMIT, StopRequest, Watch
 
     def stopped(signum, *, since: float, end_time: float | None) -> StopRequest:
@@ -165,3 +166,5 @@ def test_seconds_left_to_the_kill_are_counted_as_the_watchdog_counts_them():
     assert stopped(TIME_LIMIT, since=0, end_time=end).seconds_left() == pytest.approx(100, abs=0.5)
     assert stopped(signal.SIGUSR1, since=3, end_time=None).seconds_left() is None  # no end: no kill foreseen
     assert StopRequest().seconds_left() is None
+    assert stopped(signal.SIGTERM, since=3, end_time=end).deadline(10.0) - time.monotonic() == pytest.approx(12, abs=0.5)
+    assert StopRequest().deadline(10.0) is None and stopped(signal.SIGUSR1, since=3, end_time=None).deadline(1) is None

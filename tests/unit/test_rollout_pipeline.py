@@ -4,7 +4,6 @@ up to max_staleness steps ahead, never past a step that saves nor past the last 
 keeps of them; the lag metric; the settings around it."""
 
 import dataclasses
-import time
 
 import pytest
 
@@ -158,25 +157,18 @@ def test_nothing_is_asked_ahead_when_the_jobs_end_stops_the_run_after_the_next_s
 
 
 def test_a_stop_releases_what_the_engines_cannot_finish_before_the_kill_and_a_resume_asks_again():
-    """k=2, steps 2 and 3 in flight at a stop. The engines finish step 2's batch after a few polls;
-    step 3's is not done by the deadline: released (saved without rollouts, no request), restored
-    as such, and asked for again: its prompts, seed and carried groups unchanged."""
+    """k=2, steps 2 and 3 in flight at a stop. The engines finished step 2's batch by the deadline
+    (the placement's wait says 1: tests/unit/test_separate_waits.py); step 3's is released (saved
+    without rollouts, no request; its request id goes to the engines to abort), restored as such, and
+    asked for again: its prompts, seed and carried groups unchanged."""
     pipe = RolloutPipeline(2, 8, 0)
     pipe.add(Ahead(2, [4, 5], seed=21, request=7))
     carried = Carried(9, [Rollout(prompt_ids=[1], response_ids=[2, 3], weight_version=1)])
     pipe.add(Ahead(3, [6], seed=31, request=8, carried=[carried]))
-    polls = []
-
-    def ready(request):  # step 2's batch is done at the third poll, step 3's never
-        polls.append(request)
-        return request == 7 and polls.count(7) >= 3
-
-    deadline = time.monotonic() + 0.5
-    assert pipe.ready_count(ready, deadline, poll_s=0.01) == 1
-    assert time.monotonic() >= deadline and polls[:3] == [7, 7, 7] and set(polls[3:]) == {8}
+    assert pipe.in_flight() == [7, 8]
+    assert pipe.release(1) == [8] and pipe.in_flight() == [7]
     got = Rollout(prompt_ids=[1], response_ids=[4], weight_version=1)
-    assert pipe.collect_in_flight(lambda request: [[got]] if request == 7 else pytest.fail("collected 8"),
-                                  count=1) == 1
+    pipe.collect_in_flight(lambda request: [[got]] if request == 7 else pytest.fail("collected 8"))
     assert [a.rollouts for a in pipe.ahead] == [[[got]], None] and pipe.released() == [pipe.ahead[1]]
     saved = TrainerState.from_json(TrainerState(step=1, sampler={}, ahead=tuple(pipe.to_json())).to_json(), "x")
     assert [a["rollouts"] is None for a in saved.ahead] == [False, True]
@@ -186,7 +178,7 @@ def test_a_stop_releases_what_the_engines_cannot_finish_before_the_kill_and_a_re
     (released,) = again.released()
     assert (released.indices, released.seed, released.carried, released.request) == ([6], 31, [carried], None)
     released.request = 12  # asked for again (train.py): in flight like any other, collected at the next stop
-    assert not again.released() and again.ready_count(lambda request: True, None) == 1
+    assert not again.released() and again.in_flight() == [12]
 
 
 def test_a_released_batch_is_asked_for_again_only_where_no_save_comes_before_it():
@@ -202,12 +194,12 @@ def test_a_released_batch_is_asked_for_again_only_where_no_save_comes_before_it(
     assert often.take(4).indices == [1, 2]  # in its step: generated then, from the newest weights
 
 
-def test_a_stop_without_a_deadline_waits_for_every_batch():
+def test_a_stop_whose_batches_all_finished_keeps_every_one():
     pipe = RolloutPipeline(1, 8, 0)
     pipe.add(Ahead(2, [4], seed=2, request=3))
-    answers = iter([False, False, True])
-    assert pipe.ready_count(lambda request: next(answers), None, poll_s=0.0) == 1
-    assert pipe.collect_in_flight(lambda request: [[]]) == 0 and pipe.to_json()[0]["rollouts"] == [[]]
+    assert pipe.release(1) == [] and pipe.in_flight() == [3]
+    pipe.collect_in_flight(lambda request: [[]])
+    assert pipe.in_flight() == [] and pipe.to_json()[0]["rollouts"] == [[]]
 
 
 def _held_and_lag(k: int, steps: int, *, ahead_size) -> tuple[int, int]:

@@ -335,6 +335,31 @@ def test_abort_ends_the_running_generate_at_its_next_step_and_every_later_one(en
 
 @pytest.mark.slow
 @needs_vllm
+def test_a_weight_update_with_requests_still_running_refuses_the_stale_prefix_cache(engines, models):
+    """vLLM resets its prefix cache only when no running request holds blocks (its reset returns
+    False otherwise), and their KV came from the old weights: the update says so instead of going
+    on with the stale cache. A request enqueued and stepped once (prefilled, running) stands for a
+    generate still in flight."""
+    eng, (_, model) = engines[False], models[False]
+    core = eng.llm.llm_engine
+    ids = eng.llm.enqueue(prompts=[{"prompt_token_ids": PROMPTS[0]}],
+                          sampling_params=[eng._vllm.SamplingParams(max_tokens=30, seed=1)], use_tqdm=False)
+    try:
+        core.step()
+        assert core.get_num_unfinished_requests() == 1
+        eng.update_weights(model.state_dict().items())
+        with pytest.raises(RuntimeError, match="kept its prefix cache after a weight update"):
+            eng.finish_weight_update()
+    finally:
+        core.abort_request(ids, internal=True)
+        while core.has_unfinished_requests():
+            core.step()
+    assert eng.llm.reset_prefix_cache()  # nothing running: the cache goes
+    assert max_diff(model, flat(eng.generate(PROMPTS, n=1, params=SamplingParams(max_tokens=8, seed=5))), 1.0) < TOL
+
+
+@pytest.mark.slow
+@needs_vllm
 def test_bad_inputs_fail_clearly(engines, models, tmp_path):
     eng, (_, model) = engines[False], models[False]
     with pytest.raises(ValueError, match="no module or parameter named 'foo'"):

@@ -1,11 +1,12 @@
-"""Separate placement's pure parts (rollout/worlds.py): a bucket's framing for the transfer group,
-and the splits it refuses. The 4-process stream itself: tests/distributed/test_separate_worlds.py."""
+"""Separate placement's pure parts: a bucket's framing for the weight stream (rollout/weight_stream.py),
+and the splits rollout/worlds.py refuses. The 4-process stream itself: tests/distributed/test_separate_worlds.py."""
 
 import pytest
 import torch
 
 from megatron_dapo.errors import ConfigError
-from megatron_dapo.rollout.worlds import check_split, pack, unpack
+from megatron_dapo.rollout.weight_stream import pack, unpack
+from megatron_dapo.rollout.worlds import check_split
 
 
 def test_a_bucket_of_mixed_dtypes_round_trips_bit_for_bit():

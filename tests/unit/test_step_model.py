@@ -19,20 +19,31 @@ def test_staleness_0_overlaps_nothing_and_equals_colocated():
 
 
 def test_staleness_1_as_worked_out_by_hand():
-    # step 0: asks and waits for its batch (0-2), asks ahead for step 1's (engines 2-4), trains to 3;
-    # step 1: waits for it until 4, asks for step 2's (4-6), trains to 5; step 2: waits until 6,
-    # trains to 7 (the last step asks for nothing).
+    # step 0: asks and waits for its batch (0-2), asks ahead for step 1's (engines 2-4), trains to 3,
+    # waits for that batch to end before its weights go in (3-4); step 1: takes it at once, asks for
+    # step 2's (4-6), trains to 5, waits until 6; step 2: takes it, trains to 7 (the last step asks
+    # for nothing, so nothing is queued when it sends).
     t = separate([StepWork((2.0,), score=0.0, train=1.0)] * 3, max_staleness=1)
-    assert t.step_s == (3.0, 2.0, 2.0)
+    assert t.step_s == (4.0, 2.0, 1.0)
     assert t.trainer_waited_s == 4.0 and t.engines_idle_s == 1.0  # the engines: idle from 6 to 7
 
 
 def test_a_further_batch_waits_behind_the_weights_load():
-    # step 1's second batch is asked at 4.5 (after its first, asked ahead, and its score), behind the
-    # load of step 0's weights (queued at 3, run 4-4.5 after the batch asked ahead): it runs 4.5-5.5.
+    # step 0's weights go in once the batch asked ahead has ended (4), loaded 4-4.5; step 1's second
+    # batch, asked at 4 (its first was done), runs after the load, 4.5-5.5; step 1 trains 5.5-6.5.
     work = [StepWork((2.0,), score=0.0, train=1.0, load=0.5), StepWork((2.0, 1.0), score=0.0, train=1.0, load=0.5)]
     t = separate(work, max_staleness=1)
-    assert t.step_s == (3.0, 3.5)
+    assert t.step_s == (4.0, 2.5)
+
+
+def test_staleness_2_adds_lag_not_overlap():
+    # The weights of a step go in after every batch asked before them, so at k = 2 the trainers still
+    # wait for the batches asked for in the same step: the steady steps are k = 1's (2 s), and step 0
+    # waits for two batches ahead (2-6) instead of one.
+    work = [StepWork((2.0,), score=0.0, train=1.0)] * 6
+    one, two = separate(work, max_staleness=1), separate(work, max_staleness=2)
+    assert two.step_s[1:4] == one.step_s[1:4] == (2.0, 2.0, 2.0)
+    assert two.step_s[0] == 6.0 and two.total_s > one.total_s
 
 
 def test_a_save_drains_the_pipeline():

@@ -86,6 +86,17 @@ def test_the_clock_survives_a_resume_and_estimates_the_step_in_flight():
     assert 3.9 < restored.seconds_to_finish() < 4.1  # 1 s of the step left, then the save
 
 
+def test_what_follows_the_wait_for_the_engines_is_the_sync_the_evaluation_and_twice_a_save():
+    clock = StepClock()
+    assert clock.rest_after_wait(evaluates=True) == 0.0  # nothing measured yet
+    clock.record_sync(1.5)
+    clock.record_eval(20.0)
+    clock.record_save(4.0)
+    assert clock.rest_after_wait(evaluates=False) == 1.5 + 2 * 4.0
+    assert clock.rest_after_wait(evaluates=True) == 1.5 + 20.0 + 2 * 4.0
+    assert "sync" not in str(clock.state_dict())  # one step measures it again after a resume
+
+
 def test_write_status_is_one_line_and_only_when_asked(tmp_path):
     path = tmp_path / "status"
     write_status("stopped", "after step 3 of 10", env={})
