@@ -22,6 +22,7 @@ import torch
 from megatron_dapo.config import DAPOConfig
 from megatron_dapo.groups import GenBatch, generate_groups
 from megatron_dapo.observe.rows import RowSpec
+from megatron_dapo.preemption import StopRequest
 from megatron_dapo.rollout.engine import SamplingParams, rollout_sampling_params
 from megatron_dapo.rollout.partial import Carried, items, merge
 from megatron_dapo.rollout.pipeline import Ahead, RolloutPipeline
@@ -68,17 +69,19 @@ class GenerationBatches:
         """Tells the engines that submitted batches will not be collected (separate placement)."""
         self.run.placement.cancel(requests)
 
-    def await_in_flight(self, pipeline: RolloutPipeline, until: Callable[[], float | None]) -> None:
+    def await_in_flight(self, pipeline: RolloutPipeline, stop: StopRequest, *, reserve_s: float) -> None:
         """Before a step's sync (separate placement): the engines take the new weights only after the
         batches asked for before them (rollout/engine_server.py), so the sync waits for what is in
         flight, trainer rank 0 polling the engines and the other trainer ranks waiting for its word.
-        ``until()``: a deadline (a stop's: time.monotonic()), or None; the batches not finished by it
-        are released (rollout/pipeline.py), aborted on the engines and asked for again at resume."""
+        Once a stop is asked for, only until ``reserve_s`` before its kill (StopRequest.deadline): the
+        batches not finished by then are released (rollout/pipeline.py), aborted on the engines and
+        asked for again at resume."""
         requests = pipeline.in_flight()
         if not requests:  # the same on every trainer rank
             return
+        stop.agreed()  # every trainer rank learns of a signal any of them got: the deadline is rank 0's
         placement = self.run.placement
-        released = pipeline.release(placement.wait_for(requests, until=until))
+        released = pipeline.release(placement.wait_for(requests, until=lambda: stop.deadline(reserve_s)))
         placement.cancel(released, "released at the stop")
         if released and self.run.rank == 0:
             logger.warning("stop: %d generation batch(es) in flight not finished in time for the save before the "

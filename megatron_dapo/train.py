@@ -136,7 +136,7 @@ def _train(run: Run, stop: StopRequest) -> TrainResult:
     end_time = job_end_time(scontrol=run.rank == 0)  # rank 0 asks SLURM; the stop all-reduce tells the rest
     # From the first step on, a signal whose grace cannot hold the step in flight abandons it.
     stop.watch(Watch(seconds_to_finish=clock.seconds_to_finish, last_checkpoint=lambda: str(_latest(run) or "none yet"),
-                     on_abandon=lambda line: write_status("stopped", line) if run.rank == 0 else None,
+                     on_abandon=lambda line: _on_abandon(run, line),
                      grace_s=cfg.checkpoint.stop_grace_s, end_time=end_time))
     obs = Observer(cfg, run.dir, rank=run.rank, start=start, num_replicas=run.placement.num_replicas, resume=resume,
                    log=log)
@@ -156,7 +156,7 @@ def _loop(run: Run, stop: StopRequest, dyn: DynamicSampler, pipeline: RolloutPip
     _record_ranks(run)
     if run.rank == 0:
         (run.dir / "config.yaml").write_text(dump_yaml(cfg))
-    _sync(run, start)  # the engines start from the checkpoint's weights (vLLM's from dummy ones)
+    _sync(run, start, clock)  # the engines start from the checkpoint's weights (vLLM's from dummy ones)
     final = {}
     if cfg.eval.before_train and start == 0:
         actor.offload_for_rollout()  # the engine generates: the state goes off as for a step's rollouts
@@ -241,14 +241,11 @@ def _loop(run: Run, stop: StopRequest, dyn: DynamicSampler, pipeline: RolloutPip
                 _accumulate(metrics, update)
         metrics.update(_device_used("training"))
         pending, write_s = _write_if_due(run, log, step + 1, finished)
-        # the engines take the new weights after what is in flight: waited for (timing_s/trainer_waited);
-        # at a stop, only as long as the rest of the step and the save still end before the kill
-        reserve = clock.rest_after_wait(evaluates) + 2 * ABANDON_SAFETY_S
-        gen.await_in_flight(pipeline, until=lambda: stop.deadline(reserve))
+        # the engines take the new weights after what is in flight (timing_s/trainer_waited); at a stop,
+        # only as long as the rest of the step and the save still end before the kill
+        gen.await_in_flight(pipeline, stop, reserve_s=clock.rest_after_wait(evaluates) + 2 * ABANDON_SAFETY_S)
         with log.timer("weight_sync"):
-            sync_start = time.monotonic()
-            _sync(run, step + 1)
-            clock.record_sync(time.monotonic() - sync_start)
+            _sync(run, step + 1, clock)
         eval_s = 0.0
         if evaluates or finished:
             eval_start = time.monotonic()
@@ -288,6 +285,16 @@ def _record_ranks(run: Run) -> None:
     nodes = run.placement.gather_all(os.environ.get("SLURMD_NODENAME") or socket.gethostname())
     if run.rank == 0:
         (run.dir / "ranks.json").write_text(json.dumps({"nodes": nodes}, indent=1) + "\n")
+
+
+def _on_abandon(run: Run, line: str) -> None:
+    """A step abandoned at a stop (preemption.py: the process exits next): rank 0 leaves its status
+    for the launcher and closes its channels, so that the engines and the other trainer ranks waiting
+    for its next message end at once instead of waiting out rollout.wait_timeout_minutes."""
+    if run.rank == 0:
+        write_status("stopped", line)
+        if run.engines is not None:
+            run.engines.close_channels()
 
 
 def _write_if_due(run: Run, log: MetricsLogger, step: int, finished: bool):
@@ -346,13 +353,16 @@ def _last_eval(run_dir: Path) -> dict[str, float]:
     return {k: v for k, v in records[-1].items() if k.startswith("eval/") and v is not None} if records else {}
 
 
-def _sync(run: Run, version: int | None = None) -> None:
+def _sync(run: Run, version: int | None = None, clock: StepClock | None = None) -> None:
     """Streams the trained weights (``version``: the steps trained into them) into every rank's
     engine (so into every replica); every rank runs the export's collectives. One bucket size for
     both halves: the export gathers a bucket of full tensors at a time, and the engine loads the
-    same buckets."""
+    same buckets. ``clock`` records how long it took (a stop's wait leaves room for the next)."""
+    started = time.monotonic()
     bucket_bytes = run.cfg.rollout.weight_sync_bucket_mb << 20
     run.placement.sync(run.actor.export_hf_weights(bucket_bytes=bucket_bytes), bucket_bytes, version=version)
+    if clock is not None:
+        clock.record_sync(time.monotonic() - started)
 
 
 def _job_ends_after_next(cfg: DAPOConfig, clock: StepClock, end_time: float | None, step: int,

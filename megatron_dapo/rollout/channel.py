@@ -10,11 +10,18 @@ rank 0 is two parts:
     sender       store.set(<n>)  ------------------->  gloo broadcast of message n
     receivers    store.wait(<n>), up to wait_s  ---->  gloo broadcast of message n
 
-The receivers wait for key n in the launch's rendezvous store, a wait with its own limit
-(``rollout.wait_timeout_minutes``), then join the broadcast, which by then waits only for the sender
-to pickle the message. A blocking store wait holds its store client for its whole length, so each
-channel (and anything else a second thread of the process uses) takes a client of its own
-(``Store.clone``). Keys are never reused: a message's key is its sequence number.
+The receivers wait for key n in the launch's rendezvous store, a wait with its own limit (twice
+``rollout.wait_timeout_minutes``: the sender's own waits give up first, with the better message),
+then join the broadcast, which by then waits only for the sender to pickle the message. A blocking
+store wait holds its store client for its whole length, so each channel (and anything else a second
+thread of the process uses) takes a client of its own (``Store.clone``). Keys are never reused: a
+message's key is its sequence number. They stay in the store (tens of bytes each, about ten a step
+on each channel: ~12 MB over 10,000 steps), since nothing tells the sender when the last receiver
+has read one.
+
+A sender that fails (or abandons a step at a stop) ``close``s the channel: the next key holds a
+mark instead of a message, and the receivers raise ``ChannelClosed`` at once instead of waiting out
+their limit (a gloo group's abort does not wake a peer waiting on it; only the peer's exit would).
 
 The object helpers pickle into uint8 tensors on gloo groups made by hand (process group objects
 that torch.distributed's registry does not know, so its ``*_object`` functions cannot take them).
@@ -91,6 +98,13 @@ class WaitTimeout(TimeoutError):
     """A wait across the other side's work outlasted ``rollout.wait_timeout_minutes``."""
 
 
+class ChannelClosed(RuntimeError):
+    """The sender closed the channel: it failed, or left at a stop."""
+
+
+_CLOSED = b"closed"  # the value of a key that stands where the next message would have
+
+
 class Channel:
     """Messages from member 0 of ``group`` to all its members (module doc).
 
@@ -115,15 +129,24 @@ class Channel:
         self.store.set(str(self.count), b"")
         broadcast_object(self.group, message)
 
+    def close(self) -> None:
+        """Member 0, after a failure: the receivers' next ``receive`` raises ChannelClosed. Never
+        waits (a store write), so it is safe on any exit path."""
+        self.store.set(str(self.count + 1), _CLOSED)
+
     def receive(self):
         """The others: the next message, waiting for it in the store (up to ``wait_s``)."""
         self.count += 1
+        key = str(self.count)
         try:
-            self.store.wait([str(self.count)], datetime.timedelta(seconds=self.wait_s))
+            self.store.wait([key], datetime.timedelta(seconds=self.wait_s))
         except dist.DistStoreError as error:
             if "timeout" not in str(error).lower():
                 raise
             raise WaitTimeout(f"member {self.group.rank()} waited {self.wait_s / 60:.1f} min for message "
                               f"{self.count} from {self.waits_for} (rollout.wait_timeout_minutes; "
                               f"{self.waits_for}'s log says what it was doing)") from error
+        if self.store.get(key) == _CLOSED:
+            raise ChannelClosed(f"{self.waits_for} ended without finishing the run (it failed, or left at a "
+                                f"stop: its log says which)")
         return broadcast_object(self.group)

@@ -29,11 +29,11 @@ from collections.abc import Sequence
 
 import torch
 
-from megatron_dapo.rollout.channel import send_object
+from megatron_dapo.rollout.channel import ChannelClosed, send_object
 from megatron_dapo.rollout.engine import GenerationAborted
 from megatron_dapo.rollout.placement import replica_layout, shard_range, stamp
 from megatron_dapo.rollout.protocol import Cancel, Collect, Generate, Start, Stop, Stream, Weights
-from megatron_dapo.rollout.weight_stream import receive_weights
+from megatron_dapo.rollout.weight_stream import receive_weights, reserve_bucket
 from megatron_dapo.rollout.worlds import WorldSplit
 
 logger = logging.getLogger(__name__)
@@ -79,7 +79,10 @@ class Worker(threading.Thread):
                         idle = 0.0
                     self.links.progress.done(item.request)
                 elif isinstance(item, Weights):
-                    self.links.progress.done(item.request)  # every batch asked for before it is generated
+                    # every batch asked for before it is generated; the first bucket's memory is there
+                    # (a failure now is reported before trainer rank 0 starts the stream, not in it)
+                    reserve_bucket(self.links, item.bucket_bytes)
+                    self.links.progress.done(item.request)
                     self._streams.acquire()  # trainer rank 0's Stream, once every worker is here, or the stop
                     if self.stopping:
                         continue
@@ -114,7 +117,8 @@ class Worker(threading.Thread):
                         why if why.startswith("aborted") else f"{why}, aborted")
             return False
         finally:
-            self._current = None
+            with self._done:
+                self._current = None
         with self._done:
             if item.request not in self.cancelled:  # else finished before the cancel reached it
                 self.results[item.request] = (stamp(out, version) if leader else None, idle)
@@ -129,6 +133,8 @@ class Worker(threading.Thread):
         aborted one too: vLLM's replicas step together."""
         with self._done:
             self._current = request
+            for old in [r for r in self.cancelled if r < request]:  # passed: nothing will ask again
+                del self.cancelled[old]
             if self.stopping or request in self.cancelled:
                 if self.engine.aborts:
                     self.engine.abort()
@@ -222,6 +228,15 @@ def serve(split: WorldSplit) -> int:
     try:
         _answer(split, worker)
         failed = False
+    except BaseException as error:
+        if worker.error is not None:
+            worker.raise_error()  # the root cause, whatever the main thread met after it
+        if not isinstance(error, ChannelClosed):  # the main thread's own: trainer rank 0 reads it next
+            try:
+                split.links.progress.fail(split.side_rank, error)
+            except Exception:  # noqa: BLE001 -- the store may be gone with the trainers
+                pass
+        raise
     finally:  # the worker ends with the loop, however it ends, aborting the work nobody will collect
         worker.drop_pending()
         worker.abort()
@@ -256,6 +271,8 @@ def _answer(split: WorldSplit, worker: Worker) -> None:
             case Collect(request=request):
                 if leader:
                     send_object(control.group, worker.result(request), 0)
+                else:  # its (None, idle) entry, never sent
+                    worker.results.pop(request, None)
             case Cancel(requests=requests, why=why):
                 worker.cancel(requests, why)
             case Stop():

@@ -50,6 +50,7 @@ class Weights:
 
     request: int
     version: int | None  # the trainer steps in these weights (None: unchanged)
+    bucket_bytes: int = 0  # the stream's bucket size (rollout.weight_sync_bucket_mb), reserved before it
 
 
 @dataclass(frozen=True)

@@ -47,14 +47,28 @@ class Engines:
         self.split, self.stopped = split, False
 
     def shutdown(self, *, failed: bool = False) -> None:
+        """``failed``: the trainers end on an error: their channels are closed rather than sent a
+        last message (a receiver may not be listening), and the links aborted. Never raises: it
+        runs on exit paths, where the error that brought the run there is the one to report."""
         if self.stopped:
             return
         self.stopped = True
         try:
-            if self.split.links is not None:
+            if failed:
+                self.close_channels()
+            elif self.split.links is not None:
                 self.split.links.control.send(Stop())
+        except Exception:  # noqa: BLE001 -- logged; the engines end when this process does
+            logger.exception("could not tell the engines to stop")
         finally:
             self.split.close(failed=failed)
+
+    def close_channels(self) -> None:
+        """Trainer rank 0 leaves mid-run (a failure, a step abandoned at a stop): every engine rank
+        and trainer rank waiting for its next message ends at once (channel.ChannelClosed)."""
+        for channel in (self.split.links.control if self.split.links else None, self.split.trainers):
+            if channel is not None and self.split.side_rank == 0:
+                channel.close()
 
 
 class SeparatePlacement:
@@ -69,7 +83,7 @@ class SeparatePlacement:
         self._leaders: list[int] = []  # the engine ranks that answer for a replica (known at start)
         self._cancelled: list[int] = []  # their progress counters go once a later request is done
         self._waited = self._idle = 0.0  # since take_waits: trainer rank 0 waiting, the engines idle
-        self.wait_s = split.links.control.wait_s if split.links is not None else 0.0
+        self.wait_s = split.wait_s  # trainer rank 0's limit on a wait for the engines
 
     def start(self, cfg) -> None:
         """The engines build their engine from the run's resolved config."""
@@ -106,8 +120,9 @@ class SeparatePlacement:
         on every trainer rank (the leader polls, the others wait for its word in the store)."""
         count = 0
         if self.is_leader:
+            limit = time.monotonic() + self.wait_s  # one limit for the whole wait: the others wait once
             for request in requests:
-                if not self._await(request, until):
+                if not self._await(request, until, limit):
                     break
                 count += 1
         return self._share(count)
@@ -152,11 +167,12 @@ class SeparatePlacement:
         request = self._next()
         links = self.split.links
         if self.is_leader:
-            links.control.send(Weights(request, version))
+            links.control.send(Weights(request, version, bucket_bytes))
             self._await(request)
             links.progress.forget(request)
-            links.control.send(Stream(request))
-        self._share(None)
+        self._share(None)  # the others start the export: its first collective waits for rank 0 alone
+        if self.is_leader:
+            links.control.send(Stream(request))  # from here on send_weights tells the engines if it fails
         return send_weights(links, weights, bucket_bytes)
 
     def sleep(self) -> None:
@@ -170,11 +186,14 @@ class SeparatePlacement:
         self._requests += 1
         return self._requests
 
-    def _await(self, request: int, until: Callable[[], float | None] = lambda: None) -> bool:
+    def _await(self, request: int, until: Callable[[], float | None] = lambda: None,
+               limit: float | None = None) -> bool:
         """Polls until every engine is done with ``request`` (True), or ``until()`` has passed
-        (False); raises an engine's failure, or WaitTimeout after ``rollout.wait_timeout_minutes``."""
+        (False); raises an engine's failure, or WaitTimeout at ``limit`` (time.monotonic(); default
+        ``rollout.wait_timeout_minutes`` from now)."""
         progress, engines = self.split.links.progress, self.split.num_engines
         started = time.monotonic()
+        limit = started + self.wait_s if limit is None else limit
         pause = POLL_S[0]
         try:
             while (done := progress.count(request)) < engines:
@@ -184,7 +203,7 @@ class SeparatePlacement:
                 deadline = until()
                 if deadline is not None and now >= deadline:
                     return False
-                if now - started > self.wait_s:
+                if now > limit:
                     missing = f"{engines - done} of {engines} engine ranks have not finished it"
                     waited = f"trainer rank 0 waited {self.wait_s / 60:.1f} min for request {request}"
                     raise WaitTimeout(f"{waited}: {missing} (rollout.wait_timeout_minutes; the engine ranks' "

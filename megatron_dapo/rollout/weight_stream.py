@@ -50,10 +50,23 @@ def unpack(header: Header, flat: torch.Tensor) -> list[tuple[str, torch.Tensor]]
 
 
 def _bytes(links, tensor: torch.Tensor) -> None:
-    """Trainer rank 0's ``tensor`` into every member's, on the transfer group (in place)."""
+    """Trainer rank 0's ``tensor`` into every member's, on the transfer group (in place). On a GPU the
+    CPU waits for it too: NCCL's wait only orders the stream, and a loop that ran ahead of the
+    transfer would hold several buckets (each alive until its broadcast ends) instead of one."""
     opts = dist.BroadcastOptions()
     opts.rootRank, opts.rootTensor = 0, 0
     links.transfer.broadcast([tensor], opts).wait()
+    if tensor.is_cuda:
+        torch.cuda.current_stream(tensor.device).synchronize()
+
+
+def reserve_bucket(links, bucket_bytes: int) -> None:
+    """Engine side, before it says it is ready for a stream: a bucket's memory, allocated once and
+    given back to the caching allocator, so a device without room fails here, where trainer rank 0
+    reads the failure before it streams, not in the middle of a broadcast (a bucket holding one
+    tensor larger than the bucket size still allocates that tensor's size during the stream)."""
+    if bucket_bytes and links.device.type == "cuda":
+        torch.empty(bucket_bytes, dtype=torch.uint8, device=links.device)
 
 
 def send_weights(links, weights: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> dict[str, int]:
@@ -95,14 +108,15 @@ def receive_weights(links, engine) -> dict[str, int]:
                                "while exporting; its own error says why)")
         flat = torch.empty(sum(_sizes(header)[1]), dtype=torch.uint8, device=links.device)
         _bytes(links, flat)
-        bucket = unpack(header, flat)
         if failed is None:
             try:
+                bucket = unpack(header, flat)
                 engine.update_weights(bucket)
+                count_bucket(stats, bucket)
+                del bucket
             except Exception as error:  # noqa: BLE001 -- raised once the stream has ended
                 failed = error
-        count_bucket(stats, bucket)
-        del bucket, flat  # one bucket at a time: the next is received into memory of its own
+        del flat  # one bucket at a time: the next is received into memory of its own
     if failed is not None:
         raise failed
     finish_update(engine)

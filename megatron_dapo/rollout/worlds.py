@@ -57,7 +57,9 @@ class EngineLinks:
 
     def close(self, *, failed: bool) -> None:
         """Shuts every group down, or aborts it after a failure (a peer may be gone: a clean
-        shutdown could wait for it)."""
+        shutdown of NCCL's communicators could wait for it). A gloo group's abort frees nothing a
+        peer waits on (torch 2.13): peers are freed by this process's exit, or by a channel closed
+        first (rollout/channel.py)."""
         _close([self.control.group, self.stream, self.transfer], failed=failed)
 
 
@@ -68,7 +70,8 @@ class WorldSplit:
     ``rank``/``world_size``: in the launch; ``side_rank``: in this side's default world; ``links``:
     trainer rank 0's and the engines' (None on the other trainer ranks); ``trainers``: rank 0's
     channel to the other trainer ranks (None on engine ranks and in a world of one trainer);
-    ``device``: this process's (cuda:LOCAL_RANK with NCCL)."""
+    ``device``: this process's (cuda:LOCAL_RANK with NCCL); ``wait_s``: how long trainer rank 0
+    waits for the engines (rollout.wait_timeout_minutes; the channels' receivers wait twice that)."""
 
     is_trainer: bool
     rank: int
@@ -78,6 +81,7 @@ class WorldSplit:
     links: EngineLinks | None = None
     trainers: Channel | None = None
     device: torch.device = torch.device("cpu")
+    wait_s: float = 240 * 60.0
 
     @property
     def side_rank(self) -> int:
@@ -158,6 +162,7 @@ def split_world(num_engine_ranks: int, *, tensor_parallel_size: int = 1, backend
     dist.init_process_group(backend, store=dist.PrefixStore(f"{side}/", store), rank=side_rank,
                             world_size=num_trainers if is_trainer else num_engine_ranks, timeout=timeout)
     wait_s = wait_minutes * 60
+    receive_s = 2 * wait_s  # a receiver outlasts the sender's waits, which give up with the better message
 
     def gloo(name: str, member: int, members: int):
         return dist.ProcessGroupGloo(dist.PrefixStore(f"{name}/", store), member, members, timeout)
@@ -167,12 +172,12 @@ def split_world(num_engine_ranks: int, *, tensor_parallel_size: int = 1, backend
 
     trainers = None
     if is_trainer and num_trainers > 1:
-        trainers = Channel(own("trainers_channel"), gloo("trainers_gloo", rank, num_trainers), wait_s=wait_s,
-                           waits_for="trainer rank 0")
+        trainers = Channel(own("trainers_channel"), gloo("trainers_gloo", rank, num_trainers),
+                           wait_s=receive_s, waits_for="trainer rank 0")
     links = None
     if rank == 0 or not is_trainer:  # trainer rank 0 and the engines; the other trainers never build them
         members, member = 1 + num_engine_ranks, 0 if rank == 0 else side_rank + 1
-        control = Channel(own("control_channel"), gloo("control", member, members), wait_s=wait_s,
+        control = Channel(own("control_channel"), gloo("control", member, members), wait_s=receive_s,
                           waits_for="trainer rank 0")
         stream = gloo("stream", member, members)
         if backend == "nccl":
@@ -183,4 +188,5 @@ def split_world(num_engine_ranks: int, *, tensor_parallel_size: int = 1, backend
             transfer = gloo("transfer", member, members)
         progress = Progress(own("progress"), num_engine_ranks)
         links = EngineLinks(control, progress, stream, transfer, member, device)
-    return WorldSplit(is_trainer, rank, world_size, num_trainers, num_engine_ranks, links, trainers, device)
+    return WorldSplit(is_trainer, rank, world_size, num_trainers, num_engine_ranks, links, trainers, device,
+                      wait_s)

@@ -51,4 +51,10 @@ NO_EFFECT_ON_CPU: dict[str, str] = {
                                  "the cut: tests/unit/test_observe.py::test_clip_keeps_the_head_and_the_answer_line",
     "alarms.shortcut_fallbacks": "no setting makes the gradient shortcut fall back (it holds for every loss the code "
                                  "builds); counting: tests/unit/test_grad_shortcut_count.py, thresholds: test_observe.py",
+    "parallel.timeout_minutes": "how long a collective may wait for a late rank: no collective of a healthy one-step "
+                                "run waits long; tests/functional/test_async_rollouts.py runs separate placement at "
+                                "0.1 (6 s) through a 15-s batch and writes the default run's records",
+    "rollout.wait_timeout_minutes": "read by separate placement only (how long a rank waits for the other side); "
+                                    "tests/unit/test_separate_waits.py (trainer rank 0 gives up naming it), "
+                                    "test_rollout_channel.py (a receiver does), test_plan.py (checked against the plan)",
 }

@@ -17,7 +17,8 @@ from pathlib import Path
 
 PKG = Path(__file__).resolve().parents[2] / "megatron_dapo"
 FREE = ["algo", "reward", "data", "groups", "trainer_state", "batching", "rollout", "rollout.engine", "rollout.placement", "rollout.hf_engine",
-        "rollout.vllm_engine", "rollout.weight_sync", "rollout.pipeline", "rollout.separate", "step_model", "convert", "eval", "eval_metrics", "config",
+        "rollout.vllm_engine", "rollout.weight_sync", "rollout.pipeline", "rollout.separate", "rollout.engine_server",
+        "rollout.channel", "rollout.protocol", "rollout.weight_stream", "step_model", "convert", "eval", "eval_metrics", "config",
         "config_loading", "metrics_log", "config_rules", "errors", "run_lock", "preemption", "quiet", "plotting", "toy", "memory_plan", "gpu_models", "generation_model", "plan_report", "layout", "ranks", "gpu_binding", "worked_example",
         "data.prepare", "mcore.run_export", "observe", "observe.observer", "observe.samples_cli", "observe.report",
         "observe.profiler",

@@ -27,7 +27,7 @@ def _placement(wait_s: float = 60.0) -> tuple[SeparatePlacement, Progress]:
     control = Channel(None, None, wait_s=wait_s, waits_for="trainer rank 0")  # its waits are not used here
     links = EngineLinks(control=control, progress=progress, stream=None, transfer=None, member=0, device=None)
     split = WorldSplit(is_trainer=True, rank=0, world_size=1 + ENGINES, num_trainers=1, num_engines=ENGINES,
-                       links=links)
+                       links=links, wait_s=wait_s)
     return SeparatePlacement(Engines(split)), progress
 
 
@@ -78,3 +78,12 @@ def test_a_wait_past_the_timeout_names_the_key_and_the_engines_missing():
     with pytest.raises(WaitTimeout, match=r"request 5: 1 of 2 engine ranks have not finished it "
                                           r"\(rollout.wait_timeout_minutes"):
         placement.wait_for([5])
+    # one limit for a whole wait_for (the other trainer ranks wait for its answer once): three
+    # requests done one after another, 0.15 s apart, outlast 0.2 s together though each is quicker
+    placement, progress = _placement(wait_s=0.2)
+    for request in (6, 7, 8):
+        _later(0.15 * (request - 5), lambda request=request: [progress.done(request) for _ in range(ENGINES)])
+    started = time.monotonic()
+    with pytest.raises(WaitTimeout, match="request 7"):
+        placement.wait_for([6, 7, 8])
+    assert time.monotonic() - started < 0.4
