@@ -76,6 +76,16 @@ extras="log"
 # (ast) and never imports them. --no-deps: its real stack (NeMo, apex, TE) does not install on a CPU box.
 # --target, off sys.path: the wheel also ships a top-level `tests` package that would shadow ours.
 if [ "$mode" = test ]; then [ -f .venv/upstream/nemo-aligner-0.7.0/nemo_aligner/package_info.py ] || $PIP install --no-deps --target .venv/upstream/nemo-aligner-0.7.0 "nemo-aligner==0.7.0"; fi
+# test: verl 0.9.1, the reference our losses, aggregation and rollout scorer are checked against
+# (tests/helpers/verl_reference.py), as shipped, --no-deps, off sys.path like nemo-aligner: its
+# metadata pins transformers < 5.11 and vLLM, which the test venv cannot hold. What
+# verl.trainer.ppo.core_algos and verl.utils.reward_score.math_dapo import and nothing more (ray
+# through verl.protocol); measured: 17 s, 268 MB.
+verl_dir=.venv/upstream/verl-0.9.1
+if [ "$mode" = test ] && [ ! -f "$verl_dir/verl/trainer/ppo/core_algos.py" ]; then
+  $PIP install --no-deps --target "$verl_dir" "verl==0.9.1" "ray==2.60.0" "tensordict==0.15.3" "pyvers==0.2.3" \
+    "omegaconf==2.4.0" "antlr4-python3-runtime==4.9.3" "codetiming==1.4.0" "orjson==3.13.0" "msgpack==1.2.4"
+fi
 # test: wandb, for the check that logging.wandb=true writes its sample tables (offline, no account).
 # Not in the `test` extra: container/requirements.txt resolves the extras against vLLM's pins, and
 # the GPU image needs no W&B client for its tests (that one skips there).

@@ -84,7 +84,10 @@ def validate_cross_section(cfg: Any) -> None:
     if 0 < t.max_tokens_per_micro_batch < seq_len:
         _fail(f"train.max_tokens_per_micro_batch={t.max_tokens_per_micro_batch} cannot hold one sequence of "
               f"data.max_prompt_length + rollout.max_response_length = {seq_len} tokens; raise it to >= {seq_len}")
-    for name, registry, value in (("loss.loss_agg_mode", AGG_MODES, cfg.loss.loss_agg_mode),
+    if cfg.loss.policy_loss not in POLICY_LOSSES:
+        _fail(f"loss.policy_loss={cfg.loss.policy_loss!r} is not one of {POLICY_LOSSES.names()}")
+    loss = cfg.loss_settings()  # the policy loss's paper values for "auto"; refuses what it does not define
+    for name, registry, value in (("loss.loss_agg_mode", AGG_MODES, loss.loss_agg_mode),
                                   ("loss.policy_loss", POLICY_LOSSES, cfg.loss.policy_loss),
                                   ("algorithm.adv_estimator", ADVANTAGE_ESTIMATORS, cfg.algorithm.adv_estimator),
                                   ("rollout.engine", ENGINES, cfg.rollout.engine),

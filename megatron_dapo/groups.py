@@ -161,7 +161,7 @@ def to_samples(groups: list[Group], cfg: DAPOConfig):
     train.old_log_probs=rollout). One tensor per kind for the whole batch, split into per-sample
     views: a tensor per sample and kind was a visible cost of the CPU demo's step."""
     rewards = torch.tensor([g.rewards for g in groups], dtype=torch.float32)  # [P, G]
-    advantages = get_advantage_fn(cfg.algorithm.adv_estimator)(rewards, eps=cfg.algorithm.adv_eps)
+    advantages = get_advantage_fn(cfg.algorithm.estimator)(rewards, eps=cfg.algorithm.adv_eps)
     rollouts = [r for g in groups for r in g.rollouts]
     resp_n = [len(r.response_ids) for r in rollouts]
     prompts = torch.tensor([t for r in rollouts for t in r.prompt_ids], dtype=torch.long).split(

@@ -70,7 +70,7 @@ def run_example(cfg: DAPOConfig, prompt_index: int = 0) -> Example:
     finally:
         pool.close()
     group, = shape_groups([prompt_index], outputs, train_scores, cfg)
-    advantages = get_advantage_fn(cfg.algorithm.adv_estimator)(torch.tensor([group.rewards]),
+    advantages = get_advantage_fn(cfg.algorithm.estimator)(torch.tensor([group.rewards]),
                                                                eps=cfg.algorithm.adv_eps)[0]
     shares, loss, total = _loss_shares(outputs[0], advantages, cfg)
     tok = inputs.tokenizer
@@ -91,8 +91,7 @@ def _loss_shares(rollouts: list[Rollout], advantages: torch.Tensor, cfg: DAPOCon
     mask = pad([torch.ones(len(r.response_ids)) for r in rollouts], batch_first=True)
     if cfg.reward.overlong_filter:
         mask[[r.finish_reason == "length" for r in rollouts]] = 0.0
-    kw = dict(clip_ratio_low=cfg.loss.clip_ratio_low, clip_ratio_high=cfg.loss.clip_ratio_high,
-              clip_ratio_c=cfg.loss.clip_ratio_c, loss_agg_mode=cfg.loss.loss_agg_mode)
+    kw = cfg.loss_settings().loss_kwargs()
     total = int(mask.sum())
     loss, _ = loss_fn(logp, logp, advantages, mask, global_num_tokens=total, **kw)
     shares = [float(loss_fn(logp[k:k + 1], logp[k:k + 1], advantages[k:k + 1], mask[k:k + 1],
@@ -115,8 +114,8 @@ def format_example(ex: Example, cfg: DAPOConfig) -> str:
     lines += [f"reward = {cfg.reward.fn} score + overlong penalty (buffer {cfg.reward.overlong_buffer.len} tokens before "
               f"the limit); advantage = (reward - group mean) / (group std + {cfg.algorithm.adv_eps:g}); a group "
               "whose answers are all right or all wrong has no advantage and dynamic sampling drops it",
-              f"loss ({cfg.loss.loss_agg_mode} over the group's {ex.num_tokens} tokens, first update of the step: "
-              f"ratio 1): {ex.loss:+.5f} = the sum of the shares ({sum(r.loss_share for r in ex.rows):+.5f}); "
+              f"loss ({cfg.loss_settings().loss_agg_mode} over the group's {ex.num_tokens} tokens, first update of "
+              f"the step: ratio 1): {ex.loss:+.5f} = the sum of the shares ({sum(r.loss_share for r in ex.rows):+.5f}); "
               "each share = -advantage x its tokens / the group's tokens",
               f"the loss's gradient with respect to each token's log-prob is -advantage / {ex.num_tokens}: the "
               "update raises the log-probs of responses with positive advantage and lowers the others, "

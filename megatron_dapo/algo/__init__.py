@@ -6,12 +6,13 @@ from megatron_dapo.algo.advantages import (
     compute_mean_baseline_advantages,
     get_advantage_fn,
 )
+from megatron_dapo.algo.aggregation import AGG_MODES, aggregate
 from megatron_dapo.algo.dynamic_sampling import DynamicSampler, DynamicSamplingExhausted
 from megatron_dapo.algo.losses import (
-    AGG_MODES,
     MAX_LOG_RATIO,
     POLICY_LOSSES,
-    aggregate,
+    compute_cispo_loss,
+    compute_gspo_loss,
     compute_policy_loss,
     get_policy_loss_fn,
 )
@@ -19,7 +20,7 @@ from megatron_dapo.algo.reward_shaping import overlong_filter_mask, overlong_pen
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS", "AGG_MODES", "MAX_LOG_RATIO", "POLICY_LOSSES", "DynamicSampler",
-    "DynamicSamplingExhausted", "aggregate", "compute_grpo_advantages",
+    "DynamicSamplingExhausted", "aggregate", "compute_cispo_loss", "compute_grpo_advantages", "compute_gspo_loss",
     "compute_mean_baseline_advantages", "compute_policy_loss", "get_advantage_fn", "get_policy_loss_fn",
     "overlong_filter_mask", "overlong_penalty",
 ]

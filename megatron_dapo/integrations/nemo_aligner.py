@@ -135,7 +135,8 @@ def loss_settings(ppo_cfg: Any) -> LossConfig:
 
     ``model.ppo.entropy_bonus`` must be 0: DAPO has no entropy term and this loss does not add one."""
     ppo = _plain(ppo_cfg)
-    loss = build(LossConfig, ppo.get("loss") or {}, where="model.ppo.loss.")
+    # "auto" keys take the policy loss's paper values; seq-mean-token-sum-norm needs loss_scale_factor
+    loss = build(LossConfig, ppo.get("loss") or {}, where="model.ppo.loss.").resolved(None)
     if loss.tis_cap is not None:
         raise ValueError("model.ppo.loss.tis_cap must be null: NeMo-Aligner's rollout batch carries the "
                          "trainer's own log-probs (get_inference_log_probs), not the rollout engine's, so "
@@ -275,7 +276,7 @@ def dapo_rollout_data(batch: Mapping[str, torch.Tensor], groups: torch.Tensor,
     if settings.overlong_filter:
         mask = mask * is_end.to(mask.dtype).unsqueeze(-1)
     groups = groups.to(score.device)
-    estimator = get_advantage_fn(settings.algorithm.adv_estimator)
+    estimator = get_advantage_fn(settings.algorithm.estimator)
     per_row = torch.empty_like(shaped)
     per_row[groups] = estimator(shaped[groups], eps=settings.algorithm.adv_eps)
     data = {"response_tokens": batch["response_tokens"], "prev_logprobs": logprobs, "mask": mask,
@@ -322,19 +323,18 @@ def dapo_micro_batch_loss(curr_log_probs: torch.Tensor, batch: Mapping[str, torc
     (``*_max``: max) to the mini-batch value over micro-batches and DP ranks."""
     fn = get_policy_loss_fn(loss.policy_loss)
     value, metrics = fn(curr_log_probs, batch["prev_logprobs"], batch["advantages"], batch["mask"],
-                        clip_ratio_low=loss.clip_ratio_low, clip_ratio_high=loss.clip_ratio_high,
-                        clip_ratio_c=loss.clip_ratio_c, loss_agg_mode=loss.loss_agg_mode,
-                        global_num_tokens=counts.num_tokens, global_num_seqs=counts.num_seqs)
+                        **loss.loss_kwargs(), global_num_tokens=counts.num_tokens, global_num_seqs=counts.num_seqs)
     return value * counts.schedule_scale, metrics
 
 
 def reduce_micro_batch_metrics(per_micro_batch: Sequence[Mapping[str, torch.Tensor]],
                                device: torch.device | str = "cpu") -> torch.Tensor:
     """Metrics of this rank's micro-batches -> [len(LOSS_METRIC_KEYS)]: sums, max for ``*_max``; zeros
-    when there are none (pipeline stages before the last)."""
+    when there are none (pipeline stages before the last) and for a key the loss does not report (gspo
+    and cispo have no dual clip)."""
     out = torch.zeros(len(LOSS_METRIC_KEYS), dtype=torch.float32, device=device)
     for i, key in enumerate(LOSS_METRIC_KEYS):
-        values = [m[key].float().to(device) for m in per_micro_batch]
+        values = [m[key].float().to(device) for m in per_micro_batch if key in m]
         if values:
             out[i] = torch.stack(values).max() if key.endswith("_max") else torch.stack(values).sum()
     return out

@@ -82,13 +82,14 @@ class StepSettings:
     micro_batch_size: int
     pad_multiple: int
     chunk_tokens: int | None = None  # log-prob chunking; None = logprobs.py's memory default
+    loss_scale_factor: float | None = None  # seq-mean-token-sum-norm's constant (Dr. GRPO)
 
     @classmethod
     def from_config(cls, cfg: DAPOConfig, vocab_size: int) -> "StepSettings":
-        p = cfg.parallel
-        return cls(policy_loss=cfg.loss.policy_loss, clip_ratio_low=cfg.loss.clip_ratio_low,
-                   clip_ratio_high=cfg.loss.clip_ratio_high, clip_ratio_c=cfg.loss.clip_ratio_c,
-                   loss_agg_mode=cfg.loss.loss_agg_mode, tis_cap=cfg.loss.tis_cap,
+        p, loss = cfg.parallel, cfg.loss_settings()
+        return cls(policy_loss=loss.policy_loss, clip_ratio_low=loss.clip_ratio_low,
+                   clip_ratio_high=loss.clip_ratio_high, clip_ratio_c=loss.clip_ratio_c,
+                   loss_agg_mode=loss.loss_agg_mode, loss_scale_factor=loss.loss_scale_factor, tis_cap=loss.tis_cap,
                    temperature=cfg.rollout.temperature,
                    valid_vocab_size=vocab_size,
                    max_tokens_per_micro_batch=cfg.train.max_tokens_per_micro_batch,
@@ -102,9 +103,10 @@ class StepSettings:
     def policy_loss_fn(self):
         # tis_cap only when set: a loss without TIS support then still works with TIS off.
         tis = {} if self.tis_cap is None else {"tis_cap": self.tis_cap}
+        norm = {} if self.loss_scale_factor is None else {"loss_scale_factor": self.loss_scale_factor}
         return functools.partial(get_policy_loss_fn(self.policy_loss), clip_ratio_low=self.clip_ratio_low,
                                  clip_ratio_high=self.clip_ratio_high, clip_ratio_c=self.clip_ratio_c,
-                                 loss_agg_mode=self.loss_agg_mode, **tis)
+                                 loss_agg_mode=self.loss_agg_mode, **tis, **norm)
 
 
 def compute_device() -> torch.device:
@@ -187,13 +189,19 @@ def _forward_step(settings: StepSettings, counts, scale: float, mismatch: bool, 
     return output, functools.partial(_loss_func, settings, counts, scale, mismatch, mb)
 
 
+# Policy losses whose token's term depends on that token's log-prob alone (a chunk's gradient hint
+# holds); GSPO's sequence ratio reads the whole response.
+PER_TOKEN_LOSSES = ("dapo", "cispo")
+
+
 def _loss_grad_hint(settings: StepSettings, counts, mb: MicroBatch, device) -> GradHint | None:
     """d loss / d log p of some positions of the micro-batch from their log-probs alone, for the
     output layer to compute its gradients in the forward (logprobs.py, ``GradHint``); positions
     outside the loss mask have none. Exact up to the schedule's scaling for token-mean, a sum of
     per-token terms over the global token count; the seq-mean modes divide by per-sequence counts
-    a chunk does not see: None (recompute)."""
-    if settings.loss_agg_mode != "token-mean" or counts is None or not torch.is_grad_enabled():
+    a chunk does not see, and GSPO's ratio is a mean over the whole response: None (recompute)."""
+    if (settings.loss_agg_mode != "token-mean" or settings.policy_loss not in PER_TOKEN_LOSSES or counts is None
+            or not torch.is_grad_enabled()):
         return None
     loss_fn = settings.policy_loss_fn()
     per_token = {"old": mb.old_log_probs, "adv": mb.advantages, "mask": mb.loss_mask,

@@ -3,7 +3,7 @@
 Two scorers are registered (docs/reward.md):
 - "dapo_math" (VALUE_REWARD_FN, math_dapo.py): ours, compares the VALUE of the answer with the
   integer ground truth; the training default.
-- "math_dapo_paper" (PAPER_REWARD_FN, paper_rule.py): the paper's / verl's rule, exact string match
+- "math_dapo_paper" (PAPER_REWARD_FN, paper_rule.py): the paper's / verl <= 0.9.0's rule, exact string match
   of the normalised last "Answer:" in the last 300 characters; the evaluation default, the number
   to set beside the paper's.
 """

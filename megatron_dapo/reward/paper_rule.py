@@ -1,4 +1,8 @@
-"""The DAPO paper's scoring rule (verl's ``math_dapo``), written here from its description.
+"""The DAPO paper's scoring rule (verl <= 0.9.0's ``math_dapo``), written here from its description.
+
+verl 0.9.1's ``math_dapo`` differs in one place: a tail with no "Answer:" line falls back to its last
+``\\boxed{}`` (here: "[INVALID]", scored -1), as the paper's numbers were not. tests/unit/test_scorers.py
+checks this rule against verl 0.9.1 as shipped: equal everywhere else.
 
 This is the metric behind the paper's AIME avg@32 and verl's reproduction numbers (reference
 docs/reference/dapo.md 2.4). Use it to compare with them; our own scorer (math_dapo.py, compares values) is

@@ -157,6 +157,7 @@ CASES: dict[str, Case] = {
     "rollout.check_logprob_mismatch": C("false", lambda a, b: "rollout/logprob_mismatch" in b.last.keys() - a.last.keys()),
     "algorithm.adv_estimator": C("grpo_mean_only", metric("actor/pg_loss")),
     "algorithm.adv_eps": C("0.5", metric("actor/pg_loss")),
+    "algorithm.norm_adv_by_std_in_grpo": C("false", metric("actor/pg_loss")),
     "algorithm.filter_groups.enable": C("true", metric("dynamic_sampling/num_groups_generated")),
     "algorithm.filter_groups.max_num_gen_batches": C("1", lambda a, b: "max_num_gen_batches=1" in a.error and ok(b, a),
                                                      FILTER | {"data.gen_prompts_per_batch": "4",
@@ -171,10 +172,12 @@ CASES: dict[str, Case] = {
     "algorithm.filter_groups.max_gen_prompts": C("4", records, FILTER | TWO | {"algorithm.filter_groups.adaptive": "true"}),
     "algorithm.filter_groups.surplus": C("carry", lambda a, b: "dynamic_sampling/num_surplus_carried" in a.last
                                          and "dynamic_sampling/num_surplus_carried" not in b.last),
+    "loss.policy_loss": C("cispo", lambda a, b: "actor/is_weight_mean" in a.last and "actor/is_weight_mean" not in b.last),
     "loss.clip_ratio_low": C("0.01", metric("actor/pg_clipfrac_low")),
     "loss.clip_ratio_high": C("0.01", metric("actor/pg_clipfrac_high")),
     "loss.clip_ratio_c": C("1.3", metric("actor/pg_clipfrac_dual"), {"optim.lr": "0.05"}),
     "loss.loss_agg_mode": C("seq-mean-token-mean", metric("actor/pg_loss")),
+    "loss.loss_scale_factor": C("7", metric("actor/pg_loss"), {"loss.loss_agg_mode": "seq-mean-token-sum-norm"}),
     "loss.tis_cap": C("2.0", lambda a, b: "actor/tis_weight_mean" in a.last and "actor/tis_weight_mean" not in b.last,
                       {"train.old_log_probs": "trainer"}),  # TIS corrects a recomputed pi_old
     "reward.fn": C("dapo_math", metric("reward/acc_mean"), DECIMAL),

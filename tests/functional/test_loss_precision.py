@@ -51,7 +51,7 @@ def by_hand(actor, xs: list[Sample]) -> float:
     """The mini-batch token-mean DAPO loss in fp32 from the actor's own log-probs."""
     lps = actor.get_inference_log_probs(xs)
     assert all(lp.dtype == torch.float32 for lp in lps)
-    cfg = actor.cfg.loss
+    cfg = actor.cfg.loss_settings()
     lp, old = torch.cat(lps)[None], torch.cat([x.old_log_probs for x in xs])[None]
     adv = torch.cat([torch.full((x.num_response_tokens,), float(x.advantages)) for x in xs])[None]
     mask = torch.cat([torch.ones(x.num_response_tokens) if x.loss_mask is None else x.loss_mask for x in xs])[None]

@@ -39,7 +39,8 @@ def test_both_sides_describe_the_same_job(tmp_path):
     # updates per step: ours from the mini-batch size, TRL's from steps_per_generation
     assert cfg.data.prompts_per_step // cfg.train.mini_batch_prompts == trl.updates_per_step == 4
     assert cfg.optim.lr == trl.lr and cfg.optim.lr_warmup_steps * trl.updates_per_step == trl.warmup_updates
-    assert (cfg.loss.clip_ratio_low, cfg.loss.clip_ratio_high, cfg.loss.clip_ratio_c, cfg.optim.clip_grad) == \
+    loss = cfg.loss_settings()
+    assert (loss.clip_ratio_low, loss.clip_ratio_high, loss.clip_ratio_c, cfg.optim.clip_grad) == \
         (trl.clip_low, trl.clip_high, trl.clip_c, trl.clip_grad)
     shaping = cfg.reward.overlong_buffer
     assert shaping.enable and (shaping.len, shaping.penalty_factor) == (trl.buffer_len, trl.penalty_factor)

@@ -56,7 +56,7 @@ def test_the_command_prints_the_same_numbers(example, demo_base, tmp_path):
     assert f"ground truth: {ex.ground_truth}" in lines
     shares = [float(line.split()[-1]) for line in lines if line.startswith("  ") and line.split()[0].isdigit()]
     assert shares == pytest.approx([r.loss_share for r in ex.rows], abs=1e-5)  # same seed, same responses
-    assert any(line.startswith(f"loss ({cfg.loss.loss_agg_mode} over the group's {ex.num_tokens} tokens")
+    assert any(line.startswith(f"loss ({cfg.loss_settings().loss_agg_mode} over the group's {ex.num_tokens} tokens")
                for line in lines)
 
 

@@ -10,7 +10,6 @@ REFUSED: dict[str, tuple[str, dict]] = {  # key -> (value, context)
     "parallel.context_parallel_size": ("2", {}),
     "data.train_files": ("[/elsewhere/train.parquet]", {}),
     "data.val_files": ("[/elsewhere/val.parquet]", {}),
-    "loss.policy_loss": ("ppo", {}),
     "toy.enable": ("false", {}),  # then model.hf_path is empty: "... or set toy.enable=true"
     "toy.max_position_embeddings": ("32", {}),  # shorter than prompt + response; longer values only reach config.json
     # Without the engines' ranks; with them (torchrun, 4 processes) tests/functional/test_separate_placement.py

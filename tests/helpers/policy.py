@@ -10,8 +10,8 @@ import dataclasses
 import torch
 
 from megatron_dapo.config import (
-    DAPOConfig, DataConfig, ModelConfig, OptimConfig, OverlongBufferConfig, ParallelConfig, RewardConfig,
-    RolloutConfig, TrainConfig,
+    DAPOConfig, DataConfig, LossConfig, ModelConfig, OptimConfig, OverlongBufferConfig, ParallelConfig,
+    RewardConfig, RolloutConfig, TrainConfig,
 )
 from megatron_dapo.batching import Sample
 
@@ -48,6 +48,20 @@ def tiny_cfg(*, tp=1, pp=1, vpp=None, sp=False, dist_opt=True, budget=40, micro_
         train=TrainConfig(mini_batch_prompts=2, max_tokens_per_micro_batch=budget,
                           micro_batch_size=micro_batch_size),
         optim=OptimConfig(lr=LR, lr_warmup_steps=warmup, adam_eps=ADAM_EPS, clip_grad=CLIP, weight_decay=0.1))
+
+
+def one_process_cfg(loss: LossConfig) -> DAPOConfig:
+    """One process, the default layout, 3+ micro-batches per mini-batch of make_samples(shapes=SHAPES[:6]),
+    no gradient clip (the optimizer leaves ``main_grad`` as the loss made it): the loss tests' step."""
+    return DAPOConfig(
+        seed=1,
+        model=ModelConfig(make_vocab_size_divisible_by=64),
+        data=DataConfig(prompts_per_step=4, gen_prompts_per_batch=4, max_prompt_length=8),
+        rollout=RolloutConfig(temperature=0.8, max_response_length=24),
+        reward=RewardConfig(overlong_buffer=OverlongBufferConfig(len=8)),
+        train=TrainConfig(mini_batch_prompts=2, max_tokens_per_micro_batch=40),
+        loss=loss,
+        optim=OptimConfig(lr=1e-3, lr_warmup_steps=0, clip_grad=0.0))
 
 
 def make_samples(seed: int, shapes=SHAPES, vocab: int = VOCAB) -> list[Sample]:

@@ -52,7 +52,7 @@ def with_old_log_probs(model, xs: list[Sample], seed: int) -> list[Sample]:
 
 
 def dapo_loss(fw, rows=None, **kw):
-    cfg = tiny_cfg().loss
+    cfg = tiny_cfg().loss_settings()
     take = (lambda t: t) if rows is None else (lambda t: t[rows])
     return compute_policy_loss(take(fw["lp"]), take(fw["old"]), take(fw["adv"]), take(fw["mask"]),
                                clip_ratio_low=cfg.clip_ratio_low, clip_ratio_high=cfg.clip_ratio_high,

@@ -39,7 +39,8 @@ def test_every_benchmark_has_run(name):
     assert run_all.has_run(BENCH / f"{name}.py"), f"{name}.py has no top-level run(quick)"
 
 
-@pytest.mark.parametrize("name", ["async_rollout", "checkpoint_save", "fault_campaign", "reward_fuzz", "rollout", "table1"])
+@pytest.mark.parametrize("name", ["async_rollout", "checkpoint_save", "fault_campaign", "losses", "reward_fuzz", "rollout",
+                                  "table1"])
 def test_quick_is_smaller_than_full(name):
     """No size of the quick run exceeds the full run's and at least one is smaller: QUICK != FULL
     alone would pass a quick run larger than the full one. A skip_* flag counts as smaller when
@@ -167,6 +168,18 @@ def test_table1_figures():
     assert figs[-1]["baseline"] == pytest.approx(0.23) and figs[-1]["ratio"] == pytest.approx(0.73 / 0.23)
     assert "2 seed(s), 1280 responses" in figs[1]["figure"]
     assert "1.0 min" in m.markdown(result)
+
+
+def test_losses_figures():
+    m = _load("losses")
+    runs = [dict(_table1_run(name, seed, 0.4 + 0.1 * i + 0.02 * seed), high=0.01 * i, low=0.02)
+            for i, (name, _) in enumerate(m.ROWS) for seed in (1, 2)]
+    result = dict(budget=1280, jobs=2, wall_s=60.0, runs=runs)
+    figs = list(_check(dict(name="losses", figures=m.figures(result), markdown=m.markdown(result)), "losses").values())
+    assert [f["figure"].split(":")[0] for f in figs] == ["dapo", "gspo", "cispo"]
+    assert figs[0]["baseline"] is None and figs[0]["value"] == pytest.approx(0.43)  # dapo: the baseline itself
+    assert figs[2]["baseline"] == pytest.approx(0.43) and figs[2]["ratio"] == pytest.approx(0.63 / 0.43)
+    assert "| gspo | 0.530 ± 0.014 | 0.500 ± 0.000 | 0.010 ± 0.000 | 0.020 ± 0.000 | 10 |" in m.markdown(result)
 
 
 

@@ -30,7 +30,9 @@ def test_every_shipped_config_validates(path):
 
 def test_paper_defaults():
     c = DAPOConfig()
-    assert (c.loss.clip_ratio_low, c.loss.clip_ratio_high, c.loss.loss_agg_mode) == (0.2, 0.28, "token-mean")
+    loss = c.loss_settings()
+    assert (loss.clip_ratio_low, loss.clip_ratio_high, loss.clip_ratio_c, loss.loss_agg_mode) == \
+        (0.2, 0.28, 10.0, "token-mean")
     assert (c.data.prompts_per_step, c.rollout.n, c.train.mini_batch_prompts) == (512, 16, 32)
     assert c.updates_per_step == 16
     assert (c.rollout.max_response_length, c.reward.overlong_buffer.len) == (20480, 4096)
@@ -47,7 +49,7 @@ def test_defaults_chain_and_override_precedence(tmp_path):
     cfg = load_config(tmp_path / "child.yaml", ["seed=9", "optim.lr=1e-5", "loss.clip_ratio_c=null",
                                                 "data.train_files=[a.parquet, b.jsonl]"])
     assert cfg.seed == 9 and cfg.rollout.n == 4 and cfg.loss.clip_ratio_high == 0.3
-    assert cfg.loss.clip_ratio_low == 0.2  # untouched keys keep the schema default
+    assert cfg.loss.clip_ratio_low == "auto" and cfg.loss_settings().clip_ratio_low == 0.2  # dapo's paper value
     assert cfg.optim.lr == 1e-5 and cfg.loss.clip_ratio_c is None
     assert cfg.data.train_files == ("a.parquet", "b.jsonl")
     assert load_config(None, ["data.train_files=x.parquet"]).data.train_files == ("x.parquet",)
@@ -71,7 +73,7 @@ def test_resolved_config_round_trips(tmp_path):
      "data.prompts_per_step=512 is not divisible by train.mini_batch_prompts=30; pick a divisor (e.g. 32)"),
     ("reward.overlong_buffer.len=30000",
      "reward.overlong_buffer.len=30000 must be in (0, rollout.max_response_length=20480]"),
-    ("loss.clip_ratio_low=1.2", "loss.clip_ratio_low must be in [0, 1), got 1.2"),
+    ("loss.clip_ratio_low=1.2", "loss.clip_ratio_low must be in [0, 1] (1: no lower bound), got 1.2"),
     ("loss.clip_ratio_c=1.1", "loss.clip_ratio_c=1.1 must exceed 1 + clip_ratio_high = 1.28"),
     ("loss.loss_agg_mode=token-sum", "loss.loss_agg_mode='token-sum' is not one of"),
     ("loss.tis_cap=0.5", "loss.tis_cap must be >= 1 (verl uses 2.0), got 0.5"),

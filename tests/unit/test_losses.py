@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from megatron_dapo.algo import AGG_MODES, compute_policy_loss, get_policy_loss_fn
 
 LOW, HIGH, C = 0.2, 0.28, 3.0
+NORM = 13.0  # seq-mean-token-sum-norm's constant (the generation budget)
 
 
 def reference_loss(logp, old, adv, mask, low, high, c, mode, rollout=None, tis_cap=None):
@@ -41,6 +42,8 @@ def reference_loss(logp, old, adv, mask, low, high, c, mode, rollout=None, tis_c
         return total / max(ntok, 1)
     if mode == "seq-mean-token-mean":
         return sum(s / n for s, n in seqs) / max(len(seqs), 1)
+    if mode == "seq-mean-token-sum-norm":  # Dr. GRPO: one constant, not a length
+        return sum(s for s, _ in seqs) / max(len(seqs), 1) / NORM
     return sum(s for s, _ in seqs) / max(len(seqs), 1)
 
 
@@ -61,7 +64,7 @@ def make_batch(seed, b=6, t=9, scale=0.5, dtype=torch.float64):
 def test_matches_per_token_reference(mode, c, seed):
     logp, old, adv, mask = make_batch(seed, scale=0.6)
     loss, _ = compute_policy_loss(logp, old, adv, mask, clip_ratio_low=LOW, clip_ratio_high=HIGH,
-                                  clip_ratio_c=c, loss_agg_mode=mode)
+                                  clip_ratio_c=c, loss_agg_mode=mode, loss_scale_factor=NORM)
     assert loss.item() == pytest.approx(reference_loss(logp, old, adv, mask, LOW, HIGH, c, mode), abs=1e-12)
 
 
@@ -90,6 +93,7 @@ def _split_losses_and_grads(logp, old, adv, mask, cuts, mode, c):
     for a, b in zip(cuts[:-1], cuts[1:]):
         loss, m = compute_policy_loss(leaf[a:b], old[a:b], adv[a:b], mask[a:b], clip_ratio_low=LOW,
                                       clip_ratio_high=HIGH, clip_ratio_c=c, loss_agg_mode=mode,
+                                      loss_scale_factor=NORM,
                                       global_num_tokens=n_tok, global_num_seqs=n_seq)
         loss.backward()
         total = total + loss.detach()
@@ -109,7 +113,7 @@ def test_microbatch_identity(seed, num_cuts, mode, dual):
     cuts = [0, *inner, 8]
     full_leaf = logp.clone().requires_grad_(True)
     full, m_full = compute_policy_loss(full_leaf, old, adv, mask, clip_ratio_low=LOW, clip_ratio_high=HIGH,
-                                       clip_ratio_c=c, loss_agg_mode=mode)
+                                       clip_ratio_c=c, loss_agg_mode=mode, loss_scale_factor=NORM)
     full.backward()
     split, split_grad, clipfrac_sum = _split_losses_and_grads(logp, old, adv, mask, cuts, mode, c)
     assert split.item() == pytest.approx(full.item(), abs=1e-6)
@@ -176,7 +180,8 @@ def test_empty_mask_gives_zero_not_nan():
     logp = torch.zeros(2, 3, requires_grad=True)
     for mode in AGG_MODES.names():
         loss, m = compute_policy_loss(logp, torch.zeros(2, 3), torch.ones(2), torch.zeros(2, 3),
-                                      clip_ratio_low=LOW, clip_ratio_high=HIGH, loss_agg_mode=mode)
+                                      clip_ratio_low=LOW, clip_ratio_high=HIGH, loss_agg_mode=mode,
+                                      loss_scale_factor=NORM)
         assert loss.item() == 0.0 and all(torch.isfinite(v) for v in m.values())
 
 
@@ -188,7 +193,7 @@ def test_metrics_are_detached_tensors():
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(clip_ratio_low=1.0, clip_ratio_high=0.28), "clip_ratio_low"),
+    (dict(clip_ratio_low=1.5, clip_ratio_high=0.28), "clip_ratio_low"),
     (dict(clip_ratio_low=0.2, clip_ratio_high=-0.1), "clip_ratio_high"),
     (dict(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=1.0), "clip_ratio_c"),
     (dict(clip_ratio_low=0.2, clip_ratio_high=0.28, loss_agg_mode="token-sum"), "seq-mean-token-mean"),
@@ -201,7 +206,7 @@ def test_bad_arguments_name_the_problem(kwargs, match):
 
 def test_registry_lookup():
     assert get_policy_loss_fn("dapo") is compute_policy_loss
-    with pytest.raises(ValueError, match=r"valid names: \['dapo'\]"):
+    with pytest.raises(ValueError, match=r"valid names: \['cispo', 'dapo', 'gspo'\]"):
         get_policy_loss_fn("ppo-kl")
 
 
@@ -246,7 +251,8 @@ def test_tis_matches_per_token_reference(mode, c, seed):
     logp, old, adv, mask, rollout = with_rollout(seed)
     leaf = logp.clone().requires_grad_(True)
     loss, _ = compute_policy_loss(leaf, old, adv, mask, clip_ratio_low=LOW, clip_ratio_high=HIGH,
-                                  clip_ratio_c=c, loss_agg_mode=mode, rollout_log_probs=rollout, tis_cap=CAP)
+                                  clip_ratio_c=c, loss_agg_mode=mode, loss_scale_factor=NORM,
+                                  rollout_log_probs=rollout, tis_cap=CAP)
     want = reference_loss(logp, old, adv, mask, LOW, HIGH, c, mode, rollout=rollout, tis_cap=CAP)
     assert loss.item() == pytest.approx(want, abs=1e-12)
     plain = reference_loss(logp, old, adv, mask, LOW, HIGH, c, mode)

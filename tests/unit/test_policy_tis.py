@@ -13,27 +13,16 @@ import dataclasses
 import pytest
 import torch
 
-from megatron_dapo.config import (
-    DAPOConfig, DataConfig, LossConfig, ModelConfig, OptimConfig, OverlongBufferConfig, RewardConfig,
-    RolloutConfig, TrainConfig,
-)
+from megatron_dapo.config import DAPOConfig, LossConfig
 from megatron_dapo.batching import Sample
-from tests.helpers.policy import VOCAB, tiny_hf_config
+from tests.helpers.policy import VOCAB, one_process_cfg, tiny_hf_config
 
 CAP = 2.0
 SHAPES = [(3, 9), (5, 14), (2, 6), (7, 20), (4, 11), (6, 3)]  # (prompt, response)
 
 
 def tiny_cfg(tis_cap) -> DAPOConfig:
-    return DAPOConfig(
-        seed=1,
-        model=ModelConfig(make_vocab_size_divisible_by=64),
-        data=DataConfig(prompts_per_step=4, gen_prompts_per_batch=4, max_prompt_length=8),
-        rollout=RolloutConfig(temperature=0.8, max_response_length=24),
-        reward=RewardConfig(overlong_buffer=OverlongBufferConfig(len=8)),
-        train=TrainConfig(mini_batch_prompts=2, max_tokens_per_micro_batch=40),  # 3+ micro-batches
-        loss=LossConfig(tis_cap=tis_cap),
-        optim=OptimConfig(lr=1e-3, lr_warmup_steps=0, clip_grad=0.0))
+    return one_process_cfg(LossConfig(tis_cap=tis_cap))
 
 
 def make_samples(actor) -> list[Sample]:

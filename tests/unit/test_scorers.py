@@ -4,7 +4,7 @@ table, the scorer registry, and a RewardPool that holds both."""
 import pytest
 
 from megatron_dapo.reward import PAPER_REWARD_FN, VALUE_REWARD_FN, RewardPool, get_reward_fn, paper_rule
-from megatron_dapo.reward.labelled_cases import SCORER_CASES
+from megatron_dapo.reward.labelled_cases import CASES, SCORER_CASES
 
 paper = get_reward_fn(PAPER_REWARD_FN)
 ours = get_reward_fn(VALUE_REWARD_FN)
@@ -69,3 +69,34 @@ def test_pool_scores_with_each_named_fn():
             pool.score(responses, truths, fn="nope")
     with RewardPool(num_workers=0, timeout_s=1.0, score_fns={PAPER_REWARD_FN: paper}) as pool:  # inline mode
         assert [r["acc"] for r in pool.score(responses, truths, fn=PAPER_REWARD_FN)] == want_paper
+
+
+def _verl_090_reads_the_same(response: str) -> bool:
+    """verl <= 0.9.0's math_dapo, which paper_rule.py follows, reads only the "Answer:" line; 0.9.1
+    also falls back to the last \\boxed{} of the 300-character tail when that line is missing."""
+    return paper_rule.extract_answer(response) != paper_rule.INVALID or "\\boxed{" not in response[-300:]
+
+
+ALL_RESPONSES = [(c[0], c[1]) for c in SCORER_CASES + CASES]
+
+
+@pytest.mark.parametrize("response, ground_truth", ALL_RESPONSES, ids=[str(i) for i in range(len(ALL_RESPONSES))])
+def test_paper_rule_equals_verl_091_but_for_its_boxed_fallback(response, ground_truth):
+    """verl 0.9.1's math_dapo.compute_score as shipped: the same score and prediction wherever it reads the
+    "Answer:" line as verl <= 0.9.0 did; where it falls back to \\boxed{}, the prediction is the box's."""
+    from tests.helpers.verl_reference import verl
+    _, math_dapo, _ = verl()
+    theirs, ours = math_dapo.compute_score(response, ground_truth), paper_rule.compute_score(response, ground_truth)
+    if _verl_090_reads_the_same(response):
+        assert (theirs["score"], theirs["pred"]) == (ours["score"], ours["pred"])
+    else:
+        assert ours["pred"] == paper_rule.INVALID and theirs["pred"] != paper_rule.INVALID
+
+
+def test_verl_091_boxed_fallback_is_the_one_difference():
+    """A response with \\boxed{42} and no "Answer:" line: 0.9.0's rule (ours) scores it wrong, 0.9.1 right."""
+    from tests.helpers.verl_reference import verl
+    _, math_dapo, _ = verl()
+    response = "Let me think. The sum is $\\boxed{42}$."
+    assert paper_rule.compute_score(response, "42")["score"] == -1.0
+    assert math_dapo.compute_score(response, "42")["score"] == 1.0

@@ -30,12 +30,13 @@ def configs(tmp_path_factory):
 
 def test_first_row_is_grpo_and_last_is_dapo(configs):
     grpo, dapo = configs[0][1], configs[-1][1]
-    assert (grpo.loss.clip_ratio_low, grpo.loss.clip_ratio_high, grpo.loss.loss_agg_mode) == (0.2, 0.2, "seq-mean-token-mean")
+    grpo_loss, dapo_loss = grpo.loss_settings(), dapo.loss_settings()
+    assert (grpo_loss.clip_ratio_low, grpo_loss.clip_ratio_high, grpo_loss.loss_agg_mode) == (0.2, 0.2, "seq-mean-token-mean")
     assert not grpo.algorithm.filter_groups.enable and not grpo.reward.overlong_buffer.enable
     assert not grpo.reward.overlong_filter
-    assert (dapo.loss.clip_ratio_low, dapo.loss.clip_ratio_high, dapo.loss.loss_agg_mode) == (0.2, 0.28, "token-mean")
+    assert (dapo_loss.clip_ratio_low, dapo_loss.clip_ratio_high, dapo_loss.loss_agg_mode) == (0.2, 0.28, "token-mean")
     assert dapo.algorithm.filter_groups.enable and dapo.reward.overlong_buffer.enable and dapo.reward.overlong_filter
-    assert all(c.loss.clip_ratio_c is None for _, c in configs)  # the paper has no dual clip
+    assert all(c.loss_settings().clip_ratio_c is None for _, c in configs)  # the paper has no dual clip
 
 
 def test_each_row_adds_exactly_one_technique(configs):
