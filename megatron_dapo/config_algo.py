@@ -115,6 +115,10 @@ class LossConfig:
         paper = POLICY_LOSS_DEFAULTS.get(self.policy_loss)
         if auto and paper is None:
             fail(f"loss.policy_loss={self.policy_loss!r} has no paper defaults here: set loss.{', loss.'.join(auto)}")
+        high = paper["clip_ratio_high"] if self.clip_ratio_high == AUTO else self.clip_ratio_high
+        if "clip_ratio_c" in auto and paper["clip_ratio_c"] is not None and paper["clip_ratio_c"] <= 1 + high:
+            fail(f"loss.clip_ratio_c=auto is {self.policy_loss}'s {paper['clip_ratio_c']}, which must exceed "
+                 f"1 + clip_ratio_high = {1 + high}: set loss.clip_ratio_c above it, or null")
         out = dataclasses.replace(self, **{k: paper[k] for k in auto})
         if out.clip_ratio_c is not None and out.policy_loss != "dapo":
             fail(f"loss.clip_ratio_c={out.clip_ratio_c} with loss.policy_loss={out.policy_loss}: the dual clip caps "

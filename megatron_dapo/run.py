@@ -272,6 +272,10 @@ def _build(prep: Prepared) -> Run:
     else:
         actor.load_hf_weights(str(hf_path))
         logger.info("starting weights from %s (HF, each rank reading its shard)", hf_path)
+    loss = actor.settings  # config.yaml keeps "auto": the values the loss runs with are said once here
+    logger.info("policy loss %s: clip %g / %g, dual clip %s, %s%s", loss.policy_loss, loss.clip_ratio_low,
+                loss.clip_ratio_high, loss.clip_ratio_c, loss.loss_agg_mode,
+                f" / {loss.loss_scale_factor:g}" if loss.loss_scale_factor else "")
 
     sampler = PromptSampler(len(inputs.train_ids), seed=cfg.seed, shuffle=cfg.data.shuffle)
     # Every rank builds its engine at the same point: vLLM's external launcher forms its groups

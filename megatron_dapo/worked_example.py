@@ -54,6 +54,12 @@ def run_example(cfg: DAPOConfig, prompt_index: int = 0) -> Example:
     from megatron_dapo.rollout.placement import RolloutPlacement
     from megatron_dapo.run import make_reward_pool, prepare_run
 
+    loss = cfg.loss_settings()
+    if (loss.policy_loss, loss.loss_agg_mode, cfg.algorithm.estimator) != ("dapo", "token-mean", "grpo"):
+        # The text's formulas (each share -A x tokens / N, the gradient -A / N, (r - mean) / (std + eps)) are DAPO's.
+        raise InputError(f"megatron-dapo example walks through DAPO's loss (loss.policy_loss=dapo, token-mean, the "
+                         f"grpo advantage); this config has {loss.policy_loss}, {loss.loss_agg_mode}, "
+                         f"{cfg.algorithm.estimator}: run it with those at their defaults")
     prep = prepare_run(cfg, lock=False)
     cfg, inputs = prep.cfg, prep.inputs
     if not 0 <= prompt_index < len(inputs.train_ids):

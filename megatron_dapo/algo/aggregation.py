@@ -25,6 +25,12 @@ def masked(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.where(mask > 0, values, torch.zeros((), dtype=values.dtype, device=values.device))
 
 
+def _weighted(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """[B, T] values x mask where mask > 0 (a 0/1 mask: the values themselves), exactly 0 elsewhere: a
+    fractional mask weighs its tokens, in the sums and in the counts alike."""
+    return masked(values * mask, mask)
+
+
 def _denominator(local: torch.Tensor, global_count: float | int | torch.Tensor | None) -> torch.Tensor:
     count = local if global_count is None else torch.as_tensor(global_count, dtype=local.dtype)
     # An all-masked micro-batch contributes 0, not NaN.
@@ -38,21 +44,22 @@ def _valid_seqs(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 @AGG_MODES.register("token-mean")
 def _token_mean(values, mask, global_num_tokens=None, global_num_seqs=None, loss_scale_factor=None):
     """sum over all valid tokens / number of valid tokens (DAPO, Eq. 12)."""
-    return masked(values, mask).sum() / _denominator((mask > 0).to(values.dtype).sum(), global_num_tokens)
+    return _weighted(values, mask).sum() / _denominator(_weighted(torch.ones_like(values), mask).sum(),
+                                                        global_num_tokens)
 
 
 @AGG_MODES.register("seq-mean-token-mean")
 def _seq_mean_token_mean(values, mask, global_num_tokens=None, global_num_seqs=None, loss_scale_factor=None):
     """mean over sequences of each sequence's token mean (GRPO's sample-level loss; GSPO's)."""
-    lengths = (mask > 0).to(values.dtype).sum(-1)
-    per_seq = masked(values, mask).sum(-1) / lengths.clamp(min=1.0)
+    lengths = _weighted(torch.ones_like(values), mask).sum(-1)
+    per_seq = _weighted(values, mask).sum(-1) / lengths.clamp(min=1.0)
     return per_seq.sum() / _denominator(_valid_seqs(mask, values.dtype), global_num_seqs)
 
 
 @AGG_MODES.register("seq-mean-token-sum")
 def _seq_mean_token_sum(values, mask, global_num_tokens=None, global_num_seqs=None, loss_scale_factor=None):
     """mean over sequences of each sequence's token sum."""
-    per_seq = masked(values, mask).sum(-1)
+    per_seq = _weighted(values, mask).sum(-1)
     return per_seq.sum() / _denominator(_valid_seqs(mask, values.dtype), global_num_seqs)
 
 
