@@ -67,3 +67,15 @@ def test_a_prompt_past_the_data_is_one_line(example, demo_base, tmp_path):
                          cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert out.returncode == 2, out.stderr[-2000:]
     assert out.stderr.strip().splitlines()[-1].startswith("megatron-dapo: error: --prompt 100000: data.train_files has")
+
+
+@pytest.mark.parametrize("override", ["loss.policy_loss=gspo", "loss.loss_agg_mode=seq-mean-token-mean",
+                                      "algorithm.norm_adv_by_std_in_grpo=false"])
+def test_a_loss_the_text_does_not_describe_is_refused_first(override):
+    """Its formulas are DAPO's token-mean and GRPO's advantage: anything else is refused before any work."""
+    from megatron_dapo.config_loading import load_config
+    from megatron_dapo.errors import InputError
+    from megatron_dapo.worked_example import run_example
+
+    with pytest.raises(InputError, match="walks through DAPO's loss"):
+        run_example(load_config(CPU_TINY, [override]))
