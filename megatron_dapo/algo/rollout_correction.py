@@ -74,9 +74,10 @@ def parse_is_threshold(spec: float | str) -> tuple[float, float | None]:
     lower: float | None = None
     if isinstance(spec, str) and "_" in spec:
         low_text, high_text = spec.split("_", 1)
-        lower, upper = _number(low_text, spec), _number(high_text, spec)
+        lower = _number(low_text, "rollout_is_threshold", spec)
+        upper = _number(high_text, "rollout_is_threshold", spec)
     else:
-        upper = _number(spec, spec)
+        upper = _number(spec, "rollout_is_threshold", spec)
     if not upper > 0 or (lower is not None and not 0 < lower <= upper):
         raise ValueError(f"rollout_is_threshold={spec!r}: need an upper bound > 0 and, for IcePop, "
                          "0 < lower <= upper (e.g. 2.0, or '0.5_5.0')")
@@ -101,26 +102,27 @@ def parse_rejections(options: str, thresholds: float | str | None) -> tuple[Reje
     for name, spec in zip(names, specs):
         if name.endswith("k1"):
             low_text, _, high_text = spec.rpartition("_") if "_" in spec else ("", "", spec)
-            upper = _number(high_text, spec)
-            lower = _number(low_text, spec) if low_text else (1.0 / upper if upper > 0 else 0.0)
+            upper = _number(high_text, "rollout_rs_threshold", spec)
+            # an upper alone: its reciprocal is the lower bound (verl's rule)
+            lower = _number(low_text, "rollout_rs_threshold", spec) if low_text else 1.0 / upper if upper > 0 else 0.0
             if not 0 < lower <= upper:
-                raise ValueError(f"rollout_rs_threshold {spec!r} for {name}: need 0 < lower <= upper")
+                raise ValueError(f"rollout_rs_threshold={spec!r} for {name}: need 0 < lower <= upper")
             out.append(Rejection(name, upper, lower))
         else:
             if "_" in spec:
-                raise ValueError(f"rollout_rs_threshold {spec!r} for {name}: one upper bound, no '_'")
-            upper = _number(spec, spec)
+                raise ValueError(f"rollout_rs_threshold={spec!r} for {name}: one upper bound, no '_'")
+            upper = _number(spec, "rollout_rs_threshold", spec)
             if not upper > 0:
-                raise ValueError(f"rollout_rs_threshold {spec!r} for {name}: need a bound > 0")
+                raise ValueError(f"rollout_rs_threshold={spec!r} for {name}: need a bound > 0")
             out.append(Rejection(name, upper))
     return tuple(out)
 
 
-def _number(text, spec) -> float:
+def _number(text, key: str, spec) -> float:
     try:
         return float(text)
     except (TypeError, ValueError):
-        raise ValueError(f"threshold {spec!r}: {text!r} is not a number") from None
+        raise ValueError(f"{key}={spec!r}: {text!r} is not a number") from None
 
 
 def _seq(values: torch.Tensor, mask: torch.Tensor, how: str) -> torch.Tensor:

@@ -135,3 +135,29 @@ def test_rejection_parsing():
         parse_rejections("token_k2", None)
     with pytest.raises(ValueError, match="one upper bound"):
         parse_rejections("token_k2", "0.1_0.2")
+
+
+def test_token_tis_metrics_hand_computed():
+    # pi_old / pi_rollout = 3, 1.5, 0.5, 2.5 on valid tokens, 10 on a masked one; cap 2: weights 2, 1.5,
+    # 0.5, 2 -> mean 1.5; 2 of 4 valid tokens above the cap, none below its reciprocal (0.5 is not < 0.5).
+    ratios = torch.tensor([[3.0, 1.5, 0.5, 2.5, 10.0]], dtype=torch.float64)
+    mask = torch.tensor([[1.0, 1, 1, 1, 0]], dtype=torch.float64)
+    got = correct(torch.zeros(1, 5, dtype=torch.float64), -ratios.log(), mask,
+                  CorrectionSpec(is_level="token", is_upper=2.0))
+    assert got.weights.tolist() == [[2.0, 1.5, 0.5, 2.0, 0.0]]
+    assert got.metrics["rollout_corr/is_frac_high"].item() == pytest.approx(0.5, abs=1e-12)
+    assert got.metrics["rollout_corr/is_frac_low"].item() == 0.0
+    assert got.metrics["rollout_corr/is_mean"].item() == pytest.approx(1.5, abs=1e-12)
+    assert got.metrics["rollout_corr/is_max"].item() == 2.0 and got.metrics["rollout_corr/is_min"].item() == 0.5
+
+
+def test_huge_mismatch_and_nan_under_the_mask_stay_finite():
+    old = torch.tensor([[0.0, -1.0, -2.0, float("nan")]], dtype=torch.float64)
+    rollout = torch.tensor([[-500.0, 400.0, -1e30, float("inf")]], dtype=torch.float64)
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]], dtype=torch.float64)
+    for spec in (CorrectionSpec(is_level="token"), CorrectionSpec(is_level="sequence", is_lower=0.1),
+                 CorrectionSpec(rejections=parse_rejections("seq_max_k3,token_k1", "5,0.5_2.0"))):
+        got = correct(old, rollout, mask, spec)
+        assert all(torch.isfinite(v) for v in got.metrics.values())
+        assert got.weights is None or torch.isfinite(got.weights).all()
+        assert got.mask[0, 3] == 0
