@@ -9,8 +9,8 @@ tokens (L = P + R):
     position_ids[i, t]  t
     labels[i, t]        input_ids[i, t + 1]: the token that position t predicts (0 where none)
     loss_mask[i, t]     1 where labels[i, t] is a response token that counts: t in [P - 1, L - 2]
-    old_log_probs, rollout_log_probs, advantages: per response token, at the same positions as
-        their labels (0 where a sample has none)
+    old_log_probs, rollout_log_probs, advantages, is_weights: per response token, at the same
+        positions as their labels (0 where a sample has none; is_weights 1)
 
 No attention mask is built: with right padding, the causal mask already keeps every real token
 from seeing the padding after it, and padded positions are masked out of the loss.
@@ -40,7 +40,8 @@ class Sample:
     ``old_log_probs``: [R] log pi_old of the response tokens (None for a forward-only pass);
     ``loss_mask``: [R], None = every response token counts (0 e.g. for overlong filtering);
     ``rollout_log_probs``: [R] log pi_rollout as the rollout engine reported them (None when it
-    reported none; truncated importance sampling needs them)."""
+    reported none; rollout correction needs them); ``is_weights``: [R] rollout correction's
+    importance weights, detached, multiplying each token's loss (None: 1)."""
 
     prompt_ids: Tensor  # [P] int, P >= 1
     response_ids: Tensor  # [R] int
@@ -48,13 +49,14 @@ class Sample:
     old_log_probs: Tensor | None = None
     loss_mask: Tensor | None = None
     rollout_log_probs: Tensor | None = None
+    is_weights: Tensor | None = None
 
     def __post_init__(self):
         if self.prompt_ids.dim() != 1 or self.response_ids.dim() != 1 or self.prompt_ids.numel() < 1:
             raise ValueError(f"need prompt_ids [P >= 1] and response_ids [R]; got shapes "
                              f"{tuple(self.prompt_ids.shape)}, {tuple(self.response_ids.shape)}")
         r = self.response_ids.numel()
-        for name in ("old_log_probs", "loss_mask", "rollout_log_probs"):
+        for name in ("old_log_probs", "loss_mask", "rollout_log_probs", "is_weights"):
             value = getattr(self, name)
             if value is not None and tuple(value.shape) != (r,):
                 raise ValueError(f"{name} must have shape [R] = ({r},), got {tuple(value.shape)}")
@@ -90,6 +92,7 @@ class MicroBatch:
     old_log_probs: Tensor  # fp32
     rollout_log_probs: Tensor  # fp32
     advantages: Tensor  # fp32
+    is_weights: Tensor | None  # fp32; None: no sample of the micro-batch has weights
     sample_index: tuple[int, ...]
     prompt_lengths: tuple[int, ...]
     response_lengths: tuple[int, ...]
@@ -186,11 +189,15 @@ def build_micro_batch(samples: Sequence[Sample], indices: Sequence[int], *, mult
         old[:n][span] = _span_values([x.old_log_probs for x in rows], resp_n, lengths, fill=0.0)
         rollout[:n][span] = _span_values([x.rollout_log_probs for x in rows], resp_n, lengths, fill=0.0)
         adv[:n][span] = _span_values([x.advantages for x in rows], resp_n, lengths, fill=0.0)
+    weights = None
+    if any(x.is_weights is not None for x in rows):
+        weights = torch.ones(b, s, dtype=torch.float32)
+        weights[:n][span] = _span_values([x.is_weights for x in rows], resp_n, lengths, fill=1.0)
     labels = torch.zeros(b, s, dtype=torch.long)
     labels[:, :-1] = ids[:, 1:]  # the next token; 0 past each row's end, as ids are 0 there
     return MicroBatch(
         input_ids=ids, position_ids=torch.arange(s).expand(b, s).contiguous(), labels=labels,
-        loss_mask=mask, old_log_probs=old, rollout_log_probs=rollout, advantages=adv,
+        loss_mask=mask, old_log_probs=old, rollout_log_probs=rollout, advantages=adv, is_weights=weights,
         sample_index=tuple(indices) + (-1,) * (b - len(rows)),
         prompt_lengths=tuple(x.num_prompt_tokens for x in rows) + (0,) * (b - len(rows)),
         response_lengths=tuple(x.num_response_tokens for x in rows) + (0,) * (b - len(rows)))

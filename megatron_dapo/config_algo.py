@@ -47,12 +47,51 @@ class FilterGroupsConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class RolloutCorrectionConfig:
+    rollout_is: Literal["token", "sequence"] | None = setting(
+        None, "importance weights for the rollout's policy against pi_old, detached, on each token's loss: token "
+              "(TIS) or sequence (the product over the response); null = none")
+    rollout_is_threshold: float | str = setting(
+        2.0, "a cap (TIS: weights truncated above it) or 'lower_upper' (IcePop: weights outside the range set "
+             "to 0), e.g. '0.5_5.0' (both with a decimal point: YAML reads 1_5 as the number 15)")
+    rollout_rs: str | None = setting(
+        None, "rejection: tokens or whole responses masked out of the loss where a divergence leaves its bounds; "
+              "comma separated: token_k1/k2/k3, seq_sum_k1/k2/k3, seq_mean_k1/k2/k3 (mean k1: the geometric "
+              "mean ratio), seq_max_k2/k3; null = none")
+    rollout_rs_threshold: float | str | None = setting(
+        None, "rollout_rs's bounds, one for all or one per option (comma separated): k1 'lower_upper' ratio "
+              "bounds (or an upper, its reciprocal the lower), k2/k3 an upper bound; unread without rollout_rs")
+
+    def __post_init__(self):
+        self.spec()  # the thresholds parse, or the one-line error names the key
+
+    @property
+    def active(self) -> bool:
+        return self.rollout_is is not None or self.rollout_rs is not None
+
+    def spec(self):
+        """algo.rollout_correction.CorrectionSpec of this section (ConfigError naming a bad value)."""
+        from megatron_dapo.algo.rollout_correction import CorrectionSpec, parse_is_threshold, parse_rejections
+
+        where = "algorithm.rollout_correction"
+        try:
+            upper, lower = parse_is_threshold(self.rollout_is_threshold)
+            rules = () if self.rollout_rs is None else parse_rejections(self.rollout_rs, self.rollout_rs_threshold)
+        except ValueError as e:  # each message starts with the key's own name
+            fail(f"{where}.{e}")
+        return CorrectionSpec(is_level=self.rollout_is, is_upper=upper, is_lower=lower, rejections=rules)
+
+
+@dataclass(frozen=True, kw_only=True)
 class AlgorithmConfig:
     adv_estimator: str = setting("grpo", "advantage estimator (registry: grpo, grpo_mean_only)")
     adv_eps: float = setting(1e-6, "epsilon in (r - mean) / (std + eps)")
     norm_adv_by_std_in_grpo: bool = setting(True, "grpo: divide by the group's std (GRPO, DAPO Eq. 9); false = "
                                                   "r - mean only (Dr. GRPO, verl's name)")
     filter_groups: FilterGroupsConfig = section(FilterGroupsConfig, "dynamic sampling")
+    rollout_correction: RolloutCorrectionConfig = section(
+        RolloutCorrectionConfig, "importance weights and rejection for rollouts from another policy than pi_old "
+                                 "(engine numerics, stale or partial rollouts); verl's names")
 
     def __post_init__(self):
         require("algorithm", self, adv_eps=at_least(0))
@@ -86,9 +125,6 @@ class LossConfig:
     loss_scale_factor: float | None = setting(
         None, "seq-mean-token-sum-norm's constant divisor (Dr. GRPO's generation budget); null = "
               "rollout.max_response_length")
-    tis_cap: float | None = setting(None, "truncated importance sampling: weight each token's loss by "
-                                          "min(pi_old / pi_rollout, tis_cap) for the engine/trainer mismatch; "
-                                          "null = off (verl's tis_imp_ratio_cap is 2.0)")
 
     def __post_init__(self):
         low, high, c = self.clip_ratio_low, self.clip_ratio_high, self.clip_ratio_c
@@ -101,11 +137,6 @@ class LossConfig:
                  "null to disable dual clip")
         if self.loss_scale_factor is not None and not self.loss_scale_factor > 0:
             fail(f"loss.loss_scale_factor must be > 0 (tokens), got {self.loss_scale_factor}")
-        # A cap below 1 would scale down every token, exactly on-policy ones (weight 1) included:
-        # a smaller learning rate, not a mismatch correction.
-        if self.tis_cap is not None and not self.tis_cap >= 1:
-            fail(f"loss.tis_cap must be >= 1 (verl uses 2.0), got {self.tis_cap}: the weight "
-                 "min(pi_old / pi_rollout, tis_cap) of an on-policy token is 1; or set it to null to disable TIS")
 
     def resolved(self, max_response_length: int | None) -> "LossConfig":
         """This section with every "auto" replaced by the policy loss's paper value (POLICY_LOSS_DEFAULTS)

@@ -19,6 +19,14 @@ from megatron_dapo.config import DAPOConfig, field_help
 from megatron_dapo.errors import ConfigError
 
 
+# Keys that moved, with where to: an old config names the new spelling instead of "unknown key".
+MOVED = {
+    "loss.tis_cap": "truncated importance sampling moved to algorithm.rollout_correction: set "
+                    "algorithm.rollout_correction.rollout_is=token and rollout_is_threshold=<the cap> "
+                    "(or drop the key: null was off)",
+}
+
+
 def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -> DAPOConfig:
     """Defaults <- YAML file (with its ``defaults:`` chain) <- ``key=value`` overrides."""
     raw: dict[str, Any] = {}
@@ -43,6 +51,10 @@ def build(cls: type, raw: dict[str, Any], where: str) -> Any:
         raise ConfigError(f"{where.rstrip('.') or 'config'} must be a mapping, got {type(raw).__name__}: {raw!r}")
     known = {f.name: f for f in dataclasses.fields(cls)}
     unknown = [k for k in raw if k not in known]
+    for key in unknown:  # also under a prefix (the NeMo-Aligner adapter's model.ppo.loss.)
+        moved = [why for old, why in MOVED.items() if f"{where}{key}" == old or f"{where}{key}".endswith("." + old)]
+        if moved:
+            raise ConfigError(f"{where}{key}={raw[key]!r}: {moved[0]}")
     if unknown:
         key = unknown[0]
         close = difflib.get_close_matches(str(key), list(known), n=3)

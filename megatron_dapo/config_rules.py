@@ -58,10 +58,11 @@ def validate_cross_section(cfg: Any) -> None:
             _fail(f"toy.max_position_embeddings={cfg.toy.max_position_embeddings} is shorter than the sequences "
                   f"of the run: data.max_prompt_length + rollout.max_response_length = "
                   f"{d.max_prompt_length + r.max_response_length}; raise it to at least that, or shorten them")
-    if t.old_log_probs == "rollout" and cfg.loss.tis_cap is not None:
-        # TIS weighs by pi_old / pi_rollout, which is 1 when pi_old is the rollout's: it would do nothing.
-        _fail(f"loss.tis_cap={cfg.loss.tis_cap} corrects pi_old against the engine's log-probs, which "
-              "train.old_log_probs=rollout makes pi_old itself; set loss.tis_cap=null or train.old_log_probs=trainer")
+    if t.old_log_probs == "rollout" and cfg.algorithm.rollout_correction.active:
+        # verl's bypass mode: pi_old is the rollout's, so pi_old / pi_rollout is 1 and the correction does nothing.
+        _fail("algorithm.rollout_correction corrects pi_old against the engine's log-probs, which "
+              "train.old_log_probs=rollout makes pi_old itself (verl's bypass mode); set "
+              "algorithm.rollout_correction.rollout_is=null and rollout_rs=null, or train.old_log_probs=trainer")
     if r.max_staleness and t.old_log_probs == "rollout":
         # Stale rollouts come from older weights: pi_old must be the trainer's weights of this step,
         # with TIS correcting the drift (docs/DESIGN.md "Separate placement and asynchronous rollouts").

@@ -157,7 +157,7 @@ def generate_groups(placement: RolloutPlacement, prompt_ids: list[list[int]], in
 
 def to_samples(groups: list[Group], cfg: DAPOConfig):
     """Kept groups -> trainer samples with GRPO advantages (per response) and loss masks, and the
-    engine's log-probs where it returned them (for truncated importance sampling, loss.tis_cap, and
+    engine's log-probs where it returned them (for rollout correction, algorithm.rollout_correction, and
     train.old_log_probs=rollout). One tensor per kind for the whole batch, split into per-sample
     views: a tensor per sample and kind was a visible cost of the CPU demo's step."""
     rewards = torch.tensor([g.rewards for g in groups], dtype=torch.float32)  # [P, G]

@@ -50,7 +50,7 @@ PROGRESS_KEYS: tuple[tuple[str, str], ...] = (
     ("actor/pg_clipfrac_high", "clip_hi"),
     ("dynamic_sampling/num_gen_batches", "gen"),
     ("rollout/logprob_mismatch", "mismatch"),
-    ("actor/tis_clip_frac", "tis_clip"),  # only with loss.tis_cap
+    ("rollout_corr/is_frac_high", "is_high"),  # only with algorithm.rollout_correction.rollout_is
     ("timing_s/step", "s"),
 )
 

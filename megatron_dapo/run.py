@@ -91,21 +91,23 @@ ASYNC_TIS_CAP = 2.0  # verl's tis_imp_ratio_cap
 
 
 def with_async_defaults(cfg: DAPOConfig) -> DAPOConfig:
-    """``cfg`` with truncated importance sampling on (loss.tis_cap=2.0) when rollouts may be stale
-    (rollout.max_staleness >= 1, or rollout.partial: a continued response's first pieces come from
-    older weights) and it was left off: the trainer's pi_old then differs from the rollout's policy
-    by updates, not only by the engine's numerics."""
-    r = cfg.rollout
+    """``cfg`` with token-level truncated importance sampling on (algorithm.rollout_correction.rollout_is=token,
+    rollout_is_threshold=2.0) when rollouts may be stale (rollout.max_staleness >= 1, or rollout.partial: a
+    continued response's first pieces come from older weights) and no correction was chosen: the
+    trainer's pi_old then differs from the rollout's policy by updates, not only by the engine's numerics."""
+    r, corr = cfg.rollout, cfg.algorithm.rollout_correction
     if r.partial and cfg.algorithm.filter_groups.surplus == "drop" and ranks.rank() == 0:
         logger.info("rollout.partial=true: kept groups beyond a step's batch are carried to the next, not dropped "
                     "(DAPOConfig.surplus)")
-    if not (r.max_staleness or r.partial) or cfg.loss.tis_cap is not None:
+    if not (r.max_staleness or r.partial) or corr.active:
         return cfg
     if ranks.rank() == 0:
         why = f"rollout.max_staleness={r.max_staleness}" if r.max_staleness else "rollout.partial=true"
-        logger.info("%s: loss.tis_cap=%s (truncated importance sampling corrects stale rollouts; set "
-                    "loss.tis_cap to choose another cap)", why, ASYNC_TIS_CAP)
-    return dataclasses.replace(cfg, loss=dataclasses.replace(cfg.loss, tis_cap=ASYNC_TIS_CAP))
+        logger.info("%s: algorithm.rollout_correction.rollout_is=token, rollout_is_threshold=%s (truncated "
+                    "importance sampling corrects stale rollouts; set algorithm.rollout_correction to choose "
+                    "another)", why, ASYNC_TIS_CAP)
+    tis = dataclasses.replace(corr, rollout_is="token", rollout_is_threshold=ASYNC_TIS_CAP)
+    return dataclasses.replace(cfg, algorithm=dataclasses.replace(cfg.algorithm, rollout_correction=tis))
 
 
 def prepare_run(cfg: DAPOConfig, *, lock: bool = True, engines=None) -> Prepared:

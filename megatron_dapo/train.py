@@ -29,6 +29,7 @@ from megatron_dapo.config_loading import dump_yaml, to_dict
 from megatron_dapo.eval import evaluate_with_rows
 from megatron_dapo.metrics_log import MetricsLogger, format_progress, progress_keys, read_metrics
 from megatron_dapo.observe.observer import Observer
+from megatron_dapo.off_policy import correct_samples
 from megatron_dapo.observe.profiler import StepProfiler
 from megatron_dapo.preemption import ABANDON_SAFETY_S, TIME_LIMIT, StopRequest, Watch
 from megatron_dapo.reward import VALUE_REWARD_FN
@@ -424,7 +425,8 @@ def _old_log_probs(run: Run, log: MetricsLogger, samples: list, metrics: dict,
     engine/trainer mismatch from it, or the engine's own log-probs (no pass; the mismatch is then
     measured in the first update's forward: the second value says so). ``current``: per sample and
     response token, whether the trainer's weights generated it: the mismatch is measured over those
-    only, a numerics check (a stale token's drift is TIS's to correct; none current: no mismatch)."""
+    only, a numerics check (a stale token's drift is rollout correction's; none current: no mismatch),
+    and rollout correction applied (off_policy.py)."""
     cfg, actor = run.cfg, run.actor
     check = cfg.rollout.check_logprob_mismatch
     if cfg.train.old_log_probs == "rollout":
@@ -439,7 +441,10 @@ def _old_log_probs(run: Run, log: MetricsLogger, samples: list, metrics: dict,
         actor.finish_inference()
     if check and any(map(any, current)):
         metrics.update(_mismatch([s.rollout_log_probs for s in samples], old, current))
-    return [dataclasses.replace(s, old_log_probs=lp) for s, lp in zip(samples, old)], False
+    samples, corrected = correct_samples([dataclasses.replace(s, old_log_probs=lp) for s, lp in zip(samples, old)],
+                                         cfg.algorithm.rollout_correction.spec())  # weights, rejections
+    metrics.update(corrected)
+    return samples, False
 
 
 def _mismatch(engine_lp: list[torch.Tensor], trainer_lp: list[torch.Tensor],

@@ -14,11 +14,10 @@ the constant bound's value, so its gradient is exactly zero. (The textbook max(-
 gives a tie, and half the unclipped gradient, where the two products round to one float though r
 lies past the bound.) Values under a zero of the loss mask never reach the loss or its gradient.
 
-Truncated importance sampling (TIS, for the rollout engine / trainer mismatch): the responses were
-sampled from pi_rollout (the engine's log-probs), while the ratio's pi_old comes from the trainer's
-forward; with bf16 / FP8 or other kernels the two differ. Each token's loss is then weighted by
-w = min(pi_old / pi_rollout, tis_cap), detached, before aggregation. Since w > 0 it commutes with
-the clips, so this equals the plain loss with advantages w * A.
+Rollout correction (algo/rollout_correction.py: truncated or IcePop importance weights at token or
+sequence level, for responses sampled by a policy other than pi_old): ``is_weights`` [B, T], detached,
+multiply each token's loss before aggregation. A weight w > 0 commutes with the clips, so this equals
+the plain loss with advantages w * A.
 """
 
 import torch
@@ -40,8 +39,7 @@ __all__ = ["AGG_MODES", "GSPO_MAX_LOG_RATIO", "MAX_LOG_RATIO", "POLICY_LOSSES", 
            "compute_cispo_loss", "compute_gspo_loss", "compute_policy_loss", "get_policy_loss_fn"]
 
 
-def _check(log_probs, clip_ratio_low, clip_ratio_high, clip_ratio_c, rollout_log_probs, tis_cap, *,
-           dual_clip: bool) -> None:
+def _check(log_probs, clip_ratio_low, clip_ratio_high, clip_ratio_c, is_weights, *, dual_clip: bool) -> None:
     if not 0.0 <= clip_ratio_low <= 1.0 or clip_ratio_high < 0.0:
         raise ValueError(f"need 0 <= clip_ratio_low <= 1 and clip_ratio_high >= 0, got "
                          f"{clip_ratio_low}, {clip_ratio_high}")
@@ -50,15 +48,9 @@ def _check(log_probs, clip_ratio_low, clip_ratio_high, clip_ratio_c, rollout_log
                          "(policy loss dapo); pass None")
     if clip_ratio_c is not None and clip_ratio_c <= 1.0:
         raise ValueError(f"clip_ratio_c must be > 1 (or None to disable), got {clip_ratio_c}")
-    if tis_cap is not None:
-        if not tis_cap >= 1.0:
-            raise ValueError(f"tis_cap must be >= 1 (or None to disable TIS), got {tis_cap}")
-        if rollout_log_probs is None:
-            raise ValueError("tis_cap is set but rollout_log_probs is None: truncated importance sampling "
-                             "needs the rollout engine's log-probs of the response tokens")
-        if rollout_log_probs.shape != log_probs.shape:
-            raise ValueError(f"rollout_log_probs must have the shape of log_probs {tuple(log_probs.shape)}, "
-                             f"got {tuple(rollout_log_probs.shape)}")
+    if is_weights is not None and is_weights.shape != log_probs.shape:
+        raise ValueError(f"is_weights must have the shape of log_probs {tuple(log_probs.shape)}, "
+                         f"got {tuple(is_weights.shape)}")
 
 
 def _clipped_surrogate(ratio, advantages, low_bound, high_bound):
@@ -80,29 +72,19 @@ def _setup(log_probs, old_log_probs, advantages, loss_mask):
     return advantages, mask, masked(log_probs - old_log_probs, mask)
 
 
-def _reduce(per_token, mask, loss_agg_mode, old_log_probs, rollout_log_probs, tis_cap, *,
-            global_num_tokens=None, global_num_seqs=None, loss_scale_factor=None):
-    """(the aggregated loss, metrics so far, the metrics' token mean) of a [B, T] per-token loss: with TIS
-    each token's term is first multiplied by w = min(pi_old / pi_rollout, tis_cap), detached (a fixed
-    weight, not part of the objective; actor/tis_clip_frac and actor/tis_weight_mean logged). Metrics
-    take the loss's token denominator (module docstring)."""
+def _reduce(per_token, mask, loss_agg_mode, is_weights, *, global_num_tokens=None, global_num_seqs=None,
+            loss_scale_factor=None):
+    """(the aggregated loss, metrics so far, the metrics' token mean) of a [B, T] per-token loss, each
+    token's term first multiplied by its detached importance weight when given. Metrics take the
+    loss's token denominator (module docstring)."""
     def tmean(x):
         return aggregate(x.to(mask.dtype), mask, "token-mean", global_num_tokens=global_num_tokens)
 
-    metrics: dict[str, torch.Tensor] = {}
-    if tis_cap is not None:
-        with torch.no_grad():
-            # exp may overflow to inf for a huge mismatch; the min with the cap keeps w finite.
-            tis_ratio = torch.exp(masked(old_log_probs.to(per_token.dtype) - rollout_log_probs.to(per_token.dtype),
-                                         mask))
-            weight = tis_ratio.clamp(max=tis_cap)
-        metrics["actor/tis_clip_frac"] = tmean(tis_ratio > tis_cap)
-        metrics["actor/tis_weight_mean"] = tmean(weight)
-        per_token = per_token * weight
+    if is_weights is not None:
+        per_token = per_token * masked(is_weights.detach().to(per_token.dtype), mask)
     loss = aggregate(per_token, mask, loss_agg_mode, global_num_tokens=global_num_tokens,
                      global_num_seqs=global_num_seqs, loss_scale_factor=loss_scale_factor)
-    metrics["actor/pg_loss"] = loss.detach().clone()
-    return loss, metrics, tmean
+    return loss, {"actor/pg_loss": loss.detach().clone()}, tmean
 
 
 @POLICY_LOSSES.register("dapo")
@@ -116,8 +98,7 @@ def compute_policy_loss(
     clip_ratio_high: float,
     clip_ratio_c: float | None = None,
     loss_agg_mode: str = "token-mean",
-    rollout_log_probs: torch.Tensor | None = None,
-    tis_cap: float | None = None,
+    is_weights: torch.Tensor | None = None,
     **denominators: float | int | torch.Tensor | None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped policy-gradient loss with decoupled clip ranges (Clip-Higher, DAPO Eq. 10).
@@ -140,22 +121,17 @@ def compute_policy_loss(
         global_num_seqs: denominator of the seq-mean modes, likewise (sequences with >= 1 valid
             token). None uses this micro-batch's count.
         loss_scale_factor: the constant of "seq-mean-token-sum-norm" (the generation budget).
-        rollout_log_probs: [B, T] log pi_rollout of the same tokens as reported by the rollout
-            engine (no gradient); required when ``tis_cap`` is set, ignored otherwise.
-        tis_cap: truncated importance sampling: each token's loss is multiplied by
-            w = min(exp(old_log_probs - rollout_log_probs), tis_cap), detached. None disables it
-            (the loss is then bit-identical to the plain one); it must be >= 1.
+        is_weights: [B, T] rollout correction's importance weights (algo/rollout_correction.py),
+            detached, multiplying each token's loss; None: 1 (the loss is then bit-identical).
 
     Returns:
         (loss, metrics): a 0-d loss and detached 0-d metric tensors: ``actor/pg_clipfrac_high``
         (A > 0 and ratio above 1 + high), ``actor/pg_clipfrac_low`` (A < 0 and ratio below
         1 - low), ``actor/pg_clipfrac_dual`` (A < 0 and the loss above -A c), ``actor/ratio_mean``,
         ``actor/ratio_max``, ``actor/ppo_kl`` (k3 estimate of KL(pi_old || pi_theta)) and
-        ``actor/pg_loss``. Tokens counted in a clip fraction get exactly zero gradient. With
-        TIS also ``actor/tis_clip_frac`` (valid tokens whose pi_old / pi_rollout exceeded the cap)
-        and ``actor/tis_weight_mean`` (token-mean of w).
+        ``actor/pg_loss``. Tokens counted in a clip fraction get exactly zero gradient.
     """
-    _check(log_probs, clip_ratio_low, clip_ratio_high, clip_ratio_c, rollout_log_probs, tis_cap, dual_clip=True)
+    _check(log_probs, clip_ratio_low, clip_ratio_high, clip_ratio_c, is_weights, dual_clip=True)
     advantages, mask, log_ratio = _setup(log_probs, old_log_probs, advantages, loss_mask)
     log_ratio = log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
     ratio = torch.exp(log_ratio)
@@ -165,8 +141,7 @@ def compute_policy_loss(
         cap = -advantages * clip_ratio_c
         dual = (advantages < 0) & (per_token > cap)
         per_token = torch.where(dual, cap, per_token)
-    loss, metrics, tmean = _reduce(per_token, mask, loss_agg_mode, old_log_probs, rollout_log_probs, tis_cap,
-                                   **denominators)
+    loss, metrics, tmean = _reduce(per_token, mask, loss_agg_mode, is_weights, **denominators)
     with torch.no_grad():
         metrics.update({
             "actor/pg_clipfrac_high": tmean(high),
@@ -190,8 +165,7 @@ def compute_gspo_loss(
     clip_ratio_high: float,
     clip_ratio_c: float | None = None,
     loss_agg_mode: str = "seq-mean-token-mean",
-    rollout_log_probs: torch.Tensor | None = None,
-    tis_cap: float | None = None,
+    is_weights: torch.Tensor | None = None,
     **denominators: float | int | torch.Tensor | None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GSPO (Zheng et al. 2025, arXiv 2507.18071), in its GSPO-token form (Eq. 13-14): every token
@@ -204,17 +178,16 @@ def compute_gspo_loss(
     Arguments as ``compute_policy_loss`` (``clip_ratio_c`` must be None: no dual clip). Metrics:
     ``actor/pg_clipfrac_high`` / ``_low`` (tokens of responses clipped above / below),
     ``actor/ratio_mean`` / ``_max`` of s_i over tokens, ``actor/seq_log_ratio_mean``, ``actor/ppo_kl``
-    (k3 of the token ratios) and ``actor/pg_loss``; with TIS the two ``actor/tis_*`` keys.
+    (k3 of the token ratios) and ``actor/pg_loss``.
     """
-    _check(log_probs, clip_ratio_low, clip_ratio_high, clip_ratio_c, rollout_log_probs, tis_cap, dual_clip=False)
+    _check(log_probs, clip_ratio_low, clip_ratio_high, clip_ratio_c, is_weights, dual_clip=False)
     advantages, mask, log_ratio = _setup(log_probs, old_log_probs, advantages, loss_mask)
     lengths = mask.sum(-1, keepdim=True).clamp(min=1.0)
     seq_log_ratio = (log_ratio.sum(-1, keepdim=True) / lengths).detach()  # [B, 1]: mean_t log r
     token_log_ratio = masked(log_probs - log_probs.detach(), mask) + seq_log_ratio
     ratio = torch.exp(token_log_ratio.clamp(max=GSPO_MAX_LOG_RATIO))  # s_i,t: s_i in value
     per_token, high, low = _clipped_surrogate(ratio, advantages, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
-    loss, metrics, tmean = _reduce(per_token, mask, loss_agg_mode, old_log_probs, rollout_log_probs, tis_cap,
-                                   **denominators)
+    loss, metrics, tmean = _reduce(per_token, mask, loss_agg_mode, is_weights, **denominators)
     with torch.no_grad():
         clamped = log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
         metrics.update({
@@ -239,8 +212,7 @@ def compute_cispo_loss(
     clip_ratio_high: float,
     clip_ratio_c: float | None = None,
     loss_agg_mode: str = "token-mean",
-    rollout_log_probs: torch.Tensor | None = None,
-    tis_cap: float | None = None,
+    is_weights: torch.Tensor | None = None,
     **denominators: float | int | torch.Tensor | None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """CISPO (MiniMax-M1, arXiv 2506.13585, Eq. 4-5): the loss -sg[clip(r, 1 - low, 1 + high)] x A x
@@ -251,17 +223,15 @@ def compute_cispo_loss(
     Arguments as ``compute_policy_loss`` (``clip_ratio_c`` must be None). Metrics:
     ``actor/pg_clipfrac_high`` / ``_low`` (the weight capped above / raised below, whatever the
     advantage's sign: the gradient stays), ``actor/is_weight_mean`` (token mean of the clipped
-    weight), ``actor/ratio_mean`` / ``_max``, ``actor/ppo_kl`` and ``actor/pg_loss``; with TIS the two
-    ``actor/tis_*`` keys.
+    weight), ``actor/ratio_mean`` / ``_max``, ``actor/ppo_kl`` and ``actor/pg_loss``.
     """
-    _check(log_probs, clip_ratio_low, clip_ratio_high, clip_ratio_c, rollout_log_probs, tis_cap, dual_clip=False)
+    _check(log_probs, clip_ratio_low, clip_ratio_high, clip_ratio_c, is_weights, dual_clip=False)
     advantages, mask, log_ratio = _setup(log_probs, old_log_probs, advantages, loss_mask)
     log_ratio = log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
     ratio = torch.exp(log_ratio)
     weight = ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high).detach()
     per_token = -weight * advantages * masked(log_probs, mask)
-    loss, metrics, tmean = _reduce(per_token, mask, loss_agg_mode, old_log_probs, rollout_log_probs, tis_cap,
-                                   **denominators)
+    loss, metrics, tmean = _reduce(per_token, mask, loss_agg_mode, is_weights, **denominators)
     with torch.no_grad():
         metrics.update({
             "actor/pg_clipfrac_high": tmean(ratio > 1.0 + clip_ratio_high),

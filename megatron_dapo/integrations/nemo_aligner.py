@@ -137,10 +137,6 @@ def loss_settings(ppo_cfg: Any) -> LossConfig:
     ppo = _plain(ppo_cfg)
     # "auto" keys take the policy loss's paper values; seq-mean-token-sum-norm needs loss_scale_factor
     loss = build(LossConfig, ppo.get("loss") or {}, where="model.ppo.loss.").resolved(None)
-    if loss.tis_cap is not None:
-        raise ValueError("model.ppo.loss.tis_cap must be null: NeMo-Aligner's rollout batch carries the "
-                         "trainer's own log-probs (get_inference_log_probs), not the rollout engine's, so "
-                         "there is nothing to correct")
     if ppo["entropy_bonus"]:  # a required key of the PPO actor (its __init__ reads it)
         raise ValueError(f"model.ppo.entropy_bonus={ppo['entropy_bonus']}: the DAPO loss has no entropy "
                          "bonus; set 0.0")
@@ -182,6 +178,10 @@ def trainer_settings(dapo_cfg: Any, *, max_response_length: int, model_gbs: int)
     if algorithm.filter_groups.surplus != "drop":
         raise ValueError("trainer.dapo.algorithm.filter_groups.surplus must be 'drop': NeMo-Aligner's "
                          "checkpoint does not hold groups carried between steps")
+    if algorithm.rollout_correction.active:
+        raise ValueError("trainer.dapo.algorithm.rollout_correction must stay off: NeMo-Aligner's rollout batch "
+                         "carries the trainer's own log-probs (get_inference_log_probs), not the rollout engine's, "
+                         "so there is nothing to correct")
     settings = TrainerSettings(prompts_per_step=int(cfg["prompts_per_step"]),
                                group_size=int(cfg["num_rollouts_per_prompt"]),
                                max_response_length=int(max_response_length), algorithm=algorithm,

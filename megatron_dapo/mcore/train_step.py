@@ -4,9 +4,9 @@ The loss. Every micro-batch on every DP rank calls the policy loss (algo/losses.
 valid-token count of the *whole* mini-batch (``global_num_tokens``, and ``global_num_seqs`` for
 the seq-mean modes), all-gathered over DP before the schedule runs. The sum of those
 micro-batch losses over micro-batches and DP ranks is then the mini-batch token-mean, and its
-gradient is what the update must use. With truncated importance sampling (``loss.tis_cap``) the
-loss also gets each micro-batch's ``rollout_log_probs``; every sample must carry them, which the
-same all-gather checks so that a missing one fails on every rank alike instead of hanging the rest.
+gradient is what the update must use. With rollout correction (algorithm.rollout_correction) the
+loss also gets each micro-batch's importance weights (``MicroBatch.is_weights``), which the loop
+computed for the whole batch from the samples' rollout log-probs (megatron_dapo/off_policy.py).
 
 The scaling megatron-core 0.19.2 applies on the way, with ``calculate_per_token_loss=False``
 (TransformerConfig's default; optimizer.py refuses the other) and a loss_func returning
@@ -75,7 +75,6 @@ class StepSettings:
     clip_ratio_high: float
     clip_ratio_c: float | None
     loss_agg_mode: str
-    tis_cap: float | None  # truncated importance sampling; None = off
     temperature: float  # the rollout temperature: log-probs must be those of the sampler
     valid_vocab_size: int  # the real vocabulary; padded rows are excluded from the softmax
     max_tokens_per_micro_batch: int
@@ -89,7 +88,7 @@ class StepSettings:
         p, loss = cfg.parallel, cfg.loss_settings()
         return cls(policy_loss=loss.policy_loss, clip_ratio_low=loss.clip_ratio_low,
                    clip_ratio_high=loss.clip_ratio_high, clip_ratio_c=loss.clip_ratio_c,
-                   loss_agg_mode=loss.loss_agg_mode, loss_scale_factor=loss.loss_scale_factor, tis_cap=loss.tis_cap,
+                   loss_agg_mode=loss.loss_agg_mode, loss_scale_factor=loss.loss_scale_factor,
                    temperature=cfg.rollout.temperature,
                    valid_vocab_size=vocab_size,
                    max_tokens_per_micro_batch=cfg.train.max_tokens_per_micro_batch,
@@ -101,12 +100,10 @@ class StepSettings:
                                              fp8=cfg.model.fp8 is not None))
 
     def policy_loss_fn(self):
-        # tis_cap only when set: a loss without TIS support then still works with TIS off.
-        tis = {} if self.tis_cap is None else {"tis_cap": self.tis_cap}
         norm = {} if self.loss_scale_factor is None else {"loss_scale_factor": self.loss_scale_factor}
         return functools.partial(get_policy_loss_fn(self.policy_loss), clip_ratio_low=self.clip_ratio_low,
                                  clip_ratio_high=self.clip_ratio_high, clip_ratio_c=self.clip_ratio_c,
-                                 loss_agg_mode=self.loss_agg_mode, **tis, **norm)
+                                 loss_agg_mode=self.loss_agg_mode, **norm)
 
 
 def compute_device() -> torch.device:
@@ -135,18 +132,16 @@ def _batching(model, settings: StepSettings) -> dict:
 
 
 def _local_counts(model, samples: list[Sample], settings: StepSettings) -> torch.Tensor:
-    """[4] float64: this DP rank's (valid tokens, valid sequences, micro-batches, samples lacking
-    the rollout log-probs TIS needs) for ``samples``, from the samples and the micro-batch plan."""
+    """[3] float64: this DP rank's (valid tokens, valid sequences, micro-batches) for ``samples``, from
+    the samples (their loss masks: rollout correction's rejections included) and the micro-batch plan."""
     valid = [float(x.loss_mask.sum()) if x.loss_mask is not None else float(x.num_response_tokens)
              for x in samples]
-    missing = sum(1 for x in samples if settings.tis_cap is not None and x.rollout_log_probs is None)
     return torch.tensor([sum(valid), sum(1.0 for v in valid if v > 0),
-                         float(count_micro_batches(samples, **_batching(model, settings))), float(missing)],
-                        dtype=torch.float64)
+                         float(count_micro_batches(samples, **_batching(model, settings)))], dtype=torch.float64)
 
 
 def batch_counts(model, batches: list[list[Sample]], settings: StepSettings) -> list[torch.Tensor]:
-    """Each mini-batch's count table, [DP, 4] float64 (``_local_counts`` of every DP rank's share),
+    """Each mini-batch's count table, [DP, 3] float64 (``_local_counts`` of every DP rank's share),
     from one all-gather over DP for all of them: the loop gathers a step's tables up front (an
     update then needs no exchange before its schedule; one per update was a visible share of an
     update at DP=2 on the CPU demo) and hands each update its own (``train_step(counts_table=)``)."""
@@ -154,7 +149,7 @@ def batch_counts(model, batches: list[list[Sample]], settings: StepSettings) -> 
         return []
     dp_group, _ = _groups()
     local = torch.stack([_local_counts(model, b, settings) for b in batches]).to(compute_device())
-    table = all_gather_rows(local.reshape(-1), dp_group).view(-1, len(batches), 4).cpu()
+    table = all_gather_rows(local.reshape(-1), dp_group).view(-1, len(batches), 3).cpu()
     return [table[:, k] for k in range(len(batches))]
 
 
@@ -162,16 +157,10 @@ def _micro_batches(model, samples: list[Sample], settings: StepSettings,
                    table: torch.Tensor | None = None) -> tuple[list[MicroBatch], torch.Tensor]:
     """This rank's micro-batches, as many on every DP rank, and the mini-batch's global
     (valid tokens, valid sequences), from the mini-batch's count table (``batch_counts``; gathered
-    here when not given), which also counts the samples that lack the rollout log-probs TIS needs."""
+    here when not given)."""
     kwargs = _batching(model, settings)
     if table is None:
         table = batch_counts(model, [samples], settings)[0]
-    if table[:, 3].sum() > 0:  # on every DP rank alike (no rank is left waiting in a collective)
-        missing = [i for i, x in enumerate(samples) if x.rollout_log_probs is None]
-        raise ValueError(f"loss.tis_cap={settings.tis_cap} needs the rollout engine's log-probs, but "
-                         f"{int(table[:, 3].sum())} samples of the mini-batch have no rollout_log_probs "
-                         f"(here: samples {missing[:8]} of this DP rank's share); fill them from "
-                         "Rollout.logprobs (collect.to_samples does) or set loss.tis_cap=null")
     num_mbs = int(table[:, 2].max())
     mbs = make_micro_batches(samples, min_count=num_mbs, **kwargs)
     return mbs, table[:, :2].sum(0).float().to(compute_device())
@@ -204,17 +193,18 @@ def _loss_grad_hint(settings: StepSettings, counts, mb: MicroBatch, device) -> G
             or not torch.is_grad_enabled()):
         return None
     loss_fn = settings.policy_loss_fn()
-    per_token = {"old": mb.old_log_probs, "adv": mb.advantages, "mask": mb.loss_mask,
-                 "rollout": mb.rollout_log_probs}
+    per_token = {"old": mb.old_log_probs, "adv": mb.advantages, "mask": mb.loss_mask}
+    if mb.is_weights is not None:
+        per_token["weights"] = mb.is_weights
     flat = {k: v.to(device).reshape(-1) for k, v in per_token.items()}
 
     def grad(index, log_probs):
-        tis = {} if settings.tis_cap is None else {"rollout_log_probs": flat["rollout"][index][None]}
+        weights = {"is_weights": flat["weights"][index][None]} if "weights" in flat else {}
         with torch.enable_grad():  # called inside an autograd Function's forward
             lp = log_probs.detach()[None].requires_grad_()
             loss, _ = loss_fn(lp, flat["old"][index][None], flat["adv"][index][None],
                               flat["mask"][index][None], global_num_tokens=counts[0],
-                              global_num_seqs=counts[1], **tis)
+                              global_num_seqs=counts[1], **weights)
             return torch.autograd.grad(loss, lp, allow_unused=True, materialize_grads=True)[0][0]
 
     return GradHint(grad=grad, active=mb.loss_mask.cpu() != 0)
@@ -227,10 +217,10 @@ def _loss_func(settings: StepSettings, counts, scale: float, mismatch: bool, mb:
         return torch.stack([log_probs.detach(), entropy.detach()])
     device = log_probs.device
     mask = mb.loss_mask.to(device)
-    tis = {} if settings.tis_cap is None else {"rollout_log_probs": mb.rollout_log_probs.to(device)}
+    weights = {} if mb.is_weights is None else {"is_weights": mb.is_weights.to(device)}
     loss, metrics = settings.policy_loss_fn()(
         log_probs, mb.old_log_probs.to(device), mb.advantages.to(device), mask,
-        global_num_tokens=counts[0], global_num_seqs=counts[1], **tis)
+        global_num_tokens=counts[0], global_num_seqs=counts[1], **weights)
     metrics["actor/entropy"] = (entropy.detach() * mask).sum() / counts[0].clamp(min=1.0)
     if mismatch:
         metrics.update(_mismatch_sums(mb, log_probs.detach()))
@@ -286,9 +276,8 @@ def _metric_keys(settings: StepSettings) -> tuple[tuple[str, ...], tuple[str, ..
     """(sum-reduced keys, max-reduced keys) of the loss's metrics, from a 1-token dry run, so
     that every rank (also those without the loss) sizes the exchange buffers alike."""
     one = torch.zeros(1, 1)
-    tis = {} if settings.tis_cap is None else {"rollout_log_probs": one}
     _, metrics = settings.policy_loss_fn()(one, one, one, torch.ones(1, 1), global_num_tokens=1.0,
-                                           global_num_seqs=1.0, **tis)
+                                           global_num_seqs=1.0)
     keys = sorted(metrics) + ["actor/entropy"]
     return tuple(k for k in keys if not k.endswith("_max")), tuple(k for k in keys if k.endswith("_max"))
 

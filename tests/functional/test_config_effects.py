@@ -178,8 +178,14 @@ CASES: dict[str, Case] = {
     "loss.clip_ratio_c": C("1.3", metric("actor/pg_clipfrac_dual"), {"optim.lr": "0.05"}),
     "loss.loss_agg_mode": C("seq-mean-token-mean", metric("actor/pg_loss")),
     "loss.loss_scale_factor": C("7", metric("actor/pg_loss"), {"loss.loss_agg_mode": "seq-mean-token-sum-norm"}),
-    "loss.tis_cap": C("2.0", lambda a, b: "actor/tis_weight_mean" in a.last and "actor/tis_weight_mean" not in b.last,
-                      {"train.old_log_probs": "trainer"}),  # TIS corrects a recomputed pi_old
+    # rollout correction weighs a recomputed pi_old against the engine's log-probs
+    "algorithm.rollout_correction.rollout_is": C("token", lambda a, b: "rollout_corr/is_mean" in a.last
+                                                 and "rollout_corr/is_mean" not in b.last,
+                                                 {"train.old_log_probs": "trainer"}),
+    "algorithm.rollout_correction.rollout_rs": C("token_k2", lambda a, b: "rollout_corr/token_masked_frac" in a.last
+                                                 and "rollout_corr/token_masked_frac" not in b.last,
+                                                 {"train.old_log_probs": "trainer",
+                                                  "algorithm.rollout_correction.rollout_rs_threshold": "0.1"}),
     "reward.fn": C("dapo_math", metric("reward/acc_mean"), DECIMAL),
     "reward.overlong_buffer.enable": C("false", metric("reward/overlong_penalty_mean")),
     "reward.overlong_buffer.len": C("8", metric("reward/overlong_penalty_mean")),

@@ -33,6 +33,11 @@ GPU_ONLY: dict[str, str] = {
 }
 
 NO_EFFECT_ON_CPU: dict[str, str] = {
+    "algorithm.rollout_correction.rollout_is_threshold": "the demo's HF engine and trainer agree in fp32 (ratios "
+                                                         "within ~1e-6 of 1): no cap or IcePop range binds; "
+                                                         "tests/unit/test_rollout_correction.py (vs verl 0.9.1)",
+    "algorithm.rollout_correction.rollout_rs_threshold": "as rollout_is_threshold: no divergence bound binds on the "
+                                                         "demo; tests/unit/test_rollout_correction.py (vs verl 0.9.1)",
     "model.recompute": "recomputes activations in the backward: memory and time only, the numbers are bitwise "
                        "equal; used by the recipes and conf/cpu_rehearsal_32b.yaml, so not refused; "
                        "tests/gpu/test_policy_gpu.py::test_te_recompute_builds_and_runs",

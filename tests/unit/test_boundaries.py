@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 PKG = Path(__file__).resolve().parents[2] / "megatron_dapo"
-FREE = ["algo", "reward", "data", "groups", "trainer_state", "batching", "rollout", "rollout.engine", "rollout.placement", "rollout.hf_engine",
+FREE = ["algo", "reward", "data", "groups", "trainer_state", "batching", "off_policy", "rollout", "rollout.engine", "rollout.placement", "rollout.hf_engine",
         "rollout.vllm_engine", "rollout.weight_sync", "rollout.pipeline", "rollout.separate", "rollout.engine_server",
         "rollout.channel", "rollout.protocol", "rollout.weight_stream", "step_model", "convert", "eval", "eval_metrics", "config",
         "config_loading", "metrics_log", "config_rules", "errors", "run_lock", "preemption", "quiet", "plotting", "toy", "memory_plan", "gpu_models", "generation_model", "plan_report", "layout", "ranks", "gpu_binding", "worked_example",

@@ -40,7 +40,7 @@ def test_paper_defaults():
     assert (c.eval.temperature, c.eval.top_p, c.eval.n) == (1.0, 0.7, 32)
     assert c.algorithm.filter_groups.enable
     assert not c.reward.overlong_filter
-    assert c.loss.tis_cap is None  # truncated importance sampling: off unless asked for
+    assert not c.algorithm.rollout_correction.active  # rollout correction: off unless asked for
 
 
 def test_defaults_chain_and_override_precedence(tmp_path):
@@ -76,11 +76,13 @@ def test_resolved_config_round_trips(tmp_path):
     ("loss.clip_ratio_low=1.2", "loss.clip_ratio_low must be in [0, 1] (1: no lower bound), got 1.2"),
     ("loss.clip_ratio_c=1.1", "loss.clip_ratio_c=1.1 must exceed 1 + clip_ratio_high = 1.28"),
     ("loss.loss_agg_mode=token-sum", "loss.loss_agg_mode='token-sum' is not one of"),
-    ("loss.tis_cap=0.5", "loss.tis_cap must be >= 1 (verl uses 2.0), got 0.5"),
-    ("loss.tis_cap=0", "loss.tis_cap must be >= 1"),
-    ("loss.tis_cap=-2", "or set it to null to disable TIS"),
-    ("loss.tis_cap=2", None),  # valid, and an integer is read as a float
-    ("loss.tis_cap=1", None),  # the smallest cap: weights min(ratio, 1)
+    ("loss.tis_cap=2", "moved to algorithm.rollout_correction: set algorithm.rollout_correction.rollout_is=token"),
+    ("algorithm.rollout_correction.rollout_is_threshold=0", "rollout_is_threshold=0.0: need an upper bound > 0"),
+    ("algorithm.rollout_correction.rollout_is_threshold=5.0_0.5", "0 < lower <= upper"),
+    ("algorithm.rollout_correction.rollout_rs=token_k4", "options are token_k1"),
+    ("algorithm.rollout_correction.rollout_rs=token_k2", "needs rollout_rs_threshold"),
+    ("algorithm.rollout_correction.rollout_is=token", None),
+    ("algorithm.rollout_correction.rollout_is_threshold=0.5_5.0", None),  # IcePop
     ("algorithm.adv_estimator=gae", "algorithm.adv_estimator='gae' is not one of ['grpo', 'grpo_mean_only']"),
     ("rollout.n=1", "rollout.n must be >= 2"),
     ("reward.fn=gsm8k", "reward.fn='gsm8k' is not one of ['dapo_math', 'math_dapo_paper']"),

@@ -1,5 +1,5 @@
 """compute_policy_loss against a slow per-token reference, plus the invariants DAPO relies on
-(truncated importance sampling included)."""
+(rollout correction's importance weights included)."""
 
 import math
 
@@ -14,9 +14,9 @@ LOW, HIGH, C = 0.2, 0.28, 3.0
 NORM = 13.0  # seq-mean-token-sum-norm's constant (the generation budget)
 
 
-def reference_loss(logp, old, adv, mask, low, high, c, mode, rollout=None, tis_cap=None):
+def reference_loss(logp, old, adv, mask, low, high, c, mode, weights=None):
     """Token-by-token Python loop written from the paper / verl formulas, independent of the code.
-    With ``tis_cap``, each token's loss is weighted by min(pi_old / pi_rollout, tis_cap)."""
+    With ``weights`` ([B, T]), each token's loss is multiplied by its weight."""
     per_seq_sum, per_seq_len, total, ntok = [], [], 0.0, 0
     for i in range(logp.shape[0]):
         s, n = 0.0, 0
@@ -29,8 +29,8 @@ def reference_loss(logp, old, adv, mask, low, high, c, mode, rollout=None, tis_c
             loss = max(-a * r, -a * clipped)
             if c is not None and a < 0:
                 loss = min(loss, -a * c)
-            if tis_cap is not None:
-                loss *= min(math.exp(float(old[i, t] - rollout[i, t])), tis_cap)
+            if weights is not None:
+                loss *= float(weights[i, t])
             s += loss
             n += 1
         per_seq_sum.append(s)
@@ -210,22 +210,18 @@ def test_registry_lookup():
         get_policy_loss_fn("ppo-kl")
 
 
-# -- truncated importance sampling ------------------------------------------------------------------
-CAP = 2.0
+# -- importance weights (rollout correction) ----------------------------------------------------------
 
-
-def with_rollout(seed, b=6, t=9, spread=0.8, dtype=torch.float64):
-    """make_batch plus engine log-probs: old + noise, so pi_old / pi_rollout spreads on both sides of
-    1 and some tokens exceed CAP (exp(0.8 z) > 2 for z > 0.87)."""
+def with_weights(seed, b=6, t=9, dtype=torch.float64):
+    """make_batch plus positive per-token weights on both sides of 1 (exp of N(0, 0.8^2))."""
     logp, old, adv, mask = make_batch(seed, b=b, t=t, scale=0.6, dtype=dtype)
     g = torch.Generator().manual_seed(seed + 1000)
-    rollout = old - spread * torch.randn(b, t, generator=g, dtype=dtype)
-    return logp, old, adv, mask, rollout
+    return logp, old, adv, mask, torch.exp(0.8 * torch.randn(b, t, generator=g, dtype=dtype))
 
 
-def reference_tis_grad(logp, old, adv, mask, rollout, low, high, c, cap):
-    """d(token-mean TIS loss) / d logp, token by token: w * (-A * ratio) where the unclipped branch is
-    active, 0 where a clip (or the dual clip) holds the loss constant; w is a constant weight."""
+def reference_weighted_grad(logp, old, adv, mask, weights, low, high, c):
+    """d(token-mean weighted loss) / d logp, token by token: w * (-A * ratio) where the unclipped branch
+    is active, 0 where a clip (or the dual clip) holds the loss constant; w is a constant weight."""
     grad = torch.zeros_like(logp)
     n = int(mask.sum())
     for i in range(logp.shape[0]):
@@ -239,55 +235,52 @@ def reference_tis_grad(logp, old, adv, mask, rollout, low, high, c, cap):
                 continue
             if c is not None and a < 0 and -a * r > -a * c:  # dual clip: capped at -A c
                 continue
-            w = min(math.exp(float(old[i, t] - rollout[i, t])), cap)
-            grad[i, t] = w * -a * r / n
+            grad[i, t] = float(weights[i, t]) * -a * r / n
     return grad
 
 
 @pytest.mark.parametrize("mode", AGG_MODES.names())
 @pytest.mark.parametrize("c", [None, C])
 @pytest.mark.parametrize("seed", range(4))
-def test_tis_matches_per_token_reference(mode, c, seed):
-    logp, old, adv, mask, rollout = with_rollout(seed)
+def test_weights_match_per_token_reference(mode, c, seed):
+    logp, old, adv, mask, w = with_weights(seed)
     leaf = logp.clone().requires_grad_(True)
     loss, _ = compute_policy_loss(leaf, old, adv, mask, clip_ratio_low=LOW, clip_ratio_high=HIGH,
-                                  clip_ratio_c=c, loss_agg_mode=mode, loss_scale_factor=NORM,
-                                  rollout_log_probs=rollout, tis_cap=CAP)
-    want = reference_loss(logp, old, adv, mask, LOW, HIGH, c, mode, rollout=rollout, tis_cap=CAP)
+                                  clip_ratio_c=c, loss_agg_mode=mode, loss_scale_factor=NORM, is_weights=w)
+    want = reference_loss(logp, old, adv, mask, LOW, HIGH, c, mode, weights=w)
     assert loss.item() == pytest.approx(want, abs=1e-12)
     plain = reference_loss(logp, old, adv, mask, LOW, HIGH, c, mode)
     assert abs(want - plain) > 1e-3  # the weights matter in this batch
     if mode == "token-mean":
         loss.backward()
-        want_grad = reference_tis_grad(logp, old, adv, mask, rollout, LOW, HIGH, c, CAP)
+        want_grad = reference_weighted_grad(logp, old, adv, mask, w, LOW, HIGH, c)
         torch.testing.assert_close(leaf.grad, want_grad, atol=1e-12, rtol=0)
 
 
 @pytest.mark.parametrize("seed", range(3))
-def test_tis_equals_advantages_times_the_detached_weight(seed):
-    """w > 0 commutes with the clips, so TIS = the plain loss with advantages w * A, gradients included:
-    also those reaching old_log_probs (w must not pass one) and none reach rollout_log_probs."""
-    logp, old, adv, mask, rollout = with_rollout(seed)
-    w = torch.exp(old - rollout).clamp(max=CAP)
+def test_weights_equal_advantages_times_the_weight(seed):
+    """w > 0 commutes with the clips, so the weighted loss = the plain loss with advantages w * A,
+    gradients included, also those reaching old_log_probs; none reaches the weights."""
+    logp, old, adv, mask, w = with_weights(seed)
     grads = []
-    for tis in (True, False):
-        lp, o, r = (x.clone().requires_grad_(True) for x in (logp, old, rollout))
-        kw = dict(rollout_log_probs=r, tis_cap=CAP) if tis else {}
-        a = adv[:, None] if tis else adv[:, None] * w
+    for weighted in (True, False):
+        lp, o, ww = (x.clone().requires_grad_(True) for x in (logp, old, w))
+        kw = dict(is_weights=ww) if weighted else {}
+        a = adv[:, None] if weighted else adv[:, None] * w
         loss, _ = compute_policy_loss(lp, o, a, mask, clip_ratio_low=LOW, clip_ratio_high=HIGH,
                                       clip_ratio_c=C, **kw)
         loss.backward()
         grads.append((loss.detach(), lp.grad, o.grad))
-        if tis:
-            assert r.grad is None  # the weight is detached from the rollout log-probs
+        if weighted:
+            assert ww.grad is None  # the weights are detached
     for got, want in zip(*grads):
         torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)
 
 
-def test_tis_off_is_bit_identical_and_ignores_rollout_log_probs():
-    logp, old, adv, mask, rollout = with_rollout(0, dtype=torch.float32)
+def test_weights_of_one_or_none_are_bit_identical():
+    logp, old, adv, mask, _ = with_weights(0, dtype=torch.float32)
     runs = []
-    for kw in ({}, dict(rollout_log_probs=rollout), dict(rollout_log_probs=rollout, tis_cap=None)):
+    for kw in ({}, dict(is_weights=None), dict(is_weights=torch.ones_like(logp))):
         leaf = logp.clone().requires_grad_(True)
         loss, m = compute_policy_loss(leaf, old, adv, mask, clip_ratio_low=LOW, clip_ratio_high=HIGH,
                                       clip_ratio_c=C, **kw)
@@ -295,89 +288,29 @@ def test_tis_off_is_bit_identical_and_ignores_rollout_log_probs():
         runs.append((loss, leaf.grad, m))
     for loss, grad, m in runs[1:]:
         assert torch.equal(loss, runs[0][0]) and torch.equal(grad, runs[0][1])
-        assert sorted(m) == sorted(runs[0][2]) and not any("tis" in k for k in m)
-        assert all(torch.equal(m[k], runs[0][2][k]) for k in m)
-
-
-def test_tis_with_rollout_equal_to_old_changes_nothing():
-    """On-policy engine: every weight is exactly exp(0) = 1, so loss and gradient are bit-identical."""
-    logp, old, adv, mask, _ = with_rollout(1, dtype=torch.float32)
-    out = []
-    for kw in ({}, dict(rollout_log_probs=old.clone(), tis_cap=CAP)):
-        leaf = logp.clone().requires_grad_(True)
-        loss, m = compute_policy_loss(leaf, old, adv, mask, clip_ratio_low=LOW, clip_ratio_high=HIGH,
-                                      clip_ratio_c=C, **kw)
-        loss.backward()
-        out.append((loss, leaf.grad, m))
-    assert torch.equal(out[0][0], out[1][0]) and torch.equal(out[0][1], out[1][1])
-    assert out[1][2]["actor/tis_weight_mean"].item() == 1.0
-    assert out[1][2]["actor/tis_clip_frac"].item() == 0.0
-
-
-def test_tis_metrics_hand_computed():
-    # pi_old / pi_rollout = 3, 1.5, 0.5, 2.5 on valid tokens, 10 on a masked one; cap 2:
-    # weights 2, 1.5, 0.5, 2 -> mean 1.5; 2 of 4 valid tokens above the cap. A = +1, ratio 1:
-    # loss = -(2 + 1.5 + 0.5 + 2) / 4.
-    ratios = torch.tensor([[3.0, 1.5, 0.5, 2.5, 10.0]], dtype=torch.float64)
-    old = torch.zeros(1, 5, dtype=torch.float64)
-    mask = torch.tensor([[1.0, 1, 1, 1, 0]], dtype=torch.float64)
-    loss, m = compute_policy_loss(old.clone(), old, torch.ones(1, dtype=torch.float64), mask,
-                                  clip_ratio_low=LOW, clip_ratio_high=HIGH, rollout_log_probs=-ratios.log(),
-                                  tis_cap=2.0)
-    assert m["actor/tis_clip_frac"].item() == pytest.approx(0.5, abs=1e-12)
-    assert m["actor/tis_weight_mean"].item() == pytest.approx(1.5, abs=1e-12)
-    assert loss.item() == pytest.approx(-6.0 / 4, abs=1e-12)
-    # With the mini-batch denominator (8 tokens elsewhere too) the metrics are this part's share.
-    _, m8 = compute_policy_loss(old.clone(), old, torch.ones(1, dtype=torch.float64), mask,
-                                clip_ratio_low=LOW, clip_ratio_high=HIGH, rollout_log_probs=-ratios.log(),
-                                tis_cap=2.0, global_num_tokens=8)
-    assert m8["actor/tis_clip_frac"].item() == pytest.approx(2 / 8, abs=1e-12)
-    assert m8["actor/tis_weight_mean"].item() == pytest.approx(6 / 8, abs=1e-12)
+        assert sorted(m) == sorted(runs[0][2]) and all(torch.equal(m[k], runs[0][2][k]) for k in m)
 
 
 @pytest.mark.parametrize("seed", range(3))
-def test_tis_micro_batches_sum_to_the_full_batch(seed):
-    """Loss, gradient and TIS metrics summed over micro-batches with the global count = full batch."""
-    logp, old, adv, mask, rollout = with_rollout(seed, b=8, t=7, dtype=torch.float32)
-    kw = dict(clip_ratio_low=LOW, clip_ratio_high=HIGH, clip_ratio_c=C, tis_cap=CAP)
+def test_weighted_micro_batches_sum_to_the_full_batch(seed):
+    logp, old, adv, mask, w = with_weights(seed, b=8, t=7, dtype=torch.float32)
+    kw = dict(clip_ratio_low=LOW, clip_ratio_high=HIGH, clip_ratio_c=C)
     full_leaf = logp.clone().requires_grad_(True)
-    full, m_full = compute_policy_loss(full_leaf, old, adv, mask, rollout_log_probs=rollout, **kw)
+    full, _ = compute_policy_loss(full_leaf, old, adv, mask, is_weights=w, **kw)
     full.backward()
     leaf = logp.clone().requires_grad_(True)
-    total, sums = 0.0, {"actor/tis_clip_frac": 0.0, "actor/tis_weight_mean": 0.0}
+    total = 0.0
     for s in (slice(0, 3), slice(3, 4), slice(4, 8)):
-        loss, m = compute_policy_loss(leaf[s], old[s], adv[s], mask[s], rollout_log_probs=rollout[s],
+        loss, _ = compute_policy_loss(leaf[s], old[s], adv[s], mask[s], is_weights=w[s],
                                       global_num_tokens=mask.sum(), **kw)
         loss.backward()
         total += loss.item()
-        for k in sums:
-            sums[k] += m[k].item()
     assert total == pytest.approx(full.item(), abs=1e-6)
     torch.testing.assert_close(leaf.grad, full_leaf.grad, atol=1e-6, rtol=0)
-    for k in sums:
-        assert sums[k] == pytest.approx(m_full[k].item(), abs=1e-6)
-    assert 0 < m_full["actor/tis_clip_frac"].item() < 1  # the cap is active on part of the batch
 
 
-def test_tis_huge_mismatch_stays_finite_and_metrics_are_detached():
-    logp = torch.tensor([[0.0, -1.0, -2.0]], requires_grad=True)
-    old = torch.tensor([[0.0, -1.0, -2.0]])
-    rollout = torch.tensor([[-500.0, 400.0, -1e30]])  # ratio overflows to inf / underflows to 0
-    loss, m = compute_policy_loss(logp, old, torch.tensor([1.0]), torch.ones(1, 3), clip_ratio_low=LOW,
-                                  clip_ratio_high=HIGH, rollout_log_probs=rollout, tis_cap=CAP)
-    loss.backward()
-    assert torch.isfinite(loss) and torch.isfinite(logp.grad).all()
-    assert loss.item() == pytest.approx(-(CAP + 0.0 + CAP) / 3)
-    assert all(isinstance(v, torch.Tensor) and v.dim() == 0 and not v.requires_grad and torch.isfinite(v)
-               for v in m.values())
-
-
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(tis_cap=2.0), "tis_cap is set but rollout_log_probs is None"),
-    (dict(tis_cap=0.5, rollout_log_probs=torch.zeros(6, 9)), "tis_cap must be >= 1"),
-    (dict(tis_cap=2.0, rollout_log_probs=torch.zeros(6, 8)), r"rollout_log_probs must have the shape"),
-])
-def test_tis_bad_arguments_name_the_problem(kwargs, match):
+def test_weights_of_the_wrong_shape_name_the_problem():
     logp, old, adv, mask = make_batch(0)
-    with pytest.raises(ValueError, match=match):
-        compute_policy_loss(logp, old, adv, mask, clip_ratio_low=LOW, clip_ratio_high=HIGH, **kwargs)
+    with pytest.raises(ValueError, match=r"is_weights must have the shape"):
+        compute_policy_loss(logp, old, adv, mask, clip_ratio_low=LOW, clip_ratio_high=HIGH,
+                            is_weights=torch.ones(6, 8, dtype=logp.dtype))

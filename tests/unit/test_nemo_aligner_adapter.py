@@ -170,7 +170,7 @@ def test_settings_refuse_what_dapo_does_not_do():
         settings(num_rollouts_per_prompt=3, prompts_per_step=3)
     with pytest.raises(ValueError, match="entropy bonus"):
         na.loss_settings({"entropy_bonus": 0.01})
-    with pytest.raises(ValueError, match="tis_cap"):
+    with pytest.raises(Exception, match="tis_cap.*moved to algorithm.rollout_correction"):
         na.loss_settings({"entropy_bonus": 0.0, "loss": {"tis_cap": 2.0}})
     with pytest.raises(Exception, match="model.ppo.loss.clip_ratio_hgh"):
         na.loss_settings({"entropy_bonus": 0.0, "loss": {"clip_ratio_hgh": 0.28}})

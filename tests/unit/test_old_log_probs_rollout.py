@@ -52,5 +52,5 @@ def test_the_setting_is_checked_before_any_work(tmp_path):
     assert load_config(base, ["train.old_log_probs=rollout"]).train.old_log_probs == "rollout"
     with pytest.raises(ConfigError, match="train.old_log_probs must be one of trainer, rollout"):
         load_config(base, ["train.old_log_probs=engine"])
-    with pytest.raises(ConfigError, match="set loss.tis_cap=null or train.old_log_probs=trainer"):
-        load_config(base, ["train.old_log_probs=rollout", "loss.tis_cap=2.0"])
+    with pytest.raises(ConfigError, match="verl's bypass mode"):
+        load_config(base, ["train.old_log_probs=rollout", "algorithm.rollout_correction.rollout_is=token"])

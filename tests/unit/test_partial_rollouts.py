@@ -120,7 +120,8 @@ def test_settings_and_refusals():
     with pytest.raises(ConfigError, match="rollout.partial=true with train.old_log_probs=rollout"):
         DAPOConfig(rollout=RolloutConfig(partial=True), train=TrainConfig(old_log_probs="rollout"))
     cfg = DAPOConfig(rollout=RolloutConfig(engine="hf", partial=True), train=TrainConfig(old_log_probs="trainer"))
-    assert with_async_defaults(cfg).loss.tis_cap == ASYNC_TIS_CAP
+    corr = with_async_defaults(cfg).algorithm.rollout_correction
+    assert (corr.rollout_is, corr.rollout_is_threshold) == ("token", ASYNC_TIS_CAP)
     assert cfg.surplus == "carry" and DAPOConfig().surplus == "drop"  # the groups past the batch: the short ones
     check_rollout(cfg, 1)  # one colocated replica holds the carry
     with pytest.raises(ConfigError, match="rollout.partial=true with 2 colocated rollout replicas"):

@@ -163,8 +163,7 @@ def test_equals_verl(loss, mode, seed):
     weights = torch.exp(torch.randn(logp.shape, generator=torch.Generator().manual_seed(seed),
                                     dtype=logp.dtype) * 0.3)
     kw = dict(clip_ratio_low=low, clip_ratio_high=high, clip_ratio_c=c, loss_agg_mode=mode, loss_scale_factor=norm)
-    for rollout_kw, verl_weights in (({}, None),
-                                     (dict(rollout_log_probs=old - weights.log(), tis_cap=1e9), weights)):
+    for rollout_kw, verl_weights in (({}, None), (dict(is_weights=weights), weights)):
         loss_ours, grad_ours = loss_and_grad(OURS[loss], logp, old, adv, mask, **kw, **rollout_kw)
         loss_verl, grad_verl = loss_and_grad(lambda lp: verl_loss(VERL[loss], lp, old, adv, mask, **kw,
                                                                   rollout_is_weights=verl_weights), logp)

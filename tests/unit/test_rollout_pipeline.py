@@ -107,10 +107,15 @@ def test_stale_rollouts_turn_tis_on_unless_chosen():
     sync = DAPOConfig()
     stale = dataclasses.replace(sync, rollout=RolloutConfig(engine="hf", placement="separate", num_ranks=1,
                                                             max_staleness=2))
-    assert with_async_defaults(sync).loss.tis_cap is None
-    assert with_async_defaults(stale).loss.tis_cap == ASYNC_TIS_CAP
-    chosen = dataclasses.replace(stale, loss=dataclasses.replace(stale.loss, tis_cap=1.5))
-    assert with_async_defaults(chosen).loss.tis_cap == 1.5
+    def corr(c):
+        return c.algorithm.rollout_correction
+
+    assert not corr(with_async_defaults(sync)).active
+    assert (corr(with_async_defaults(stale)).rollout_is, corr(with_async_defaults(stale)).rollout_is_threshold) == \
+        ("token", ASYNC_TIS_CAP)
+    chosen = dataclasses.replace(stale, algorithm=dataclasses.replace(
+        stale.algorithm, rollout_correction=dataclasses.replace(corr(stale), rollout_is="sequence")))
+    assert corr(with_async_defaults(chosen)).rollout_is == "sequence"
 
 
 def test_a_second_stop_collects_only_what_is_in_flight():
