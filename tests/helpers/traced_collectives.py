@@ -37,6 +37,7 @@ _threads: dict[str, set[str]] = defaultdict(set)
 _calls: dict[str, int] = defaultdict(int)
 _transfer: list = []  # this process's transfer group, once split_world made it
 _ended: list[str] = []
+_launch_rank: list[str] = ["0"]  # RANK at install (an engine rank's worker later sets its engine rank)
 
 
 def _record(kind: str) -> None:
@@ -54,8 +55,11 @@ def _wrap_group_class(cls) -> None:
             if _transfer and self is _transfer[0]:
                 if _name in ("shutdown", "abort"):
                     _ended.append(_name)
-                else:
-                    _record("transfer")
+                    try:
+                        return _original(self, *args, **kwargs)
+                    finally:  # at once too: torchrun may SIGTERM the rank before its atexit runs
+                        _write(_launch_rank[0])
+                _record("transfer")
             return _original(self, *args, **kwargs)
 
         setattr(cls, name, wrapper)
@@ -144,7 +148,8 @@ def install() -> None:
     if "failing_hf" not in ENGINES:
         ENGINES.register("failing_hf")("tests.helpers.traced_collectives:FailingHFEngine")
     # the launch rank now: an engine rank's worker sets RANK to its rank among the engines (vLLM reads it)
-    atexit.register(_write, os.environ.get("RANK", "0"))
+    _launch_rank[0] = os.environ.get("RANK", "0")
+    atexit.register(_write, _launch_rank[0])
 
 
 if __name__ == "__main__":
