@@ -18,6 +18,7 @@ the next steps' first batches while the trainers train.
 """
 
 import json
+import re
 import subprocess
 from pathlib import Path
 
@@ -135,7 +136,7 @@ def test_a_batch_that_outlasts_every_collective_timeout_ends_no_run(reference, t
 def test_an_engine_failure_ends_every_rank_naming_it_and_aborts_the_links(demo_base, tmp_path):
     """Both engine ranks fail their first weight load (rollout.engine=failing_hf,
     tests/helpers/traced_collectives.py): trainer rank 0 learns it from the progress counters and
-    raises it, naming the engine rank and its error, and every rank ends (none waits for a peer
+    raises it, naming an engine rank and its error, and every rank ends (none waits for a peer
     that has left); every member aborts the transfer group instead of shutting it down."""
     run_dir = copy_demo_base(demo_base, tmp_path / "run")
     trace = tmp_path / "trace"
@@ -145,7 +146,9 @@ def test_an_engine_failure_ends_every_rank_naming_it_and_aborts_the_links(demo_b
                          cwd=ROOT, capture_output=True, text=True, timeout=600, env={**ENV, "TRACE_DIR": str(trace)})
     log = out.stdout + out.stderr
     assert out.returncode != 0, log[-3000:]
-    assert "RuntimeError: engine rank 0 failed: ValueError: failing_hf refuses every weight load" in log, log[-3000:]
+    # both engine ranks fail; the progress counters name whichever trainer rank 0 reads first
+    assert re.search(r"RuntimeError: engine rank [01] failed: ValueError: failing_hf refuses every weight load",
+                     log), log[-3000:]
     ended = {r: json.loads((trace / f"rank{r}.json").read_text())["transfer_ended"] for r in (0, 2, 3)}
     assert ended == {0: "abort", 2: "abort", 3: "abort"}, ended
 
