@@ -67,7 +67,7 @@ class RolloutCorrectionConfig:
 
     @property
     def active(self) -> bool:
-        return self.rollout_is is not None or self.rollout_rs is not None
+        return self.spec().active
 
     def spec(self):
         """algo.rollout_correction.CorrectionSpec of this section (ConfigError naming a bad value)."""

@@ -25,9 +25,9 @@ from dataclasses import dataclass
 import torch
 
 from megatron_dapo.algo.aggregation import masked
+# log-ratios are clamped to +-20 before exp, as the losses' (and verl's SAFETY_BOUND)
+from megatron_dapo.algo.losses import MAX_LOG_RATIO
 
-# log-ratios are clamped to +-20 before exp (exp(20) ~ 4.9e8, far past any cap), as verl's SAFETY_BOUND
-MAX_LOG_RATIO = 20.0
 REJECTION_OPTIONS = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
                      "seq_mean_k1", "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3")
 
