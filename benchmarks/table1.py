@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import subprocess
@@ -95,16 +96,22 @@ def _make_toy(seed: int, out: Path) -> Path:
     return prep
 
 
-def _run(name: str, row: list[str], seed: int, budget: int, out: Path, prep: Path) -> dict:
+def _run(name: str, row: list[str], seed: int, budget: int, out: Path, prep: Path, nproc: int = 1) -> dict:
+    """One row at one seed (reused when out holds it finished); ``nproc`` > 1 launches it under torchrun
+    (a separate placement's engine ranks)."""
     run_dir = out / "runs" / f"{_slug(name)}_seed{seed}"
     if not (run_dir / "done.json").exists():
         shutil.rmtree(run_dir, ignore_errors=True)
         for part in ("toy", "toy_data", "toy_base"):  # same start for every row of this seed
             shutil.copytree(prep / part, run_dir / part)
-        cmd = [sys.executable, "-m", "megatron_dapo.cli", "train", "--config", str(CONFIG),
+        launch = [sys.executable] if nproc == 1 else [
+            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+        cmd = [*launch, "-m", "megatron_dapo.cli", "train", "--config", str(CONFIG),
                *_overrides(row, seed, budget, run_dir)]
         start = time.perf_counter()
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        env = {k: v for k, v in os.environ.items()  # a launcher's variables would make it a rank of another job
+               if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "MASTER_ADDR")}
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
         if proc.returncode:
             raise SystemExit(f"{name} seed {seed} failed:\n{proc.stderr[-4000:]}")
         (run_dir / "done.json").write_text(json.dumps({"wall_s": time.perf_counter() - start}))

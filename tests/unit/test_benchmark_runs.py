@@ -40,7 +40,7 @@ def test_every_benchmark_has_run(name):
 
 
 @pytest.mark.parametrize("name", ["async_rollout", "checkpoint_save", "fault_campaign", "losses", "reward_fuzz", "rollout",
-                                  "table1"])
+                                  "rollout_corrections", "table1"])
 def test_quick_is_smaller_than_full(name):
     """No size of the quick run exceeds the full run's and at least one is smaller: QUICK != FULL
     alone would pass a quick run larger than the full one. A skip_* flag counts as smaller when
@@ -180,6 +180,22 @@ def test_losses_figures():
     assert figs[0]["baseline"] is None and figs[0]["value"] == pytest.approx(0.43)  # dapo: the baseline itself
     assert figs[2]["baseline"] == pytest.approx(0.43) and figs[2]["ratio"] == pytest.approx(0.63 / 0.43)
     assert "| gspo | 0.530 ± 0.014 | 0.500 ± 0.000 | 0.010 ± 0.000 | 0.020 ± 0.000 | 10 |" in m.markdown(result)
+
+
+def test_rollout_corrections_figures():
+    m = _load("rollout_corrections")
+    per_step = dict(kl=0.03, chi2=0.2, is_std=0.1, ess=0.9, above=0.01, below=0.02, lag=1.5)
+    runs = [dict(_table1_run(name, seed, 0.6 + 0.1 * i + 0.02 * seed), **per_step)
+            for i, (name, _) in enumerate(m.ROWS) for seed in (1, 2)]
+    result = dict(budget=1280, piece=7, wall_s=1.0, runs=runs)
+    figs = list(_check(dict(name="rollout_corrections", figures=m.figures(result), markdown=m.markdown(result)),
+                       "rollout_corrections").values())
+    assert [f["figure"].split(":")[0] for f in figs] == ["token TIS", "sequence IS", "IcePop"]
+    assert figs[0]["baseline"] is None and figs[0]["value"] == pytest.approx(0.63)  # token TIS: the baseline
+    assert figs[2]["baseline"] == pytest.approx(0.63) and figs[2]["ratio"] == pytest.approx(0.83 / 0.63)
+    md = m.markdown(result)
+    assert "| IcePop | 0.830 ± 0.014 | 0.500 ± 0.000 | 0.030 ± 0.000 |" in md
+    assert "The runs took 2.0 min" in md  # the runs' own wall times (finished runs are reused on a rerun)
 
 
 
