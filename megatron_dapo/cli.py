@@ -94,8 +94,17 @@ def cmd_train(args: argparse.Namespace) -> int:
     stop = StopRequest().install()  # first: a signal during the imports and set-up is handled too
     try:
         from megatron_dapo.train import main as train_main
+        from megatron_dapo.train import setup_logging
 
-        rc = train_main(load_config(args.config, args.overrides), stop=stop)
+        setup_logging()
+        cfg = load_config(args.config, args.overrides)
+        engines = None
+        if cfg.rollout.placement == "separate":
+            engines = _serve_or_join(cfg, stop)
+            if engines is None:  # an engine rank, done serving
+                _end_megatron(args)
+                return 0
+        rc = train_main(cfg, stop=stop, engines=engines)
         _end_megatron(args)
         return rc
     except Exception as e:
@@ -107,6 +116,39 @@ def cmd_train(args: argparse.Namespace) -> int:
         # (benchmarks/fault_campaign.py caught one). In-process callers get theirs back.
         if not getattr(args, "process_entry", False):
             stop.restore()
+
+
+def _serve_or_join(cfg, stop):
+    """rollout.placement=separate: the world splits into trainer and engine ranks (rollout/worlds.py).
+    An engine rank serves generations until the trainers stop it and gets None; a trainer rank gets
+    its handle on the engines (rollout/separate.py ``Engines``) for ``train``, told to stop however
+    the run ends."""
+    import logging
+
+    from megatron_dapo import ranks
+    from megatron_dapo.rollout.engine_server import serve
+    from megatron_dapo.rollout.separate import Engines
+    from megatron_dapo.rollout.worlds import sides, split_world
+    from megatron_dapo.run import check_settings
+
+    check_settings(cfg, sides(cfg.rollout, ranks.world_size())[1])  # every rank, before any group
+    split = split_world(cfg.rollout.num_ranks, tensor_parallel_size=cfg.rollout.tensor_parallel_size,
+                        timeout_minutes=cfg.parallel.timeout_minutes, wait_minutes=cfg.rollout.wait_timeout_minutes)
+    if split.is_trainer:
+        return Engines(split)
+    logger = logging.getLogger("megatron_dapo.train")
+    try:
+        served = serve(split)
+    except Exception as error:
+        if stop.signum is None:
+            raise
+        # A signal's grace ran out and the trainers left mid-exchange: as they do, exit 0 (the
+        # launcher requeues on 0), the checkpoint is theirs; named: it may be the engine's.
+        logger.warning("engine rank %d: the trainers left after %s (%s: %s)", split.side_rank, stop.name,
+                       type(error).__name__, str(error)[:300])
+        served = -1
+    logger.info("engine rank %d: served %d generation requests", split.side_rank, served)
+    return None
 
 
 def cmd_eval(args: argparse.Namespace) -> int:

@@ -51,7 +51,7 @@ SHUTDOWN_CHILD = """
 import os, signal, sys
 import megatron_dapo.train
 from megatron_dapo import cli
-megatron_dapo.train.main = lambda cfg, stop: 0  # a run that has just finished
+megatron_dapo.train.main = lambda cfg, stop, engines: 0  # a run that has just finished
 mode, config = sys.argv[1:]
 args = ["train", "--config", config]
 if mode == "entry":  # as the console script and python -m call it: the command line in sys.argv

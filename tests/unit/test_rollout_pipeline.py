@@ -148,17 +148,17 @@ def test_nothing_is_asked_ahead_when_the_jobs_end_stops_the_run_after_the_next_s
     import time
 
     from megatron_dapo.time_limit import StepClock
-    from megatron_dapo.train import _job_ends_after_next
+    from megatron_dapo.schedule import job_ends_after_next as _job_ends_after_next
 
     cfg = DAPOConfig()
     clock = StepClock()
     clock.load_state_dict({"step_seconds": [10.0, 10.0, 10.0], "save_seconds": 5.0, "eval_seconds": 20.0})
     margin, now = cfg.checkpoint.time_limit_margin_s, time.time()
     # this step's rest (10 s) + the next step (10 s) + its save (5 s) + the margin
-    assert not _job_ends_after_next(cfg, clock, now + 25 + margin + 5, step=0, evaluates=False)
-    assert _job_ends_after_next(cfg, clock, now + 25 + margin - 5, step=0, evaluates=False)
-    assert _job_ends_after_next(cfg, clock, now + 25 + margin + 5, step=0, evaluates=True)  # + this step's eval
-    assert not _job_ends_after_next(cfg, clock, None, step=0, evaluates=False)
+    assert not _job_ends_after_next(cfg, clock, now + 25 + margin + 5, step=0, step_evaluates=False)
+    assert _job_ends_after_next(cfg, clock, now + 25 + margin - 5, step=0, step_evaluates=False)
+    assert _job_ends_after_next(cfg, clock, now + 25 + margin + 5, step=0, step_evaluates=True)  # + this step's eval
+    assert not _job_ends_after_next(cfg, clock, None, step=0, step_evaluates=False)
 
 
 def test_a_stop_releases_what_the_engines_cannot_finish_before_the_kill_and_a_resume_asks_again():
