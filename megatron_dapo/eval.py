@@ -21,13 +21,13 @@ from megatron_dapo.eval_metrics import eval_metrics
 from megatron_dapo.observe.audit import audit_group
 from megatron_dapo.observe.rows import RowSpec, SampleRow, group_rows
 from megatron_dapo.rollout.engine import SamplingParams
-from megatron_dapo.rollout.placement import RolloutPlacement
+from megatron_dapo.rollout.placements import Placement
 
 
 _INTEGER = re.compile(r"-?\d+")
 
 
-def evaluate(placement: RolloutPlacement, prompt_ids: list[list[int]], ground_truths: list[str], *, tokenizer,
+def evaluate(placement: Placement, prompt_ids: list[list[int]], ground_truths: list[str], *, tokenizer,
              params: SamplingParams, n: int, pool, prefix: str = "eval/", reward_fn: str | None = None,
              value_fn: str | None = None) -> dict[str, float]:
     """Generates ``n`` responses per prompt and returns {prefix + avg@n (the mean accuracy), pass@1,
@@ -40,7 +40,7 @@ def evaluate(placement: RolloutPlacement, prompt_ids: list[list[int]], ground_tr
                               prefix=prefix, reward_fn=reward_fn, value_fn=value_fn)[0]
 
 
-def evaluate_with_rows(placement: RolloutPlacement, prompt_ids: list[list[int]], ground_truths: list[str], *,
+def evaluate_with_rows(placement: Placement, prompt_ids: list[list[int]], ground_truths: list[str], *,
                        tokenizer, params: SamplingParams, n: int, pool, prefix: str = "eval/",
                        reward_fn: str | None = None, value_fn: str | None = None,
                        rows: RowSpec | None = None) -> tuple[dict[str, float], list[SampleRow]]:

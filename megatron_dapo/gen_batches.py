@@ -140,9 +140,7 @@ class GenerationBatches:
         params, train_ids = self._params(ahead), run.inputs.train_ids
         if not self.partial:
             return [train_ids[i] for i in ahead.indices], r.n, params
-        batch = items(train_ids, ahead.indices, r.n, ahead.carried, r.max_response_length)
-        if r.placement == "colocated":  # every rank of the one replica generates them
-            batch = run.placement.gather(batch if run.placement.is_leader else [])
+        batch = run.placement.from_leader(items(train_ids, ahead.indices, r.n, ahead.carried, r.max_response_length))
         return batch, 1, dataclasses.replace(params, max_tokens=r.piece_tokens)
 
     def _fetch(self, ahead: Ahead):

@@ -19,7 +19,7 @@ from megatron_dapo.config import DAPOConfig
 from megatron_dapo.observe.audit import GroupAudit, audit_group
 from megatron_dapo.observe.rows import RowSpec, SampleRow, group_rows, pick_flagged
 from megatron_dapo.rollout.engine import Rollout, SamplingParams
-from megatron_dapo.rollout.placement import RolloutPlacement
+from megatron_dapo.rollout.placements import Placement
 
 T = TypeVar("T")
 
@@ -79,7 +79,7 @@ def shape_groups(indices: list[int], outputs: list[list[Rollout]], results: list
     return groups
 
 
-def generate_scored(placement: RolloutPlacement, prompt_ids: list[list[int]], n: int, params: SamplingParams, *,
+def generate_scored(placement: Placement, prompt_ids: list[list[int]], n: int, params: SamplingParams, *,
                     ground_truths: list[str], tokenizer, pool, fns: tuple[str | None, ...] = (None,),
                     summarise: Callable[[int, list[Rollout], list[list[dict]], list[str]], T],
                     fetch: Callable[[], tuple[range, list[list[Rollout]]]] | None = None) -> list[T]:
@@ -115,7 +115,7 @@ class GenBatch:
     flagged: list[SampleRow]  # flagged responses (alarm dumps), a bounded number per replica
 
 
-def generate_groups(placement: RolloutPlacement, prompt_ids: list[list[int]], indices: list[int], *,
+def generate_groups(placement: Placement, prompt_ids: list[list[int]], indices: list[int], *,
                     ground_truths: list[str], tokenizer, params: SamplingParams, pool, cfg: DAPOConfig,
                     keep: Callable[[torch.Tensor], torch.Tensor], rows: RowSpec | None = None,
                     fetch: Callable[[], tuple[range, list[list[Rollout]]]] | None = None,

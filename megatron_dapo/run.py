@@ -19,12 +19,15 @@ import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from megatron_dapo import ranks
 from megatron_dapo.config import DAPOConfig
 from megatron_dapo.errors import ConfigError, InputError
 from megatron_dapo.trainer_state import TrainerState
+
+if TYPE_CHECKING:  # the placements import torch: set-up's checks run before it loads
+    from megatron_dapo.rollout.placements import Placement
 
 logger = logging.getLogger("megatron_dapo.run")
 
@@ -69,7 +72,7 @@ class Run(Prepared):
     """A prepared run with what build_run made for it."""
 
     actor: Any
-    placement: Any  # rollout.placement.RolloutPlacement: this rank's engine and the replica layout
+    placement: "Placement"  # this rank's rollout engines (rollout/placements.py)
     pool: Any  # replica leaders only (None elsewhere)
     sampler: Any
 
@@ -81,8 +84,7 @@ class Run(Prepared):
             if self.pool is not None:
                 self.pool.close()
                 self.pool = None
-            if self.engines is None:
-                self.placement.engine.shutdown()
+            self.placement.shutdown()
         finally:  # a failing engine teardown must not keep the run directory locked
             self.release()
 
@@ -259,8 +261,7 @@ def _build(prep: Prepared) -> Run:
     apply_cpu_compat()  # on a CPU machine, before anything imports megatron.core
     from megatron_dapo.data import PromptSampler
     from megatron_dapo.mcore.actor import MegatronActor
-    from megatron_dapo.rollout.engine import get_engine_cls
-    from megatron_dapo.rollout.placement import RolloutPlacement
+    from megatron_dapo.rollout.placements import make_placement
 
     cfg, inputs = prep.cfg, prep.inputs
     hf_path = Path(cfg.model.hf_path)
@@ -288,14 +289,7 @@ def _build(prep: Prepared) -> Run:
     # trainer's state off the device, as every generation later will; the engine then sleeps, so the
     # state can come back for the first weight sync.
     actor.offload_for_rollout()
-    if prep.engines is not None:  # the engines hold ranks of their own: they build theirs from this config
-        from megatron_dapo.rollout.separate import SeparatePlacement
-
-        placement = SeparatePlacement(prep.engines)
-        placement.start(cfg)
-    else:
-        engine = get_engine_cls(cfg.rollout.engine).from_config(str(hf_path), cfg)
-        placement = RolloutPlacement(engine, tensor_parallel_size=cfg.rollout.tensor_parallel_size)
+    placement = make_placement(cfg, prep.engines)  # separate engines build theirs from this config
     if cfg.actor.offload_during_rollout:
         placement.sleep()
         actor.onload_after_rollout()
@@ -379,7 +373,7 @@ def _size(n: float) -> str:
 def check_rollout(cfg: DAPOConfig, world_size: int) -> None:
     """The rollout settings that need the world size or the installed packages, before heavy work
     (the engine's own ``preflight``); a ConfigError, which the CLI prints as one line."""
-    from megatron_dapo.rollout.engine import get_engine_cls  # imports the engine module, not vllm
+    from megatron_dapo.rollout.engine import EngineSpec, get_engine_cls  # the engine module, not vllm
     from megatron_dapo.rollout.placement import replica_layout
 
     r = cfg.rollout
@@ -394,7 +388,7 @@ def check_rollout(cfg: DAPOConfig, world_size: int) -> None:
         raise ConfigError(f"rollout.partial=true with {replicas} colocated rollout replicas: partial rollouts need "
                           "one replica's leader to hold every response; use rollout.placement=separate with "
                           f"rollout.num_ranks, or rollout.tensor_parallel_size={world_size}")
-    engine.preflight(cfg)
+    engine.preflight(EngineSpec.of(cfg))
 
 
 def make_reward_pool(cfg: DAPOConfig):

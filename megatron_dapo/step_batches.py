@@ -90,7 +90,7 @@ class StepBatches:
         pipeline, gen = self.pipeline, self.gen
         if finished:
             pipeline.drop(gen.cancel)  # a generation budget spent: batches asked for ahead will not be trained on
-        for ahead in [] if last or self.cfg.rollout.placement != "separate" else pipeline.released(step):
+        for ahead in [] if last else pipeline.released(step):
             gen.submit(ahead)  # a stop released them: asked for again, in order (else in their steps)
         for target in pipeline.targets(step, finished=last):  # generated while this step trains
             # no new prompts when the groups carried over (surplus=carry) fill every step up to it

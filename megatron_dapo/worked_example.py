@@ -20,7 +20,7 @@ from megatron_dapo.algo import get_advantage_fn, get_policy_loss_fn
 from megatron_dapo.config import DAPOConfig
 from megatron_dapo.errors import InputError
 from megatron_dapo.groups import score_rollouts, shape_groups
-from megatron_dapo.rollout.engine import Rollout, rollout_sampling_params
+from megatron_dapo.rollout.engine import EngineSpec, Rollout, rollout_sampling_params
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,7 @@ def run_example(cfg: DAPOConfig, prompt_index: int = 0) -> Example:
     if not 0 <= prompt_index < len(inputs.train_ids):
         raise InputError(f"--prompt {prompt_index}: data.train_files has {len(inputs.train_ids)} usable prompts; "
                          f"pick one in 0..{len(inputs.train_ids) - 1}")
-    placement = RolloutPlacement(HFEngine.from_config(cfg.model.hf_path, cfg), alone=True)
+    placement = RolloutPlacement(HFEngine.from_spec(EngineSpec.of(cfg)), alone=True)
     params = rollout_sampling_params(cfg.rollout, seed=cfg.seed, stop_token_ids=inputs.stops)
     _, outputs = placement.generate([inputs.train_ids[prompt_index]], cfg.rollout.n, params)
     truth = inputs.train_truths[prompt_index]

@@ -116,6 +116,27 @@ class Rollout:
             raise ValueError(f"finish_reason must be 'stop' or 'length', got {self.finish_reason!r}")
 
 
+@dataclass(frozen=True, kw_only=True)
+class EngineSpec:
+    """What builds a run's rollout engine: the rollout section and the few settings it reads from
+    elsewhere, not the run's whole config (what a separate placement's engine ranks receive)."""
+
+    model_path: str  # model.hf_path: the checkpoint the engine loads (its weights come with the first sync)
+    rollout: Any  # config.RolloutConfig
+    dtype: str  # model.dtype
+    seed: int
+    max_model_len: int  # data.max_prompt_length + rollout.max_response_length
+    num_threads: int = 0  # torch threads of an engine rank (num_threads; 0: torch's default)
+
+    @classmethod
+    def of(cls, cfg: Any, *, model_path: str | None = None) -> EngineSpec:
+        """The engine's part of a run's resolved config.DAPOConfig (``model_path``: another checkpoint
+        than model.hf_path)."""
+        return cls(model_path=str(cfg.model.hf_path if model_path is None else model_path), rollout=cfg.rollout,
+                   dtype=cfg.model.dtype, seed=cfg.seed, num_threads=cfg.num_threads,
+                   max_model_len=cfg.data.max_prompt_length + cfg.rollout.max_response_length)
+
+
 class GenerationAborted(RuntimeError):
     """Raised by a ``generate`` that ``abort`` ended: it has no outputs."""
 
@@ -123,7 +144,7 @@ class GenerationAborted(RuntimeError):
 @runtime_checkable
 class RolloutEngine(Protocol):
     """What train.py and eval call; both engines implement it. Each class also has
-    ``from_config(model_path, cfg)`` (the engine of a run) and ``preflight(cfg)`` (a staticmethod:
+    ``from_spec(spec)`` (the engine of a run, from its EngineSpec) and ``preflight(spec)`` (a staticmethod:
     cheap checks of the settings and installed packages before anything heavy; ValueError), a
     ``reads_hf_weights`` class attribute (whether a run's engine loads model.hf_path's safetensors,
     so that setup checks them first), a ``continues_prefixes`` one (whether a prompt may end inside

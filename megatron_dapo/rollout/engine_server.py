@@ -30,7 +30,7 @@ from collections.abc import Sequence
 import torch
 
 from megatron_dapo.rollout.channel import ChannelClosed, send_object
-from megatron_dapo.rollout.engine import GenerationAborted
+from megatron_dapo.rollout.engine import EngineSpec, GenerationAborted
 from megatron_dapo.rollout.placement import replica_layout, shard_range, stamp
 from megatron_dapo.rollout.protocol import Cancel, Collect, Generate, Start, Stop, Stream, Weights
 from megatron_dapo.rollout.weight_stream import receive_weights, reserve_bucket
@@ -70,7 +70,7 @@ class Worker(threading.Thread):
                 if engine is not None:
                     idle += time.monotonic() - waiting
                 if isinstance(item, Start):
-                    engine, leader, replica, num_replicas = self._build(item.cfg)
+                    engine, leader, replica, num_replicas = self._build(item.spec)
                     self.engine = engine
                     if self.stopping and engine.aborts:  # a stop came while it was built
                         engine.abort()
@@ -158,18 +158,18 @@ class Worker(threading.Thread):
             if self._current in self.cancelled and self.engine is not None and self.engine.aborts:
                 self.engine.abort()
 
-    def _build(self, cfg):
+    def _build(self, spec: EngineSpec):
         from megatron_dapo.rollout.engine import get_engine_cls
 
-        if cfg.num_threads:  # what prepare_run does on the trainers (engines never run it)
-            torch.set_num_threads(cfg.num_threads)
-        tp = cfg.rollout.tensor_parallel_size
+        if spec.num_threads:  # what prepare_run does on the trainers (engines never run it)
+            torch.set_num_threads(spec.num_threads)
+        tp = spec.rollout.tensor_parallel_size
         replica, num_replicas, leader = replica_layout(self.split.side_rank, self.split.num_engines, tp)
         # vLLM's external launcher reads the launcher's variables: here they must be the engines' world's
         os.environ.update(RANK=str(self.split.side_rank), WORLD_SIZE=str(self.split.num_engines))
-        engine = get_engine_cls(cfg.rollout.engine).from_config(str(cfg.model.hf_path), cfg)
+        engine = get_engine_cls(spec.rollout.engine).from_spec(spec)
         logger.info("engine rank %d: rollout replica %d of %d (%s engine)%s", self.split.side_rank, replica,
-                    num_replicas, cfg.rollout.engine, ", answering" if leader else "")
+                    num_replicas, spec.rollout.engine, ", answering" if leader else "")
         return engine, leader, replica, num_replicas
 
     def result(self, request: int) -> tuple[list | None, float]:
@@ -257,11 +257,11 @@ def _answer(split: WorldSplit, worker: Worker) -> None:
     while True:
         message = control.receive()
         match message:
-            case Start(cfg=cfg):
+            case Start(spec=spec):
                 from megatron_dapo.rollout.engine import get_engine_cls
 
-                worker.aborts = get_engine_cls(cfg.rollout.engine).aborts
-                tp = cfg.rollout.tensor_parallel_size
+                worker.aborts = get_engine_cls(spec.rollout.engine).aborts
+                tp = spec.rollout.tensor_parallel_size
                 leader = replica_layout(split.side_rank, split.num_engines, tp)[2]
                 worker.work.put(message)
             case Generate() | Weights():

@@ -34,6 +34,7 @@ import torch
 from transformers import DynamicCache
 
 from megatron_dapo.rollout.engine import (
+    EngineSpec,
     GenerationAborted,
     Rollout,
     SamplingParams,
@@ -56,7 +57,7 @@ class HFEngine:
             change any response (per-response random streams).
     """
 
-    reads_hf_weights = True  # from_config loads model.hf_path; the first sync replaces them
+    reads_hf_weights = True  # from_spec loads model.hf_path; the first sync replaces them
     continues_prefixes = True  # token ids in, token ids out: prompt + a response's prefix continues it
     aborts = True  # its decode loop checks for abort() at every token
 
@@ -83,15 +84,15 @@ class HFEngine:
         return cls(AutoModelForCausalLM.from_pretrained(path, dtype=dtype), **kwargs)
 
     @staticmethod
-    def preflight(cfg) -> None:
+    def preflight(spec: EngineSpec) -> None:
         """Nothing to check ahead: transformers is always installed and any head size works."""
 
     @classmethod
-    def from_config(cls, model_path: str, cfg, **kwargs) -> HFEngine:
-        """The engine of a training run (config.DAPOConfig): the checkpoint in fp32 on the CPU, every
-        rank a whole copy (no tensor parallelism: with rollout.tensor_parallel_size > 1 the ranks of
-        a replica generate the same responses). Weights are replaced by the loop's first sync."""
-        return cls.from_pretrained(model_path, **kwargs)
+    def from_spec(cls, spec: EngineSpec, **kwargs) -> HFEngine:
+        """The engine of a training run: the checkpoint in fp32 on the CPU, every rank a whole copy
+        (no tensor parallelism: with rollout.tensor_parallel_size > 1 the ranks of a replica generate
+        the same responses). Weights are replaced by the loop's first sync."""
+        return cls.from_pretrained(spec.model_path, **kwargs)
 
     # ------------------------------------------------------------------ generation
     def generate(self, prompt_ids: Sequence[Sequence[int]], n: int, params: SamplingParams, *,

@@ -23,7 +23,7 @@ wakes only its weights for that (``VLLMEngine.update_weights``), the KV cache at
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -96,6 +96,8 @@ class RolloutPlacement:
         self._group = group
         self._asleep = False
         self.version = 0  # the trainer steps in the engine's weights (the last sync's version)
+        self._requests = 0  # request ids of ``submit``
+        self._submitted: dict[int, tuple[range, list[list[Rollout]]]] = {}
 
     def share(self, num_items: int) -> range:
         """Global positions of this replica's share of ``num_items`` prompts."""
@@ -117,6 +119,32 @@ class RolloutPlacement:
         # would leave the others waiting in that all-reduce for ever.
         outputs = self.engine.generate([prompt_ids[i] for i in share], n, params, prompt_indices=list(share))
         return share, stamp(outputs, self.version)
+
+    # ------------------------------------------------------------------ asked for ahead
+    def submit(self, prompt_ids: Sequence[Sequence[int]], n: int, params: SamplingParams) -> int:
+        """Generates the batch now and keeps this replica's share for ``collect``: the engine and the
+        trainer share these ranks, so nothing can generate while the trainer trains (the config
+        refuses rollout.max_staleness >= 1 colocated; the placements still answer alike)."""
+        self._requests += 1
+        self._submitted[self._requests] = self.generate(prompt_ids, n, params)
+        return self._requests
+
+    def collect(self, request: int) -> tuple[range, list[list[Rollout]]]:
+        """What ``submit`` generated for ``request``, as ``generate`` returned it."""
+        return self._submitted.pop(request)
+
+    def wait_for(self, requests: Sequence[int], until: Callable[[], float | None] = lambda: None) -> int:
+        """All of them: a submitted batch is generated before ``submit`` returns."""
+        return len(requests)
+
+    def cancel(self, requests: Sequence[int], why: str = "cancelled") -> None:
+        """Forgets submitted batches nobody will collect."""
+        for request in requests:
+            self._submitted.pop(request, None)
+
+    def from_leader(self, items: list) -> list:
+        """The leader's ``items`` on every rank: every rank of a replica generates its requests."""
+        return self.gather(items if self.is_leader else [])
 
     def gather(self, local: list) -> list:
         """Every replica leader's ``local`` list, concatenated in replica order, on every rank
@@ -157,3 +185,7 @@ class RolloutPlacement:
         if self._asleep:
             self.engine.wake_up()
             self._asleep = False
+
+    def shutdown(self) -> None:
+        """Ends this rank's engine (its workers and, for vLLM, its groups)."""
+        self.engine.shutdown()

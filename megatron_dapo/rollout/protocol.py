@@ -20,17 +20,16 @@ engine's worker takes them strictly in that order.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from megatron_dapo.errors import ConfigError
-from megatron_dapo.rollout.engine import SamplingParams
+from megatron_dapo.rollout.engine import EngineSpec, SamplingParams
 
 
 @dataclass(frozen=True)
 class Start:
-    """Build the engine from the run's resolved config (once, first)."""
+    """Build the engine (once, first) from the engine's part of the run's resolved config."""
 
-    cfg: Any  # config.DAPOConfig
+    spec: EngineSpec
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,6 @@
-"""Separate placement, the trainers' side: ``SeparatePlacement`` stands where ``RolloutPlacement``
-stands colocated (rollout/placement.py), plus ``submit``/``collect``/``wait_for``/``cancel``.
+"""Separate placement, the trainers' side: ``SeparatePlacement``, the ``Placement`` (rollout/placements.py)
+of trainer ranks whose engines hold ranks of their own; its ``submit``/``collect``/``wait_for``/``cancel``
+let the engines generate while the trainers train.
 
 The engine ranks (rollout/engine_server.py) answer trainer rank 0's requests (rollout/protocol.py).
 Trainer rank 0 sends the run's resolved config once the run is prepared (``Start``, so the demo's
@@ -28,7 +29,7 @@ from typing import Any
 import torch
 
 from megatron_dapo.rollout.channel import WaitTimeout, gather_objects, recv_object
-from megatron_dapo.rollout.engine import Rollout, SamplingParams
+from megatron_dapo.rollout.engine import EngineSpec, Rollout, SamplingParams
 from megatron_dapo.rollout.placement import replica_layout
 from megatron_dapo.rollout.protocol import Cancel, Collect, Generate, Start, Stop, Stream, Weights
 from megatron_dapo.rollout.weight_stream import send_weights
@@ -78,7 +79,6 @@ class SeparatePlacement:
         split = self.split = engines.split
         self.rank, self.world_size = split.side_rank, split.num_trainers
         self.replica, self.num_replicas, self.is_leader = 0, 1, split.side_rank == 0
-        self.engine = engines  # Run.close shuts it down
         self._requests = 0  # request ids, in the order asked (generation batches and weight versions)
         self._leaders: list[int] = []  # the engine ranks that answer for a replica (known at start)
         self._cancelled: list[int] = []  # their progress counters go once a later request is done
@@ -91,7 +91,7 @@ class SeparatePlacement:
             tp = cfg.rollout.tensor_parallel_size
             engines = self.split.num_engines
             self._leaders = [e for e in range(engines) if replica_layout(e, engines, tp)[2]]
-            self.split.links.control.send(Start(cfg))
+            self.split.links.control.send(Start(EngineSpec.of(cfg)))
 
     def submit(self, prompt_ids: Sequence[Sequence[int]], n: int, params: SamplingParams) -> int:
         """Asks the engines for a generation batch and returns at once: the request's id for
@@ -175,11 +175,18 @@ class SeparatePlacement:
             links.control.send(Stream(request))  # from here on send_weights tells the engines if it fails
         return send_weights(links, weights, bucket_bytes)
 
+    def from_leader(self, items: list) -> list:
+        """``items`` as they are: only the leader sends a request."""
+        return items
+
     def sleep(self) -> None:
         """Nothing to release: the engines' memory is not the trainers'."""
 
     def wake_up(self) -> None:
         """See sleep()."""
+
+    def shutdown(self) -> None:
+        """Nothing here: ``Engines.shutdown`` (train.py) tells the engines, once it knows how the run ended."""
 
     # ------------------------------------------------------------------ trainer rank 0's waits
     def _next(self) -> int:

@@ -14,7 +14,7 @@ Placement.
   must be rollout_TP x DP: ranks r // TP form replica r // TP (``data_parallel_size`` is passed when
   there is more than one). Ranks of one TP group must make identical calls (prompts, params, order);
   replicas take different prompts (``prompt_indices`` keep the seeds global) and may make different
-  numbers of requests. Weights are dummies until the first ``update_weights`` (``from_config``
+  numbers of requests. Weights are dummies until the first ``update_weights`` (``from_spec``
   builds with ``load_format="dummy"``): sync before generating.
 - ``mode="standalone"``: an ordinary ``LLM`` (evaluation, a separate generation process);
   ``in_process=True`` keeps vLLM's engine core in this process (tests), otherwise it is a child
@@ -91,7 +91,7 @@ import torch
 from megatron_dapo import ranks
 from megatron_dapo.errors import ConfigError
 from megatron_dapo.rollout import vllm_colocation as _c
-from megatron_dapo.rollout.engine import Rollout, SamplingParams, check_prompts, sequence_seed
+from megatron_dapo.rollout.engine import EngineSpec, Rollout, SamplingParams, check_prompts, sequence_seed
 from megatron_dapo.rollout.placement import replica_layout
 from megatron_dapo.rollout.vllm_checks import (
     check_cpu_head_dim,
@@ -296,39 +296,37 @@ class VLLMEngine:
         self._tp_group = _c.tp_cpu_group() if mode == "colocated" and tensor_parallel_size > 1 else None
 
     @staticmethod
-    def preflight(cfg: Any) -> None:
+    def preflight(spec: EngineSpec) -> None:
         """Before any heavy work: vllm is installed, and on CPU the KV cache can be reserved."""
         import importlib.util
 
         if importlib.util.find_spec("vllm") is None:
             raise ConfigError(VLLM_MISSING)
         if not torch.cuda.is_available():
-            mb = cfg.rollout.kv_cache_memory_mb
+            mb = spec.rollout.kv_cache_memory_mb
             check_cpu_kv_cache(mb << 20 if mb > 0 else None)
 
     @classmethod
-    def from_config(cls, model_path: str, cfg: Any, *, mode: Literal["colocated", "standalone"] = "colocated",
-                    **overrides: Any) -> VLLMEngine:
-        """The engine a training run uses, from the whole config.DAPOConfig.
+    def from_spec(cls, spec: EngineSpec, *, mode: Literal["colocated", "standalone"] = "colocated",
+                  **overrides: Any) -> VLLMEngine:
+        """The engine a training run uses, from its EngineSpec.
 
         rollout.tensor_parallel_size ranks per replica; the trainer's dtype (model.dtype; auto =
         bf16 on CUDA, fp32 on CPU); max_model_len = data.max_prompt_length +
         rollout.max_response_length; KV cache from rollout.kv_cache_memory_mb when > 0, else
         rollout.gpu_memory_utilization (a fraction of the device's total memory; CUDA only);
-        seed = cfg.seed; rollout.enforce_eager; the logprobs mode that is exact for the rollout
+        the run's seed; rollout.enforce_eager; the logprobs mode that is exact for the rollout
         sampling params. Colocated engines start with dummy weights (load_format="dummy"): the
         caller must sync weights (weight_sync.sync_weights) before the first generate.
         ``overrides`` go to the constructor last. On every rank, after torch.distributed is
         initialised, when colocated.
         """
-        kwargs = _rollout_kwargs(cfg.rollout)
+        kwargs = _rollout_kwargs(spec.rollout)
         on_gpu = torch.cuda.is_available()
-        kwargs.update(
-            mode=mode, dtype=vllm_dtype(cfg.model.dtype, on_gpu), seed=cfg.seed,
-            max_model_len=cfg.data.max_prompt_length + cfg.rollout.max_response_length,
-            load_format="dummy" if mode == "colocated" else "auto")
+        kwargs.update(mode=mode, dtype=vllm_dtype(spec.dtype, on_gpu), seed=spec.seed, max_model_len=spec.max_model_len,
+                      load_format="dummy" if mode == "colocated" else "auto")
         kwargs.update(overrides)
-        return cls(model_path, **kwargs)
+        return cls(spec.model_path, **kwargs)
 
     # ------------------------------------------------------------------ generation
     def generate(self, prompt_ids: Sequence[Sequence[int]], n: int, params: SamplingParams, *,
@@ -455,7 +453,7 @@ class VLLMEngine:
 
 
 def _rollout_kwargs(rollout: Any) -> dict[str, Any]:
-    """Constructor arguments from a config.RolloutConfig (from_config's rollout part)."""
+    """Constructor arguments from a config.RolloutConfig (from_spec's rollout part)."""
     params = SamplingParams(temperature=rollout.temperature, top_p=rollout.top_p, top_k=rollout.top_k)
     mode = logprobs_mode_for(params)
     if mode is None and rollout.check_logprob_mismatch:

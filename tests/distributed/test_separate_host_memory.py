@@ -37,8 +37,8 @@ class MeasuredHFEngine(HFEngine):
     process's peak resident memory ($HOST_MEMORY_OUT/engine_streams.json)."""
 
     @classmethod
-    def from_config(cls, model_path, cfg, **kwargs):
-        engine = super().from_config(model_path, cfg, **kwargs)
+    def from_spec(cls, spec, **kwargs):
+        engine = super().from_spec(spec, **kwargs)
         with torch.no_grad():  # the weights may be pages of the mapped checkpoint: resident before measuring
             for tensor in engine.model.state_dict().values():
                 tensor.mul_(1)

@@ -30,11 +30,11 @@ _NUMBER = re.compile(r"of (\d+)\?")
 
 class PlantedHFEngine(HFEngine):
     @classmethod
-    def from_config(cls, model_path: str, cfg, **kwargs):
+    def from_spec(cls, spec, **kwargs):
         from transformers import AutoTokenizer
 
-        engine = super().from_config(model_path, cfg, **kwargs)
-        engine.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        engine = super().from_spec(spec, **kwargs)
+        engine.tokenizer = AutoTokenizer.from_pretrained(spec.model_path)
         return engine
 
     def generate(self, prompt_ids, n, params, *, prompt_indices=None):

@@ -1,7 +1,7 @@
 """The vLLM rollout engine against the real vllm (the CPU build, ./install.sh vllm), in this process.
 
 Two engines for the whole module (each costs ~5-10 s to build, plus a one-off warm-up): an untied
-tiny Qwen2 built with the constructor (raw log-probs), and a tied one built with from_config at
+tiny Qwen2 built with the constructor (raw log-probs), and a tied one built with from_spec at
 T = 0.7 (processed log-probs). The reference is the same weights in HF transformers, fp32,
 teacher-forced (weight_sync.score_logprobs). Both compute in fp32 on the CPU; the largest
 difference measured (5 seeds x 16 responses x 24 tokens, before and after a sync, raw and
@@ -26,7 +26,7 @@ from megatron_dapo.config import (
 from megatron_dapo.rollout import SamplingParams, get_engine_cls, score_logprobs, sync_weights
 from megatron_dapo.rollout import vllm_checks
 from megatron_dapo.rollout import vllm_engine as ve
-from megatron_dapo.rollout.engine import GenerationAborted
+from megatron_dapo.rollout.engine import EngineSpec, GenerationAborted
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 needs_vllm = pytest.mark.skipif(not HAVE_VLLM, reason="vllm is not installed (./install.sh vllm installs "
@@ -80,10 +80,10 @@ def test_missing_vllm_names_the_fix(monkeypatch):
         ve.VLLMEngine("unused", mode="standalone", kv_cache_memory_bytes=1 << 20)
 
 
-def test_from_config_refuses_inexact_logprobs():
+def test_from_spec_refuses_inexact_logprobs():
     cfg = tiny_cfg(temperature=0.8, top_p=0.9)
     with pytest.raises(ValueError, match="check_logprob_mismatch"):
-        ve.VLLMEngine.from_config("unused", cfg)
+        ve.VLLMEngine.from_spec(EngineSpec.of(cfg, model_path="unused"))
 
 
 @needs_vllm
@@ -91,7 +91,7 @@ def test_colocated_needs_torch_distributed(monkeypatch):
     # (The in-process engines below start a one-process world of their own: pretend there is none.)
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
     with pytest.raises(RuntimeError, match="runs under torchrun: initialise torch.distributed first"):
-        ve.VLLMEngine.from_config("unused", tiny_cfg())
+        ve.VLLMEngine.from_spec(EngineSpec.of(tiny_cfg(), model_path="unused"))
 
 
 # ---------------------------------------------------------------- the real engine
@@ -133,7 +133,7 @@ def models(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engines(models):
-    """{tied: engine}: untied from the constructor (raw log-probs, T = 1), tied from from_config
+    """{tied: engine}: untied from the constructor (raw log-probs, T = 1), tied from from_spec
     (T = 0.7 -> processed log-probs); both load the checkpoint's weights."""
     if not HAVE_VLLM:
         pytest.skip("vllm is not installed (./install.sh vllm installs its CPU build)")
@@ -141,8 +141,8 @@ def engines(models):
     try:
         built[False] = ve.VLLMEngine(models[False][0], mode="standalone", in_process=True, dtype="float32",
                                      max_model_len=64, seed=0, kv_cache_memory_bytes=KV_MB << 20)
-        built[True] = ve.VLLMEngine.from_config(models[True][0], tiny_cfg(temperature=0.7), mode="standalone",
-                                                in_process=True)
+        built[True] = ve.VLLMEngine.from_spec(EngineSpec.of(tiny_cfg(temperature=0.7), model_path=models[True][0]),
+                                              mode="standalone", in_process=True)
         yield built
     finally:
         for eng in reversed(list(built.values())):  # the first one started the process group
@@ -169,7 +169,7 @@ def test_cpu_head_sizes_match_vllm():
 
 @pytest.mark.slow
 @needs_vllm
-def test_from_config_settings(engines):
+def test_from_spec_settings(engines):
     eng, cfg = engines[True], tiny_cfg(temperature=0.7)
     model_config = eng.llm.llm_engine.model_config
     assert eng.logprobs_mode == "processed_logprobs" and eng.tied and eng.eos_token_ids == (EOS,)
@@ -375,7 +375,7 @@ def test_bad_inputs_fail_clearly(engines, models, tmp_path):
     with pytest.raises(ValueError, match="rollout.kv_cache_memory_mb"):
         ve.VLLMEngine(path, mode="standalone")
     with pytest.raises(ValueError, match="kv_cache_memory_mb"):
-        ve.VLLMEngine.from_config(path, tiny_cfg(kv_cache_memory_mb=0))
+        ve.VLLMEngine.from_spec(EngineSpec.of(tiny_cfg(kv_cache_memory_mb=0), model_path=path))
     with pytest.raises(ValueError, match="enable_sleep_mode=True needs CUDA"):
         ve.VLLMEngine(path, mode="standalone", kv_cache_memory_bytes=1 << 20, enable_sleep_mode=True)
     from transformers import Qwen2Config

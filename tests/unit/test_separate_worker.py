@@ -35,7 +35,7 @@ class _OneReplica(Worker):
                                     links=links))
         self.given, self.aborts = engine, engine.aborts
 
-    def _build(self, cfg):
+    def _build(self, spec):
         return self.given, True, 0, 1
 
     def done(self, request: int) -> bool:

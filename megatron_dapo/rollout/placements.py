@@ -1,0 +1,95 @@
+"""The one interface of a rollout placement, and the one place that picks it.
+
+Two placements stand behind it: colocated (rollout/placement.py ``RolloutPlacement``: every rank
+holds a share of an engine replica and takes turns with the trainer) and separate
+(rollout/separate.py ``SeparatePlacement``: the engines hold ranks of their own and generate while
+the trainers train). The loop, generation batches, scoring and evaluation see only ``Placement``;
+which one runs is decided here, from whether the launch split off engine ranks (cli.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from megatron_dapo.rollout.engine import Rollout, SamplingParams
+
+
+@runtime_checkable
+class Placement(Protocol):
+    """What the trainer ranks use of the rollout engines.
+
+    ``rank`` / ``world_size``: this rank among the trainer ranks that share the placement;
+    ``replica`` / ``num_replicas``: this rank's engine replica (colocated; separate: one, the
+    engines'); ``is_leader``: this rank scores and holds the replica's results (trainer rank 0
+    with separate engines).
+    """
+
+    rank: int
+    world_size: int
+    replica: int
+    num_replicas: int
+    is_leader: bool
+
+    def generate(self, prompt_ids: Sequence[Sequence[int]], n: int,
+                 params: SamplingParams) -> tuple[range, list[list[Rollout]]]:
+        """A generation batch, now: (global positions, rollouts per prompt) of this rank's part."""
+
+    def submit(self, prompt_ids: Sequence[Sequence[int]], n: int, params: SamplingParams) -> int:
+        """A generation batch asked for ahead (rollout/pipeline.py): its request id for ``collect``."""
+
+    def collect(self, request: int) -> tuple[range, list[list[Rollout]]]:
+        """A submitted batch's rollouts, as ``generate`` returns them (waits for them)."""
+
+    def wait_for(self, requests: Sequence[int], until: Callable[[], float | None] = lambda: None) -> int:
+        """How many of the submitted ``requests``, from the first, are finished by ``until()``."""
+
+    def cancel(self, requests: Sequence[int], why: str = "cancelled") -> None:
+        """Submitted batches nobody will collect."""
+
+    def from_leader(self, items: list) -> list:
+        """A request's items that only the replica leader holds (partial rollouts' carry), as every
+        rank must pass them to ``generate`` / ``submit``."""
+
+    def gather(self, local: list) -> list:
+        """Every replica leader's ``local`` list, in replica order, on every rank."""
+
+    def gather_all(self, item: Any) -> list:
+        """Every rank's ``item``, in rank order, on every rank (small objects)."""
+
+    def sync(self, weights: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int,
+             version: int | None = None) -> dict[str, int]:
+        """The trained weights (HF names, full tensors) into every engine; ``version``: steps trained."""
+
+    def take_waits(self) -> dict[str, float]:
+        """Seconds each side waited for the other since the last call (timing_s/*)."""
+
+    def sleep(self) -> None:
+        """The engines' memory to the trainer until the next sync (colocated)."""
+
+    def wake_up(self) -> None:
+        """What ``sleep`` released, back."""
+
+    def shutdown(self) -> None:
+        """Ends what this rank owns of the engines (at the run's end)."""
+
+
+def make_placement(cfg, engines=None) -> Placement:
+    """This trainer rank's placement: with ``engines`` (rollout/separate.py ``Engines``: the launch
+    split off engine ranks) the separate one, its engines started with the engine's part of the run's
+    resolved config ``cfg`` (rollout/engine.py ``EngineSpec``); else
+    the colocated one around an engine of its own, built here from ``cfg`` (every rank at the same
+    point: vLLM's external launcher forms its groups over the whole world)."""
+    if engines is not None:
+        from megatron_dapo.rollout.separate import SeparatePlacement
+
+        placement = SeparatePlacement(engines)
+        placement.start(cfg)
+        return placement
+    from megatron_dapo.rollout.engine import EngineSpec, get_engine_cls
+    from megatron_dapo.rollout.placement import RolloutPlacement
+
+    engine = get_engine_cls(cfg.rollout.engine).from_spec(EngineSpec.of(cfg))
+    return RolloutPlacement(engine, tensor_parallel_size=cfg.rollout.tensor_parallel_size)
