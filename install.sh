@@ -39,7 +39,7 @@ install_nemo() {
   # The stack imports through the CPU stand-ins, and the adapter's classes build on it.
   if ! out=$(.venv-nemo/bin/python -c "import sys; sys.path.insert(0, '.')
 from tests.nemo_aligner import standins; standins.prepare()
-from megatron_dapo.integrations.nemo_aligner import dapo_actor_class, dapo_trainer_class
+from megatron_dapo.integrations.nemo_aligner_classes import dapo_actor_class, dapo_trainer_class
 dapo_actor_class(); dapo_trainer_class()" 2>&1); then
     echo "install.sh: .venv-nemo installed but the NeMo-Aligner stack does not import:" >&2
     echo "$out" | tail -20 >&2
@@ -90,6 +90,9 @@ fi
 # Not in the `test` extra: container/requirements.txt resolves the extras against vLLM's pins, and
 # the GPU image needs no W&B client for its tests (that one skips there).
 if [ "$mode" = test ]; then .venv/bin/python -c "import wandb" 2>/dev/null || $PIP install "wandb>=0.31"; fi
+# test: ruff, at the version tests/unit/test_lint.py was written against (pyproject.toml's [tool.ruff]
+# rules). Not in the `test` extra either: the GPU image runs no lint.
+if [ "$mode" = test ]; then [ "$(.venv/bin/ruff --version 2>/dev/null)" = "ruff 0.17.6" ] || $PIP install "ruff==0.17.6"; fi
 
 # apt_install WHAT PKG...: Debian packages that tests run as programs, where root and apt-get are
 # there (apt's lists refreshed once if the first try fails); elsewhere a line saying WHAT will skip.

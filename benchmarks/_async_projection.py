@@ -122,8 +122,8 @@ def project(steps: int = 4) -> dict:
                          "trainers": trainers, "engines_idle": t.engines_idle_s / t.total_s,
                          "trainer_waited": t.trainer_waited_s / t.total_s}
         out[name] = {"placements": row, "mean_response": mean, "truncated": sum(x == CAP for x in flat) / len(flat),
-                     "slots": slots, "slots_alone": slots_alone, "train_min_128": train / 60, "median": median, "sigma": sigma,
-                     "batches_per_step": per_step}
+                     "slots": slots, "slots_alone": slots_alone, "train_min_128": train / 60, "median": median,
+                     "sigma": sigma, "batches_per_step": per_step}
     return out
 
 
@@ -141,5 +141,6 @@ def markdown(proj: dict) -> str:
         f"{n}: median {proj[n]['median']}, sigma {proj[n]['sigma']}, mean {proj[n]['mean_response']:.0f} tokens, "
         f"{proj[n]['truncated']:.1%} cut, {proj[n]['slots']} sequences at once per replica colocated and "
         f"{proj[n]['slots_alone']} on engine GPUs of their own, "
-        f"{proj[n]['batches_per_step']} generation batch(es) a step" for n in names) + ". Splits: engine / trainer GPUs."]
+        f"{proj[n]['batches_per_step']} generation batch(es) a step" for n in names)
+              + ". Splits: engine / trainer GPUs."]
     return "\n".join(lines)

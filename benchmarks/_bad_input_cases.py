@@ -1,4 +1,4 @@
-"""The bad inputs of benchmarks/bad_input_campaign.py, generated class by class (issue 28).
+"""The bad inputs of benchmarks/bad_input_campaign.py, generated class by class.
 
 A ``Case`` is one real ``megatron-dapo`` command line with one thing wrong, the text its error line
 must contain (the bad key, file or value), and the paths that must be byte-for-byte the same after
@@ -135,18 +135,21 @@ def config_cases(fx: Fixtures) -> list[Case]:
         for name, override, names in (("wrong type", f"{key}={bad_type}", key), ("typo", f"{typo}=1", typo)):
             if override.endswith("=None"):
                 continue
-            cases.append(Case("config", f"{key}: {name}", fx.train_args(fx.fresh(f"cfg_{key}_{name}"), override), names))
+            cases.append(Case("config", f"{key}: {name}", fx.train_args(fx.fresh(f"cfg_{key}_{name}"), override),
+                              names))
         if kinds & {int, float} and bool not in kinds:
             value = "-2" if key == "rollout.top_k" else "-1"
             cases.append(Case("config", f"{key}: out of range ({value})",
                               fx.train_args(fx.fresh(f"cfg_{key}_range"), f"{key}={value}"), key,
                               valid=IN_RANGE_BY_DESIGN.get(key, "")))
     for name, overrides, names in CROSS_FIELD:
-        cases.append(Case("config", f"cross-field: {name}", fx.train_args(fx.fresh(f"cross_{name}"), *overrides), names))
+        cases.append(Case("config", f"cross-field: {name}", fx.train_args(fx.fresh(f"cross_{name}"), *overrides),
+                          names))
     cases.append(Case("config", "cross-field: clip-high under clip-low", fx.train_args(
         fx.fresh("cross_clip"), "loss.clip_ratio_low=0.3", "loss.clip_ratio_high=0.2"), "", valid="an asymmetric "
         "clip either way is a valid PPO objective; Clip-Higher is a choice of values, not a rule"))
-    cases.append(Case("config", "missing --config file", ("train", "--config", str(fx.root / "nope.yaml")), "nope.yaml"))
+    cases.append(Case("config", "missing --config file", ("train", "--config", str(fx.root / "nope.yaml")),
+                      "nope.yaml"))
     bad_yaml = fx.root / "bad.yaml"
     bad_yaml.write_text("train:\n  total_steps: [1\n")
     cases.append(Case("config", "unparseable YAML", ("train", "--config", str(bad_yaml)), "bad.yaml"))
@@ -155,7 +158,8 @@ def config_cases(fx: Fixtures) -> list[Case]:
 
 # The smallest inconsistent pair of each cross-field rule (config_rules.validate_cross_section, setup's checks).
 CROSS_FIELD = [
-    ("mini-batch above the step", ["data.prompts_per_step=4", "train.mini_batch_prompts=8"], "train.mini_batch_prompts"),
+    ("mini-batch above the step", ["data.prompts_per_step=4", "train.mini_batch_prompts=8"],
+     "train.mini_batch_prompts"),
     ("step not a multiple of the mini-batch", ["data.prompts_per_step=3", "train.mini_batch_prompts=2"],
      "mini_batch_prompts"),
     ("overlong buffer past the response", ["rollout.max_response_length=16", "reward.overlong_buffer.len=32"],
@@ -231,7 +235,8 @@ def data_cases(fx: Fixtures) -> list[Case]:
     cases = []
     for name, (path, names) in files.items():
         for split in ("train", "val"):
-            if split == "val" and name not in ("missing file", "0-row parquet", "invalid JSON line", "every prompt too long"):
+            if split == "val" and name not in ("missing file", "0-row parquet", "invalid JSON line",
+                                               "every prompt too long"):
                 continue
             args = fx.train_args(fx.fresh(f"data_{split}_{name}"), **{split: path})
             valid = "a file of one distinct prompt is a small data set, not a bad one" if name.startswith("dup") else ""
@@ -305,7 +310,8 @@ def hf_cases(fx: Fixtures) -> list[Case]:
         path = broken(name, change)
         cases.append(Case("hf dir", name, fx.train_args(fx.fresh(f"hf_{name}"), hf=path), names, guard=(str(path),)))
     path = broken("torch_dtype int8", edit_config(torch_dtype="int8"))
-    cases.append(Case("hf dir", "config.json's torch_dtype int8 (fp32 weights)", fx.train_args(fx.fresh("hf_dtype"), hf=path),
+    cases.append(Case("hf dir", "config.json's torch_dtype int8 (fp32 weights)",
+                      fx.train_args(fx.fresh("hf_dtype"), hf=path),
                       "", guard=(str(path),), valid="torch_dtype only says how the weights were stored: the "
                       "trainer reads the safetensors' own dtypes (checked) and trains in model.dtype"))
     cases.append(Case("hf dir", "a file, not a dir", fx.train_args(fx.fresh("hf_file"), hf=fx.train), "model.hf_path"))
@@ -361,10 +367,12 @@ def checkpoint_cases(fx: Fixtures) -> list[Case]:
     wide = fx.root / "converted_wide"
     if not wide.exists():
         subprocess.run([sys.executable, str(ROOT / "tools" / "convert_ckpt" / "hf_to_megatron.py"), "--hf-dir",
-                        str(fx.hf_wide), "--out", str(wide), "--no-progress"], cwd=ROOT, check=True, capture_output=True)
+                        str(fx.hf_wide), "--out", str(wide), "--no-progress"], cwd=ROOT, check=True,
+                       capture_output=True)
     for name, ckpt, hf, names in (
             ("model.checkpoint: another shape (converted)", wide, fx.hf, "hidden_size"),
-            ("model.checkpoint: another shape (a run's checkpoints)", fx.run / "checkpoints", fx.hf_wide, "hidden_size"),
+            ("model.checkpoint: another shape (a run's checkpoints)", fx.run / "checkpoints", fx.hf_wide,
+             "hidden_size"),
             ("model.checkpoint: a run dir, not its checkpoints", fx.run, fx.hf, "model.checkpoint"),
             ("model.checkpoint: an HF dir", fx.hf, fx.hf, "model.checkpoint"),
             ("model.checkpoint: missing", fx.root / "absent_ckpt", fx.hf, "absent_ckpt")):
@@ -393,15 +401,16 @@ def cli_cases(fx: Fixtures) -> list[Case]:
         "config: --shape unknown": (("config", "--config", CONFIG, "--world-size", "8", "--shape", "9B"), "9B"),
         "plan: --gpu-memory-gb negative": (("plan", "--config", CONFIG, "--world-size", "8", "--shape", "7B",
                                             "--gpu-memory-gb", "-1"), "gpu-memory-gb"),
-        "plan: --mfu above 1": (("plan", "--config", CONFIG, "--world-size", "8", "--shape", "7B", "--mfu", "3"), "mfu"),
+        "plan: --mfu above 1": (("plan", "--config", CONFIG, "--world-size", "8", "--shape", "7B", "--mfu", "3"),
+                                "mfu"),
         "export: --out missing": (("export", *run, f"logging.dir={fx.run}"), "--out"),
         "export: --step not saved": (("export", *run, f"logging.dir={fx.run}", "--out", str(out), "--step", "7"), "7"),
         "export: --out not empty": (("export", *run, f"logging.dir={fx.run}", "--out", str(fx.hf)), str(fx.hf)),
         "export: a run dir without checkpoints": (("export", *run, f"logging.dir={fx.root / 'nothing'}", "--out",
                                                    str(out)), "nothing"),
         "prepare-data: --train missing": (("prepare-data", "--out", str(out)), "--train"),
-        "prepare-data: --train absent": (("prepare-data", "--train", str(fx.root / "absent.parquet"), "--out", str(out)),
-                                         "absent.parquet"),
+        "prepare-data: --train absent": (("prepare-data", "--train", str(fx.root / "absent.parquet"), "--out",
+                                          str(out)), "absent.parquet"),
         "prepare-data: --out is a file": (("prepare-data", "--train", str(fx.train), "--out", str(fx.train)),
                                           str(fx.train)),
         "score: --responses absent": (("score", "--responses", str(fx.root / "absent.jsonl")), "absent.jsonl"),

@@ -43,7 +43,8 @@ def summarise_profile(path: Path, top: int = 10) -> tuple[dict[str, float], list
 def profile(settings, work: Path, run_ours, run_trl, prepare) -> str:
     """Markdown: each side's profile at the demo size and at LARGER, seed 1, 20 steps."""
     md = ["### Profile (cProfile, seed 1, 20 steps, one process)", ""]
-    for label, toy, tokens in (("demo size", (), settings.max_tokens), ("larger toy: " + ", ".join(LARGER), LARGER, 64)):
+    for label, toy, tokens in (("demo size", (), settings.max_tokens),
+                               ("larger toy: " + ", ".join(LARGER), LARGER, 64)):
         s = dataclasses.replace(settings, steps=20, seeds=(1,), dp2=False, toy=toy, max_tokens=tokens)
         inputs = prepare(work, 1, toy)
         tables, phases = {}, ""

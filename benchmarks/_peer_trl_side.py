@@ -102,7 +102,8 @@ def main(argv=None) -> None:
     config = GRPOConfig(
         output_dir=args.out, seed=args.seed, use_cpu=True, bf16=False, fp16=False, report_to=[],
         per_device_train_batch_size=responses // args.updates_per_step // world, gradient_accumulation_steps=1,
-        steps_per_generation=args.updates_per_step, num_generations=args.group_size, max_completion_length=args.max_tokens,
+        steps_per_generation=args.updates_per_step, num_generations=args.group_size,
+        max_completion_length=args.max_tokens,
         max_steps=args.steps * args.updates_per_step, learning_rate=args.lr, lr_scheduler_type="constant_with_warmup",
         warmup_steps=args.warmup_updates, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8,
         max_grad_norm=args.clip_grad, loss_type="dapo", epsilon=args.clip_low, epsilon_high=args.clip_high,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from _train_step_cases import Case
 
-SPEED_TARGET, MEMORY_TARGET = 1.3, 0.5  # issue 12's, judged at the full sizes only
+SPEED_TARGET, MEMORY_TARGET = 1.3, 0.5  # benchmarks/train_step.py's targets, judged at the full sizes only
 
 
 def figures(name: str, result: dict, quick: bool) -> list[dict]:

@@ -62,8 +62,8 @@ MODES = {
     "separate k=0": ["rollout.placement=separate", "rollout.num_ranks=1"],
     "separate k=1": ["rollout.placement=separate", "rollout.num_ranks=1", "rollout.max_staleness=1"],
     "separate k=2": ["rollout.placement=separate", "rollout.num_ranks=1", "rollout.max_staleness=2"],
-    "partial k=1": ["rollout.placement=separate", "rollout.num_ranks=1", "rollout.max_staleness=1", "rollout.partial=true",
-                    f"rollout.partial_tokens={PIECE}"],
+    "partial k=1": ["rollout.placement=separate", "rollout.num_ranks=1", "rollout.max_staleness=1",
+                    "rollout.partial=true", f"rollout.partial_tokens={PIECE}"],
 }
 MODEL_TOLERANCE = 0.15  # the model's ratio against the measured one, either way
 RESPONSES_PER_STEP = 16 * 8  # conf/cpu_tiny.yaml: data.prompts_per_step x rollout.n

@@ -1,4 +1,4 @@
-"""Bad input, systematically (issue 28): every class of input a user hands us, broken every way
+"""Bad input, systematically: every class of input a user hands us, broken every way
 benchmarks/_bad_input_cases.py lists, each run as the real CLI in a fresh process.
 
 The verdict per input: exit code 2, the last line of stderr is one ``megatron-dapo...: error``
@@ -190,13 +190,15 @@ def render_markdown(verdicts: list[Verdict], seconds: float) -> str:
            f"{total['tried']} inputs in {len(rows)} classes, {total['clear']} clear, {total['findings']} findings "
            f"({seconds:.0f} s). Verdict rules: the module docstring of benchmarks/bad_input_campaign.py.", "",
            "| class | inputs | clear | of them accepted by design | findings |", "|---|---|---|---|---|"]
-    out += [f"| {c} | {r['tried']} | {r['clear']} | {r['accepted_by_design']} | {r['findings']} |" for c, r in rows.items()]
+    out += [f"| {c} | {r['tried']} | {r['clear']} | {r['accepted_by_design']} | {r['findings']} |"
+            for c, r in rows.items()]
     bad = [v for v in verdicts if not v.clear]
     if bad:
         out += ["", "## Findings", ""] + [f"- {v.cls}: {v.name}: {'; '.join(v.problems)}; last line: `{v.line}`"
                                           for v in bad]
     out += ["", "## Accepted by design", ""] + [f"- {v.cls}: {v.name}: {v.valid}" for v in verdicts if v.valid]
-    out += ["", "## Every input and its answer", "", "| class | input | rc | s | the error line |", "|---|---|---|---|---|"]
+    out += ["", "## Every input and its answer", "", "| class | input | rc | s | the error line |",
+            "|---|---|---|---|---|"]
     out += [f"| {v.cls} | {v.name} | {v.rc} | {v.seconds:.1f} | {v.line.replace('|', '/')[:300]} |" for v in verdicts]
     return "\n".join(out) + "\n"
 

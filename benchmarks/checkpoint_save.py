@@ -1,4 +1,4 @@
-"""What megatron's writer-results Manager process costs a synchronous checkpoint save (issue 14).
+"""What megatron's writer-results Manager process costs a synchronous checkpoint save.
 
 megatron-core's sync ``dist_checkpointing.save`` writes in the calling process (threads), but hands
 the write results back through a queue that it gets from a ``multiprocessing.Manager`` server

@@ -10,7 +10,7 @@ then checks that the round trip is bit-exact. Each step runs in its own process;
 process's ru_maxrss (the dist-checkpoint writer's helper process is not counted), and "after imports"
 is its RSS before any weight is touched. Ratios are against the baseline measured in the same run.
 
-Targets (issue 12): the round trip (hf_to_megatron + megatron_to_hf wall time) at most 1.5x the
+Targets: the round trip (hf_to_megatron + megatron_to_hf wall time) at most 1.5x the
 baseline's, and each step's peak RSS at most its own "after imports" plus one input shard (the
 largest HF shard file) plus the largest tensor.
 

@@ -1,4 +1,4 @@
-"""Fault injection at full size on the CPU job (issue 14; tests/functional/test_faults.py runs a few).
+"""Fault injection at full size on the CPU job (tests/functional/test_faults.py runs a few).
 
 One uninterrupted reference run, then one run directory that is hit ``--kills`` times by SIGKILL to
 the trainer alone (at a random moment, and every third time as soon as a checkpoint save starts)
@@ -27,7 +27,8 @@ from pathlib import Path
 import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
-ENV = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "MASTER_ADDR")}
+ENV = {k: v for k, v in os.environ.items()
+       if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "MASTER_ADDR")}
 
 
 def _cmd(run_dir: Path, steps: int) -> list[str]:

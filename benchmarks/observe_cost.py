@@ -1,4 +1,4 @@
-"""What seeing the policy costs: sample dumps, alarms and the pass-rate ledger, per step (issue 25).
+"""What seeing the policy costs: sample dumps, alarms and the pass-rate ledger, per step.
 
 Measured, at the CPU demo's size (conf/cpu_tiny.yaml): the same run with observability on (the
 defaults) and off (``logging.samples_every=0 alarms.enable=false``), interleaved, on one base made
@@ -100,7 +100,8 @@ def project_32b(num_responses: int) -> dict:
     rows = [SampleRow(phase="train", prompt_index=i, group=i // GROUP_32B, response_index=i % GROUP_32B,
                       prompt=clip_text("p" * 600, lg.samples_max_chars), response=clip_text(t, lg.samples_max_chars),
                       response_tokens=len(t) // 4, response_chars=len(t), finish_reason="stop", ground_truth="7",
-                      scorer="dapo_math", acc=True, pred="7") for i, t in enumerate(texts[:lg.samples_per_step + 4 * cap])]
+                      scorer="dapo_math", acc=True, pred="7")
+            for i, t in enumerate(texts[:lg.samples_per_step + 4 * cap])]
     with tempfile.TemporaryDirectory() as tmp:
         start = time.perf_counter()
         dump = write_rows(Path(tmp) / "step.jsonl", rows[:lg.samples_per_step])

@@ -242,7 +242,8 @@ def summarise(s: Settings, runs: dict) -> tuple[list[dict], str]:
     if ours["dp2"] is not None:
         md.append(f"| DP=2, sum of step seconds (mean of {len(seeds)} seeds) | {ours['dp2_sum']:.3g} | "
                   f"{trl['dp2_sum']:.3g} | {ours['dp2_sum'] / trl['dp2_sum']:.2f} |")
-    phases = {k: statistics.mean(runs["ours"][sd]["phases"][k] for sd in seeds) for k in runs["ours"][seeds[0]]["phases"]}
+    phases = {k: statistics.mean(runs["ours"][sd]["phases"][k] for sd in seeds)
+              for k in runs["ours"][seeds[0]]["phases"]}
     gen = statistics.mean(sum(runs["trl"][sd].get("generate_seconds", [])) for sd in seeds)
     md += ["", "Ours by phase (s, mean over seeds): " + ", ".join(f"{k} {v:.2f}" for k, v in phases.items())
            + f"; TRL's generation + scoring + old log-probs: {gen:.2f} s.", "",

@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # repo root: th
 from megatron_dapo.reward import RewardPool, compute_score, math_dapo
 from megatron_dapo.reward.labelled_cases import CASES
 
-TARGET_RATE = 1000.0  # responses/s, one process (issue 12)
+TARGET_RATE = 1000.0  # responses/s, one process: a default generation batch (1,536 x 16) in under 25 s
 QUICK = {"num": 64, "baseline_num": 8, "repeats": 3, "pool": False, "raw_table": False}
 FULL = {"num": 512, "baseline_num": 128, "repeats": 3, "pool": True, "raw_table": True}
 

@@ -83,7 +83,8 @@ def _measure_engine(kind: str, workdir: Path, repeats: int) -> dict:
     engine = _engine(kind, workdir / "tiny", TINY)
     out["start_s"] = time.perf_counter() - start
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(2, 128, (int(n),), generator=g).tolist() for n in torch.randint(20, 40, (24,), generator=g)]
+    prompts = [torch.randint(2, 128, (int(n),), generator=g).tolist()
+               for n in torch.randint(20, 40, (24,), generator=g)]
     params = SamplingParams(temperature=1.0, max_tokens=16, seed=3)
     start = time.perf_counter()
     engine.generate(prompts, 8, params)

@@ -12,7 +12,7 @@ Rows (verl 0.9.1's presets of the same names, algorithm.rollout_correction):
   token TIS     rollout_is=token,    rollout_is_threshold=2.0       (decoupled_token_is; our async default)
   sequence IS   rollout_is=sequence, rollout_is_threshold=2.0       (decoupled_seq_is)
   IcePop        rollout_is=token,    rollout_is_threshold=0.5_5.0   (decoupled_token_icepop)
-There is no row without a correction: a stale or partial run always corrects (run.with_async_defaults).
+There is no row without a correction: a stale or partial run always corrects (config_derived.py).
 
     python benchmarks/rollout_corrections.py                 # 3 rows x 3 seeds, ~30 min on 2 idle cores
     python benchmarks/rollout_corrections.py --seeds 1 --budget 2048   # a quick look

@@ -172,9 +172,11 @@ def table(results: list[dict], budget: int) -> str:
         rs = [r for r in results if r["row"] == name]
         col = lambda key: [r[key] for r in rs]  # noqa: E731
         at_common = [r["avg_at_k_by_step"][common] for r in rs]
-        lines.append(f"| {name} | {_mean_sd(col('avg_at_k'))} | {_mean_sd(col('avg_at_k_value'))} | {_mean_sd(at_common)} | "
+        lines.append(f"| {name} | {_mean_sd(col('avg_at_k'))} | {_mean_sd(col('avg_at_k_value'))} | "
+                     f"{_mean_sd(at_common)} | "
                      f"{_mean_sd(col('entropy'))} | {statistics.fmean(col('response_length')):.1f} | "
-                     f"{statistics.fmean(col('truncation_rate')):.3f} | {statistics.fmean(col('train_truncation_rate')):.3f} | "
+                     f"{statistics.fmean(col('truncation_rate')):.3f} | "
+                     f"{statistics.fmean(col('train_truncation_rate')):.3f} | "
                      f"{statistics.fmean(col('generated_per_trained')):.2f} | {statistics.fmean(col('steps')):.0f} |")
     seeds = sorted({r["seed"] for r in results})
     lines.append(f"\nMean ± sample standard deviation over seeds {seeds}; every run stopped after {budget} "

@@ -26,7 +26,7 @@ warm-up update per run, then 3 measured; ``--rounds`` alternating runs per side)
 process's peak RSS (Linux VmHWM, reset through /proc/self/clear_refs once the weights are loaded,
 after glibc's malloc_trim hands back what setup freed) minus its RSS right after the imports, the
 highest of the runs: weights, gradients, optimizer states, activations and logits, all that the
-updates hold. Targets (issue 12): tokens/s
+updates hold. Targets: tokens/s
 megatron / hf >= 1.3 and peak memory megatron / hf <= 0.5, at both vocabularies (full sizes).
 ``--recompute full`` runs megatron with model.recompute=full beside HF with gradient
 checkpointing; ``selective`` recomputes megatron's core attention only (HF's sdpa kernel already

@@ -237,7 +237,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("config", help="validate and print the resolved configuration")
     _add_config_args(p)
     p.add_argument("--defaults", action="store_true", help="print every key with its default and comment")
-    p.add_argument("--world-size", type=_number(int, 0), help="instead: check and print the layout at this many processes")
+    p.add_argument("--world-size", type=_number(int, 0),
+                   help="instead: check and print the layout at this many processes")
     p.add_argument("--shape", help="with --world-size: the Qwen2.5 shape (0.5B, 1.5B, 7B, 32B) when "
                                    "model.hf_path is not on this machine")
     p.set_defaults(func=cmd_config)

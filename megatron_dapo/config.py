@@ -23,16 +23,17 @@ __all__ = ["POLICY_LOSS_DEFAULTS", "AlgorithmConfig", "DAPOConfig", "FilterGroup
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     hf_path: str = setting("", "HF model dir (config.json, tokenizer; safetensors for conversion)")
-    checkpoint: str = setting("", "starting weights from a converted dist checkpoint (tools/convert_ckpt/hf_to_megatron.py) "
-                               "or a run's checkpoints dir; empty: model.hf_path's safetensors, each rank "
-                               "reading its own shard")
+    checkpoint: str = setting("", "starting weights from a converted dist checkpoint "
+                               "(tools/convert_ckpt/hf_to_megatron.py) or a run's checkpoints dir; empty: "
+                               "model.hf_path's safetensors, each rank reading its own shard")
     dtype: Literal["auto", "bf16", "fp32"] = setting("auto", "training dtype; auto = bf16 on GPU, fp32 on CPU")
     transformer_impl: Literal["auto", "local", "transformer_engine"] = setting(
         "auto", "layer spec; auto = transformer_engine on GPU, local on CPU")
     fp8: Literal["e4m3", "hybrid"] | None = setting(None, "FP8 format via Transformer Engine; null = off")
     fp8_recipe: Literal["delayed", "tensorwise", "blockwise"] = setting("delayed", "FP8 scaling recipe")
     recompute: Literal["none", "selective", "full"] = setting("none", "activation recompute granularity")
-    make_vocab_size_divisible_by: int = setting(128, "pad the vocabulary to a multiple of lcm(this, TP): the same size at any TP")
+    make_vocab_size_divisible_by: int = setting(128, "pad the vocabulary to a multiple of lcm(this, TP): the same size "
+                                                "at any TP")
 
     def __post_init__(self):
         if self.fp8 is not None and self.transformer_impl == "local":
@@ -50,8 +51,8 @@ class ParallelConfig:
     sequence_parallel: bool = setting(False, "shard LayerNorm/dropout activations along the sequence (needs TP > 1)")
     context_parallel_size: int = setting(1, "CP: splits long sequences across ranks")
     use_distributed_optimizer: bool = setting(True, "shard optimizer states across data-parallel ranks")
-    timeout_minutes: float = setting(30.0, "how long one collective may wait for the other ranks (NCCL's watchdog, gloo's "
-                                      "timeout); no collective waits for a generation batch or a training phase")
+    timeout_minutes: float = setting(30.0, "how long one collective may wait for the other ranks (NCCL's watchdog, "
+                                      "gloo's timeout); no collective waits for a generation batch or a training phase")
 
     def __post_init__(self):
         one = at_least(1)
@@ -84,15 +85,16 @@ class ParallelConfig:
 class DataConfig:
     train_files: tuple[str, ...] = setting((), "training prompts: DAPO-format parquet or JSONL files")
     val_files: tuple[str, ...] = setting(("data/aime-2024.parquet",), "evaluation prompts (AIME-2024 ships in data/)")
-    dedup: bool = setting(True, "merge identical training prompts (DAPO-Math-17K ships ~100x); eval files always merged")
+    dedup: bool = setting(True, "merge identical training prompts (DAPO-Math-17K ships ~100x); eval files always "
+                          "merged")
     on_bad_row: Literal["error", "skip"] = setting("error", "malformed rows: stop with an error, or count and skip")
     max_prompt_length: int = setting(2048, "prompts longer than this many tokens are dropped (counted)")
     shuffle: bool = setting(True, "shuffle prompts each epoch (seeded; resumable)")
     prompts_per_step: int = setting(512, "prompt groups in one training (rollout) step")
-    gen_prompts_per_batch: int = setting(1536, "prompts per generation batch with dynamic sampling (verl gen_batch_size: "
-                                         "3 x 512); without it a generation batch is prompts_per_step")
-    skip_solved_after: int = setting(0, "curation: skip a prompt once every response to it was correct this many times in a "
-                                     "row (the pass-rate ledger, counted and logged); 0 = never skip")
+    gen_prompts_per_batch: int = setting(1536, "prompts per generation batch with dynamic sampling (verl "
+                                         "gen_batch_size: 3 x 512); without it a generation batch is prompts_per_step")
+    skip_solved_after: int = setting(0, "curation: skip a prompt once every response to it was correct this many times "
+                                     "in a row (the pass-rate ledger, counted and logged); 0 = never skip")
 
     def __post_init__(self):
         one = at_least(1)
@@ -102,7 +104,8 @@ class DataConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class RolloutConfig:
-    engine: str = setting("vllm", "generation backend (registry): vllm (GPU, or its CPU build) or hf (transformers; CPU)")
+    engine: str = setting("vllm", "generation backend (registry): vllm (GPU, or its CPU build) or hf (transformers; "
+                          "CPU)")
     n: int = setting(16, "responses per prompt (the group size G)")
     temperature: float = setting(1.0, "sampling temperature; trainer log-probs use the same temperature")
     top_p: float = setting(1.0, "nucleus sampling for training rollouts")
@@ -115,22 +118,25 @@ class RolloutConfig:
     kv_cache_memory_mb: int = setting(0, "vLLM KV cache in MiB, overriding gpu_memory_utilization; 0 = off. Set it "
                                     "on CPU, where vLLM counts the whole process (trainer too) against the fraction")
     enforce_eager: bool = setting(True, "no CUDA graphs in vLLM (the verl recipe notes graphs hurt accuracy)")
-    weight_sync_bucket_mb: int = setting(512, "MiB per bucket when streaming weights into the engine: the export gathers "
-                                         "that much of full tensors at a time, and the engine loads it in one call")
+    weight_sync_bucket_mb: int = setting(512, "MiB per bucket when streaming weights into the engine: the export "
+                                         "gathers that much of full tensors at a time, and the engine loads it in one "
+                                         "call")
     check_logprob_mismatch: bool = setting(True, "log rollout/logprob_mismatch (engine vs trainer) every step")
-    sleep_level: int = setting(2, "vLLM sleep while the trainer works: 2 discards the engine's weights (valid here: every "
-                             "wake is followed by a full weight sync), 1 copies them to pinned host memory and back")
-    placement: str = setting("colocated", "colocated: every rank trains and holds a replica's share (engines sleep while "
-                                      "the trainer works); separate: the last rollout.num_ranks ranks hold only engines")
-    num_ranks: int = setting(0, "with placement=separate: the engines' ranks, a multiple of tensor_parallel_size, fewer "
-                           "than the world")
-    max_staleness: int = setting(0, "with placement=separate: weight versions a trained rollout may lag behind the trainer; "
-                               "0 = generate then train (as colocated), 1 = the next step's first generation batch "
-                               "is generated while this step trains, k = up to k steps ahead")
-    partial: bool = setting(False, "partial rollouts: a generation batch adds at most partial_tokens to a response; one "
-                              "still running continues from its prefix in the next batch, from the weights then")
-    partial_tokens: int = setting(0, "with partial: the tokens a response may grow by in one generation batch, a divisor "
-                                "of max_response_length; 0 = max_response_length / 4")
+    sleep_level: int = setting(2, "vLLM sleep while the trainer works: 2 discards the engine's weights (valid here: "
+                             "every wake is followed by a full weight sync), 1 copies them to pinned host memory and "
+                             "back")
+    placement: str = setting("colocated", "colocated: every rank trains and holds a replica's share (engines sleep "
+                                      "while the trainer works); separate: the last rollout.num_ranks ranks hold only "
+                                      "engines")
+    num_ranks: int = setting(0, "with placement=separate: the engines' ranks, a multiple of tensor_parallel_size, "
+                           "fewer than the world")
+    max_staleness: int = setting(0, "with placement=separate: weight versions a trained rollout may lag behind the "
+                               "trainer; 0 = generate then train (as colocated), 1 = the next step's first generation "
+                               "batch is generated while this step trains, k = up to k steps ahead")
+    partial: bool = setting(False, "partial rollouts: a generation batch adds at most partial_tokens to a response; "
+                              "one still running continues from its prefix in the next batch, from the weights then")
+    partial_tokens: int = setting(0, "with partial: the tokens a response may grow by in one generation batch, a "
+                                "divisor of max_response_length; 0 = max_response_length / 4")
     partial_unfinished: Literal["carry", "abort"] = setting(
         "carry", "with partial: groups still growing when a step is full: carried on, or aborted (dropped)")
     wait_timeout_minutes: float = setting(240.0, "with placement=separate: how long a rank waits for the other side's "
@@ -149,7 +155,8 @@ class RolloutConfig:
         if self.top_k == 0 or self.top_k < -1:
             fail(f"rollout.top_k must be -1 (off) or >= 1, got {self.top_k}")
         if self.kv_cache_memory_mb < 0:
-            fail(f"rollout.kv_cache_memory_mb must be >= 0 (0 = use gpu_memory_utilization), got {self.kv_cache_memory_mb}")
+            fail("rollout.kv_cache_memory_mb must be >= 0 (0 = use gpu_memory_utilization), got "
+                 f"{self.kv_cache_memory_mb}")
         require("rollout", self, max_response_length=at_least(1), tensor_parallel_size=at_least(1),
                 weight_sync_bucket_mb=at_least(1), wait_timeout_minutes=above(0))
         if not 0 < self.gpu_memory_utilization < 1:
@@ -210,10 +217,11 @@ class OptimConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class ActorConfig:
-    offload_during_rollout: bool = setting(False, "move the optimizer state and gradients to pinned host memory while the "
-                                             "engine generates, back before old log-probs: room for vLLM's KV cache")
-    offload_weights: bool = setting(False, "with offload_during_rollout: the trainer's weights too (the engine generates "
-                                      "with its own copy)")
+    offload_during_rollout: bool = setting(False, "move the optimizer state and gradients to pinned host memory while "
+                                             "the engine generates, back before old log-probs: room for vLLM's KV "
+                                             "cache")
+    offload_weights: bool = setting(False, "with offload_during_rollout: the trainer's weights too (the engine "
+                                      "generates with its own copy)")
 
     def __post_init__(self):
         if self.offload_weights and not self.offload_during_rollout:
@@ -225,22 +233,25 @@ OLD_LOG_PROBS = ("trainer", "rollout")  # train.old_log_probs
 
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
-    total_steps: int = setting(320, "rollout steps, each 16 gradient updates at paper scale (verl#795: the paper ran ~320)")
-    mini_batch_prompts: int = setting(32, "prompt groups per optimizer update (32 x 16 = 512 responses: 16 updates/step)")
+    total_steps: int = setting(320, "rollout steps, each 16 gradient updates at paper scale (verl#795: the paper ran "
+                               "~320)")
+    mini_batch_prompts: int = setting(32, "prompt groups per optimizer update (32 x 16 = 512 responses: 16 "
+                                      "updates/step)")
     ppo_epochs: int = setting(1, "passes over each step's batch")
     micro_batch_size: int = setting(1, "sequences per micro-batch when max_tokens_per_micro_batch is 0")
-    max_tokens_per_micro_batch: int = setting(22528, "token budget per micro-batch (dynamic batch size); 0 = fixed size")
+    max_tokens_per_micro_batch: int = setting(22528, "token budget per micro-batch (dynamic batch size); 0 = fixed "
+                                              "size")
     generation_budget: int = setting(0, "also stop after the step in which this many responses have been generated in "
                                    "all (kept or dropped by dynamic sampling): runs compared at equal generation "
                                    "cost; 0 = no budget")
-    logprob_chunk_tokens: int = setting(0, "tokens per chunk of the output layer's log-prob pass; 0 = 256 within 160 MiB "
-                                      "per fp32 buffer (tuned on 2 CPU cores: re-measure on a GPU, "
+    logprob_chunk_tokens: int = setting(0, "tokens per chunk of the output layer's log-prob pass; 0 = 256 within 160 "
+                                      "MiB per fp32 buffer (tuned on 2 CPU cores: re-measure on a GPU, "
                                       "benchmarks/train_step.py)")
-    old_log_probs: str = setting("trainer", "pi_old of the loss: trainer = recomputed by a forward pass over the step's "
-                            "batch before its updates; rollout = the engine's own log-probs of the sampled tokens, no "
-                            "pass (exact only where the engine computes at the trainer's precision from the same "
-                            "weights, as the HF engine in fp32; verl's bypass mode); the engine/trainer mismatch is "
-                            "then measured in the first update's forward")
+    old_log_probs: str = setting("trainer", "pi_old of the loss: trainer = recomputed by a forward pass over the "
+                            "step's batch before its updates; rollout = the engine's own log-probs of the sampled "
+                            "tokens, no pass (exact only where the engine computes at the trainer's precision from the "
+                            "same weights, as the HF engine in fp32; verl's bypass mode); the engine/trainer mismatch "
+                            "is then measured in the first update's forward")
 
     def __post_init__(self):
         one, zero = at_least(1), at_least(0)
@@ -256,8 +267,9 @@ class EvalConfig:
     n: int = setting(32, "samples per problem: avg@n, pass@n, cons@n")
     temperature: float = setting(1.0, "sampling temperature (DAPO eval: 1.0)")
     top_p: float = setting(0.7, "nucleus sampling (DAPO eval: 0.7)")
-    max_response_length: int | None = setting(None, "generation limit in evaluation; null = rollout.max_response_length "
-                                              "(the engine is sized for it: more is refused)")
+    max_response_length: int | None = setting(None, "generation limit in evaluation; null = "
+                                              "rollout.max_response_length (the engine is sized for it: more is "
+                                              "refused)")
     reward_fn: str = setting("math_dapo_paper", "scorer of eval/avg@n etc. (registry; the paper's rule, comparable "
                              "with its numbers); eval/*_value always use dapo_math")
 
@@ -273,12 +285,12 @@ class CheckpointConfig:
     save_every: int = setting(5, "save every N rollout steps; 0 = only at the end")
     keep_last: int = setting(2, "checkpoints kept on disk (older ones are deleted after a successful save)")
     resume: Literal["auto", "never"] = setting("auto", "auto: continue from the latest checkpoint in dir")
-    stop_grace_s: float = setting(25.0, "seconds from SIGTERM / SIGINT to the kill (torchrun waits 30, SLURM's KillWait "
-                                   "is 30): a step that cannot finish and save in them is abandoned, exit 0")
-    time_limit_margin_s: float = setting(120.0, "with a known job end (SLURM): stop and save when the next step and its "
-                                           "save would end less than this before it")
-    memory_efficient_save: bool = setting(True, "distributed optimizer: gather its fully reshardable state on DP rank 0 "
-                                           "only (the copy that is written), not on every DP rank's host; loads at "
+    stop_grace_s: float = setting(25.0, "seconds from SIGTERM / SIGINT to the kill (torchrun waits 30, SLURM's "
+                                   "KillWait is 30): a step that cannot finish and save in them is abandoned, exit 0")
+    time_limit_margin_s: float = setting(120.0, "with a known job end (SLURM): stop and save when the next step and "
+                                           "its save would end less than this before it")
+    memory_efficient_save: bool = setting(True, "distributed optimizer: gather its fully reshardable state on DP rank "
+                                           "0 only (the copy that is written), not on every DP rank's host; loads at "
                                            "any TP/PP either way")
 
     def __post_init__(self):
@@ -293,7 +305,8 @@ class LoggingConfig:
     wandb: bool = setting(False, "log to Weights & Biases (when installed)")
     wandb_project: str = setting("megatron-dapo", "W&B project")
     progress: bool = setting(True, "live progress display on rank 0")
-    samples_every: int = setting(1, "write <dir>/samples/step_N.jsonl every N steps (read: megatron-dapo samples); 0 = never")
+    samples_every: int = setting(1, "write <dir>/samples/step_N.jsonl every N steps (read: megatron-dapo samples); 0 = "
+                                 "never")
     samples_per_step: int = setting(64, "responses per dump, whole prompt groups (and as many of an evaluation's)")
     samples_max_chars: int = setting(8000, "a longer response is cut in its middle in a dump (the answer line kept)")
 
@@ -313,7 +326,8 @@ class AlarmsConfig:
     no_answer_line: float = setting(0.5, "fraction of responses with no 'Answer:' line")
     identical_groups: float = setting(0.5, "fraction of prompt groups whose responses are all the same text")
     entropy_min: float = setting(0.02, "actor/entropy below this: entropy collapse")
-    mismatch_max: float = setting(1.05, "rollout/logprob_mismatch above this (mean exp|engine - trainer log-prob|; 1 = equal)")
+    mismatch_max: float = setting(1.05, "rollout/logprob_mismatch above this (mean exp|engine - trainer log-prob|; 1 = "
+                                  "equal)")
     all_correct: float = setting(0.9, "fraction of generated groups all correct (dynamic sampling saturates)")
     shortcut_fallbacks: float = setting(0.0, "output-layer gradient shortcuts that fell back to recompute, per step")
     max_samples: int = setting(16, "offending responses written per raised alarm and step (samples/alarm_*.jsonl)")
@@ -338,7 +352,8 @@ class ProfileConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class ToyConfig:
-    enable: bool = setting(False, "CPU demo: make the toy task and a tiny warmed-up base under logging.dir, train on it")
+    enable: bool = setting(False, "CPU demo: make the toy task and a tiny warmed-up base under logging.dir, train on "
+                           "it")
     num_digits: int = setting(5, "digits per problem; the answer is the largest")
     min_digits: int = setting(0, "fewest digits per problem: lengths uniform in [min_digits, num_digits], so responses "
                             "with the reasoning line vary in length; 0 = every problem has num_digits")
@@ -366,7 +381,8 @@ class ToyConfig:
             fail(f"toy.hidden_size={self.hidden_size} must be a multiple of toy.num_attention_heads="
                  f"{self.num_attention_heads}, and that of toy.num_key_value_heads={self.num_key_value_heads}")
         if self.min_digits and not 2 <= self.min_digits <= self.num_digits:
-            fail(f"toy.min_digits={self.min_digits} must be in [2, toy.num_digits={self.num_digits}] (or 0 = fixed length)")
+            fail(f"toy.min_digits={self.min_digits} must be in [2, toy.num_digits={self.num_digits}] (or 0 = fixed "
+                 "length)")
 
 
 @dataclass(frozen=True, kw_only=True)

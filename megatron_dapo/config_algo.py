@@ -28,15 +28,17 @@ class FilterGroupsConfig:
     enable: bool = setting(True, "dynamic sampling: drop groups whose answers are all right or all wrong "
                                   "(correctness, before length shaping)")
     max_num_gen_batches: int = setting(10, "generation batches per step before giving up; 0 = unbounded")
-    surplus: Literal["drop", "carry"] = setting("drop", "kept groups beyond the batch: drop (paper, verl) or carry over "
-                                                   "(always with rollout.partial: dropped, they would be the short ones)")
+    surplus: Literal["drop", "carry"] = setting("drop", "kept groups beyond the batch: drop (paper, verl) or carry "
+                                                   "over (always with rollout.partial: dropped, they would be the "
+                                                   "short ones)")
     adaptive: bool = setting(False, "size each generation batch from the keep rate measured so far (missing groups / "
                                "keep rate + 10%) instead of data.gen_prompts_per_batch, which sizes the first")
     max_gen_prompts: int = setting(0, "with adaptive: the largest generation batch in prompts; 0 = 4 x "
                                  "data.gen_prompts_per_batch")
-    on_exhausted: Literal["fill", "error"] = setting("fill", "the step still short after max_num_gen_batches: fill it with "
-                                                     "the last batch's groups of one answer (zero advantage; logged, "
-                                                     "dynamic_sampling/num_filled), or stop with an error (as verl)")
+    on_exhausted: Literal["fill", "error"] = setting("fill", "the step still short after max_num_gen_batches: fill it "
+                                                     "with the last batch's groups of one answer (zero advantage; "
+                                                     "logged, dynamic_sampling/num_filled), or stop with an error (as "
+                                                     "verl)")
 
     def __post_init__(self):
         if self.max_num_gen_batches < 0:

@@ -21,7 +21,8 @@ def validate_cross_section(cfg: Any) -> None:
     d, t, r = cfg.data, cfg.train, cfg.rollout
     if d.prompts_per_step % t.mini_batch_prompts:
         _fail(f"data.prompts_per_step={d.prompts_per_step} is not divisible by train.mini_batch_prompts="
-              f"{t.mini_batch_prompts}; pick a divisor (e.g. {_divisor_near(d.prompts_per_step, t.mini_batch_prompts)})")
+              f"{t.mini_batch_prompts}; pick a divisor (e.g. "
+              f"{_divisor_near(d.prompts_per_step, t.mini_batch_prompts)})")
     ob = cfg.reward.overlong_buffer
     if ob.enable and not 0 < ob.len <= r.max_response_length:
         _fail(f"reward.overlong_buffer.len={ob.len} must be in (0, rollout.max_response_length="

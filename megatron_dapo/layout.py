@@ -71,8 +71,8 @@ def describe_layout(cfg: DAPOConfig, world_size: int, hf_config: dict, source: s
         f" x CP {p.context_parallel_size} x DP {dp}; {sizes['layers_per_chunk']} layers per pipeline chunk; "
         f"sequence parallel {'on' if p.sequence_parallel else 'off'}; distributed optimizer "
         f"{'on' if p.use_distributed_optimizer else 'off'}",
-        f"rollout: {replicas} engine replica(s) of rollout TP {cfg.rollout.tensor_parallel_size} ({cfg.rollout.engine}), "
-        f"{cfg.rollout.n} responses per prompt, up to {cfg.rollout.max_response_length} tokens",
+        f"rollout: {replicas} engine replica(s) of rollout TP {cfg.rollout.tensor_parallel_size} "
+        f"({cfg.rollout.engine}), {cfg.rollout.n} responses per prompt, up to {cfg.rollout.max_response_length} tokens",
         f"step: {d.prompts_per_step} prompts x {cfg.rollout.n} responses, {cfg.updates_per_step} update(s) of "
         f"{t.mini_batch_prompts} prompts ({t.mini_batch_prompts * cfg.rollout.n // dp} responses per DP rank); "
         f"generation batches of {gen} prompts",

@@ -39,7 +39,7 @@ from megatron_dapo import generation_model as gm
 from megatron_dapo.config import DAPOConfig
 from megatron_dapo.errors import ConfigError
 from megatron_dapo.layout import Communicator, communicators
-from megatron_dapo.gpu_models import CUDA_CONTEXT_BYTES, GPUModel, gpu_model, nccl_comm_bytes
+from megatron_dapo.gpu_models import CUDA_CONTEXT_BYTES, GPUModel, gpu_model
 
 GB = 1e9
 # What a sleeping engine keeps besides the context and its communicators: counted whole, as

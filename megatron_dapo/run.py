@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from megatron_dapo import ranks
 from megatron_dapo.config import DAPOConfig
+from megatron_dapo.config_derived import Derived, derive
 from megatron_dapo.errors import ConfigError, InputError
 from megatron_dapo.trainer_state import TrainerState
 
@@ -60,6 +61,7 @@ class Prepared:
     resume: TrainerState | None  # the state of the checkpoint the run resumes from, None for a fresh start
     lock: Any = None  # run_lock.RunDirLock on rank 0 of a trainer
     engines: Any = None  # rollout.separate.Engines with rollout.placement=separate, else None
+    derived: tuple[Derived, ...] = ()  # the settings set-up derived (config_derived.py), in order
 
     def release(self) -> None:
         if self.lock is not None:
@@ -89,39 +91,19 @@ class Run(Prepared):
             self.release()
 
 
-ASYNC_TIS_CAP = 2.0  # verl's tis_imp_ratio_cap
-
-
-def with_async_defaults(cfg: DAPOConfig) -> DAPOConfig:
-    """``cfg`` with token-level truncated importance sampling on (algorithm.rollout_correction.rollout_is=token,
-    rollout_is_threshold=2.0) when rollouts may be stale (rollout.max_staleness >= 1, or rollout.partial: a
-    continued response's first pieces come from older weights) and no correction was chosen: the
-    trainer's pi_old then differs from the rollout's policy by updates, not only by the engine's numerics."""
-    r, corr = cfg.rollout, cfg.algorithm.rollout_correction
-    if r.partial and cfg.algorithm.filter_groups.surplus == "drop" and ranks.rank() == 0:
-        logger.info("rollout.partial=true: kept groups beyond a step's batch are carried to the next, not dropped "
-                    "(DAPOConfig.surplus)")
-    if not (r.max_staleness or r.partial) or corr.active:
-        return cfg
-    if ranks.rank() == 0:
-        why = f"rollout.max_staleness={r.max_staleness}" if r.max_staleness else "rollout.partial=true"
-        logger.info("%s: algorithm.rollout_correction.rollout_is=token, rollout_is_threshold=%s (truncated "
-                    "importance sampling corrects stale rollouts; set algorithm.rollout_correction to choose "
-                    "another)", why, ASYNC_TIS_CAP)
-    tis = dataclasses.replace(corr, rollout_is="token", rollout_is_threshold=ASYNC_TIS_CAP)
-    return dataclasses.replace(cfg, algorithm=dataclasses.replace(cfg.algorithm, rollout_correction=tis))
-
-
 def prepare_run(cfg: DAPOConfig, *, lock: bool = True, engines=None) -> Prepared:
     """Steps (1) to (3) of the module docstring, and the resume point's trainer state. ``lock``:
     take the run directory (training); evaluation reads a live run without it. ``engines``: the
     remote engines of a separate placement (this process is then a trainer of its own world)."""
+    import torch
+
     rank, world = ranks.rank(), ranks.world_size()
-    cfg = with_async_defaults(cfg)
+    cfg, derived = derive(cfg, on_gpu=torch.cuda.is_available())  # every derived setting, resolved once
+    if rank == 0:
+        for d in derived:
+            logger.info("derived %s", d.line())
     check_settings(cfg, world if engines is None else engines.split.num_engines)
     if cfg.num_threads:
-        import torch
-
         # Tiny CPU matmuls gain nothing from threads, and several processes on few cores spend
         # their time in OpenMP barriers (docs/cpu_compat.md).
         torch.set_num_threads(cfg.num_threads)
@@ -162,7 +144,7 @@ def prepare_run(cfg: DAPOConfig, *, lock: bool = True, engines=None) -> Prepared
             run_lock.release()
         raise
     return Prepared(cfg=cfg, rank=rank, world_size=world, dir=run_dir, ckpt_dir=ckpt_dir, inputs=inputs,
-                    resume=resume, lock=run_lock, engines=engines)
+                    resume=resume, lock=run_lock, engines=engines, derived=tuple(derived))
 
 
 def build_run(prep: Prepared) -> Run:
@@ -275,7 +257,7 @@ def _build(prep: Prepared) -> Run:
     else:
         actor.load_hf_weights(str(hf_path))
         logger.info("starting weights from %s (HF, each rank reading its shard)", hf_path)
-    loss = actor.settings  # config.yaml keeps "auto": the values the loss runs with are said once here
+    loss = actor.settings  # what the loss runs with, explicit or derived (config_derived.py), in one line
     logger.info("policy loss %s: clip %g / %g, dual clip %s, %s%s", loss.policy_loss, loss.clip_ratio_low,
                 loss.clip_ratio_high, loss.clip_ratio_c, loss.loss_agg_mode,
                 f" / {loss.loss_scale_factor:g}" if loss.loss_scale_factor else "")
@@ -359,7 +341,8 @@ def check_disk(cfg: DAPOConfig, hf_config: dict) -> None:
         raise InputError(f"checkpoint.dir={root}: {_size(free)} free on its file system ({_size(there)} in "
                          f"checkpoints there), the run needs ~{_size(need)}: checkpoint.keep_last+1="
                          f"{cfg.checkpoint.keep_last + 1} checkpoints of ~{_size(each)} ({params:,} parameters x "
-                         f"{per_param} bytes); free space, point checkpoint.dir elsewhere, or lower checkpoint.keep_last")
+                         f"{per_param} bytes); free space, point checkpoint.dir elsewhere, or lower "
+                         "checkpoint.keep_last")
 
 
 def _size(n: float) -> str:

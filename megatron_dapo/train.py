@@ -22,6 +22,7 @@ import torch
 
 from megatron_dapo import ranks
 from megatron_dapo.config import DAPOConfig
+from megatron_dapo.config_derived import comments
 from megatron_dapo.config_loading import dump_yaml, to_dict
 from megatron_dapo.eval import evaluate_with_rows
 from megatron_dapo.groups import to_samples
@@ -142,8 +143,10 @@ class Loop:
                 with self.log.timer("onload"):  # after the sleep: the engine's memory is free for the state again
                     actor.onload_after_rollout()
             ends = schedule.finished(step + 1, batch.generated)
-            batches.ask_ahead(step, finished=ends, last=ends or (cfg.rollout.max_staleness > 0 and placement.gather(
-                [schedule.job_ends_after_next(step)])[0]))  # rank 0's answer is every rank's
+            # nothing is asked for ahead when the run ends, or the job's end stops it after the next
+            # step (rank 0's answer is every rank's)
+            last = ends or bool(cfg.rollout.max_staleness and placement.gather([schedule.job_ends_after_next(step)])[0])
+            batches.ask_ahead(step, finished=ends, last=last)
             metrics.update(batch.metrics)
             samples = to_samples(batch.groups, cfg)
             samples, mismatch_in_update = _old_log_probs(run, self.log, samples, metrics, batch.groups, step)
@@ -162,7 +165,7 @@ class Loop:
             metrics.update(self.obs.end_step(step + 1, metrics, batch.groups, [s.advantages for s in samples]))
             # Log before saving: a crash between the two resumes from the previous checkpoint and
             # rewrites this step's record, never leaves a step without one.
-            self._log(step + 1, metrics, start)
+            self._log(step + 1, metrics)
             done = step + 1
             schedule.end(done, eval_s)
             if pending is not None:
@@ -178,14 +181,14 @@ class Loop:
         run, cfg = self.run, self.run.cfg
         _record_ranks(run)
         if run.rank == 0:
-            (run.dir / "config.yaml").write_text(dump_yaml(cfg))
+            (run.dir / "config.yaml").write_text(dump_yaml(cfg) + comments(list(run.derived)))
         _sync(run, start, self.schedule.clock)
         if cfg.eval.before_train and start == 0:
             run.actor.offload_for_rollout()  # the engine generates: the state goes off as for a step's rollouts
             eval_start = time.monotonic()
             metrics = _evaluate(run, self.obs)
             self.schedule.clock.record_eval(time.monotonic() - eval_start)  # the time limit's first estimate
-            self._log(0, metrics | self.obs.end_step(0, metrics, [], []), start)
+            self._log(0, metrics | self.obs.end_step(0, metrics, [], []))
 
     def _end(self, done: int, saved: int, ends: bool) -> TrainResult:
         """After the last step of this invocation: at a stop, the steps since the last save saved
@@ -238,7 +241,7 @@ class Loop:
             self.run.actor.publish_checkpoint(pending, state.to_json())
         clock.record_save(write_s + time.monotonic() - started)
 
-    def _log(self, step: int, metrics: dict, start: int) -> None:
+    def _log(self, step: int, metrics: dict) -> None:
         log, cfg = self.log, self.run.cfg
         values = log.log(step, metrics)
         if log.enabled and cfg.logging.progress:

@@ -52,10 +52,12 @@ class TrainerState:
         a checkpoint without them resumes with an empty ledger and no alarm raised; ``keep_rate``
         ``ahead`` and ``carried`` too (nothing measured, asked for ahead or carried)."""
         keys = {"step", "sampler", "held_groups", "responses_generated", "clock"}
-        if not isinstance(data, dict) or not keys <= set(data) <= keys | {"ledger", "alarms", "keep_rate", "ahead", "carried"}:
+        if not isinstance(data, dict) or not keys <= set(data) <= keys | {"ledger", "alarms", "keep_rate",
+                                                                          "ahead", "carried"}:
             got = sorted(data) if isinstance(data, dict) else type(data).__name__
             raise InputError(f"{where}: trainer state with keys {got}, expected {sorted(keys)}: a checkpoint of "
-                             "another version of megatron-dapo; resume it with that version, or start a new logging.dir")
+                             "another version of megatron-dapo; resume it with that version, or start a new "
+                             "logging.dir")
         return cls(step=int(data["step"]), sampler=data["sampler"],
                    held_groups=tuple(Group.from_json(g) for g in data["held_groups"]),
                    responses_generated=int(data["responses_generated"]), clock=data["clock"],

@@ -117,11 +117,12 @@ def format_example(ex: Example, cfg: DAPOConfig) -> str:
         lines.append(f"  {k:>2} {text!r:<34} {r.num_tokens:>4} {r.finish_reason:<6} {r.pred[:6]:<6} {r.score:>+10.0f} "
                      f"{r.paper_score:>+16.0f} {r.overlong:>8.3f} {r.reward:>7.3f} {r.advantage:>+7.3f} "
                      f"{r.loss_share:>+11.5f}")
-    lines += [f"reward = {cfg.reward.fn} score + overlong penalty (buffer {cfg.reward.overlong_buffer.len} tokens before "
-              f"the limit); advantage = (reward - group mean) / (group std + {cfg.algorithm.adv_eps:g}); a group "
-              "whose answers are all right or all wrong has no advantage and dynamic sampling drops it",
+    lines += [f"reward = {cfg.reward.fn} score + overlong penalty (buffer {cfg.reward.overlong_buffer.len} tokens "
+              f"before the limit); advantage = (reward - group mean) / (group std + {cfg.algorithm.adv_eps:g}); a "
+              "group whose answers are all right or all wrong has no advantage and dynamic sampling drops it",
               f"loss ({cfg.loss_settings().loss_agg_mode} over the group's {ex.num_tokens} tokens, first update of "
-              f"the step: ratio 1): {ex.loss:+.5f} = the sum of the shares ({sum(r.loss_share for r in ex.rows):+.5f}); "
+              f"the step: ratio 1): {ex.loss:+.5f} = the sum of the shares "
+              f"({sum(r.loss_share for r in ex.rows):+.5f}); "
               "each share = -advantage x its tokens / the group's tokens",
               f"the loss's gradient with respect to each token's log-prob is -advantage / {ex.num_tokens}: the "
               "update raises the log-probs of responses with positive advantage and lowers the others, "

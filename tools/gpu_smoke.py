@@ -185,7 +185,8 @@ def step_loop(args) -> None:
     cmd = loop_command(out, te=parts["te"], vllm=parts["vllm"])
     print("  $ " + " ".join(cmd))
     start = time.monotonic()
-    proc = subprocess.run(cmd, cwd=REPO, env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))})
+    proc = subprocess.run(cmd, cwd=REPO, env={
+        **os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))})
     print(f"  train exited {proc.returncode} after {time.monotonic() - start:.0f} s")
     if proc.returncode != 0:
         raise SystemExit(f"FAIL: megatron-dapo train exited {proc.returncode}")

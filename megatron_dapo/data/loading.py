@@ -21,9 +21,9 @@ batches and one record per unique prompt is kept, so memory grows with unique pr
 With dedup=False every good row is kept, so memory then grows with the rows.
 
 Bad rows raise `InputError` (a ValueError, printed by the CLI as one line) naming the file, row and
-field; so do a missing or unreadable file and a parquet file without the columns of either format. With on_bad_row="skip" they are
-counted by reason in `LoadResult.skipped`. A prompt whose copies disagree on the ground truth is
-then dropped entirely (all of its rows count as "conflicting_ground_truth"), since nothing says
+field; so do a missing or unreadable file and a parquet file without the columns of either format. With
+on_bad_row="skip" they are counted by reason in `LoadResult.skipped`. A prompt whose copies disagree on the ground
+truth is then dropped entirely (all of its rows count as "conflicting_ground_truth"), since nothing says
 which answer is right. Invariant: num_rows == sum(num_copies) + sum(skipped.values()).
 """
 

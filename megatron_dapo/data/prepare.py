@@ -83,7 +83,9 @@ def prepare_data(out_dir: str | os.PathLike, *, train: list[str], eval: list[str
 def format_report(report: list[dict[str, Any]], out_dir: str | os.PathLike) -> str:
     lines = []
     for r in report:
-        skipped = f", {sum(r['skipped_rows'].values())} bad row(s) skipped {r['skipped_rows']}" if r["skipped_rows"] else ""
+        skipped = (f", {sum(r['skipped_rows'].values())} bad row(s) skipped {r['skipped_rows']}"
+                   if r["skipped_rows"] else "")
         lines.append(f"{r['split']}: {r['rows']} rows -> {r['unique_prompts']} unique prompts "
-                     f"({r['duplicate_rows']} duplicate rows merged{skipped}) -> {Path(out_dir) / (r['split'] + '.parquet')}")
+                     f"({r['duplicate_rows']} duplicate rows merged{skipped}) -> "
+                     f"{Path(out_dir) / (r['split'] + '.parquet')}")
     return "\n".join(lines)

@@ -176,7 +176,8 @@ class MegatronActor:
             bucket_bytes=bucket_bytes or DEFAULT_BUCKET_BYTES, dtype=dtype)
 
     def _conversion_table(self):
-        return conversion_table_for(self.hf_config, model=self.cfg.model, tp=self.cfg.parallel.tensor_model_parallel_size)
+        return conversion_table_for(self.hf_config, model=self.cfg.model,
+                                    tp=self.cfg.parallel.tensor_model_parallel_size)
 
     def save_checkpoint(self, dir: str, trainer_state: dict) -> str:
         """Save under the checkpoint root ``dir`` as step ``trainer_state["step"]``; collective.

@@ -63,8 +63,8 @@ def check_training_layout(hf_config, parallel: ParallelConfig) -> None:
         # megatron-core 0.19.2 saves this layout's optimizer state of the tied embedding one row
         # off (zeros at the end of each TP shard; its own "param range exceeds unpadded buffer"
         # warning), and a resume copies it into the weights: docs/DESIGN.md "Known upstream bugs".
-        raise ConfigError("tie_word_embeddings with tensor_model_parallel_size > 1 and pipeline_model_parallel_size > 1 "
-                         "and the distributed optimizer: megatron-core 0.19.2 checkpoints the tied embedding's "
+        raise ConfigError("tie_word_embeddings with tensor_model_parallel_size > 1 and pipeline_model_parallel_size > "
+                         "1 and the distributed optimizer: megatron-core 0.19.2 checkpoints the tied embedding's "
                          "optimizer state shifted by a row, and a resumed run trains a corrupted embedding; set "
                          "parallel.use_distributed_optimizer=false, or TP=1, or PP=1")
 

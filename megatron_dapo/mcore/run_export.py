@@ -85,7 +85,8 @@ def export_run(cfg: DAPOConfig, out_dir: str | os.PathLike, *, step: int | None 
                         dtype=DTYPES[dtype] if dtype else None, progress=progress)
     if dist.get_rank() == 0:
         (out_dir / "warmup.json").unlink(missing_ok=True)  # the toy base's warm-up report: not this model's
-        meta = {"checkpoint": str(ckpt.resolve()), "step": state.get("step"), "run_dir": str(Path(cfg.logging.dir).resolve()),
+        meta = {"checkpoint": str(ckpt.resolve()), "step": state.get("step"),
+                "run_dir": str(Path(cfg.logging.dir).resolve()),
                 "hf_source": str(src.resolve()), "tensor_model_parallel_size": p.tensor_model_parallel_size,
                 "pipeline_model_parallel_size": p.pipeline_model_parallel_size}
         (out_dir / EXPORT_META).write_text(json.dumps(meta, indent=2) + "\n")

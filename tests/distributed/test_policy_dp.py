@@ -52,7 +52,7 @@ def _worker(rank):
         m = train_step(actor.model, actor.optimizer, actor.scheduler, local, actor.settings)
         want = reference_update(ref, xs, lr=LR / 2)
         # A per-rank token-mean, averaged over the 2 ranks: the variant that is wrong here.
-        wrong = reference_update(per_rank, xs, lr=LR / 2, loss_fn=lambda fw: 0.5 * sum(
+        reference_update(per_rank, xs, lr=LR / 2, loss_fn=lambda fw: 0.5 * sum(
             dapo_loss(fw, rows=shard)[0] for shard in SHARDS))
 
         assert m["actor/num_micro_batches"] == max(plans)

@@ -153,7 +153,8 @@ def _shares(rank, world):
     params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=8, seed=11)
     cfg = DAPOConfig(rollout=RolloutConfig(engine="hf", n=3, max_response_length=8),
                      reward=RewardConfig(overlong_buffer=OverlongBufferConfig(len=4)))
-    kw = dict(tokenizer=CharTokenizer(), params=params, cfg=cfg, keep=lambda acc: torch.ones(len(acc), dtype=torch.bool))
+    kw = dict(tokenizer=CharTokenizer(), params=params, cfg=cfg,
+              keep=lambda acc: torch.ones(len(acc), dtype=torch.bool))
     # A batch of one prompt, one fewer than the replicas, and one not divisible by them.
     sizes = sorted({1, world - 1, world + 1})
     for size in sizes:

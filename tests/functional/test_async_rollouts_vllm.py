@@ -78,7 +78,7 @@ def test_vllm_engines_at_staleness_1_with_partial_rollouts_learn(colocated, tmp_
     evals = [r["eval/avg@4"] for r in records if "eval/avg@4" in r]
     before, after = evals[0], evals[-1]
     # the colocated vLLM demo's bar (test_cpu_tiny_vllm.py: 0.051 -> 0.238 in 40 steps); in 60 steps,
-    # since 40 with 4-token pieces once reached only 0.057 -> 0.158 (docs/verification.md, stop 40)
+    # since 40 with 4-token pieces once reached only 0.057 -> 0.158 (docs/verification.md)
     assert before < 0.3 and after - before > 0.15 and after > 3 * before, (before, after)
     trained = records[1:]  # most answers take more than 4 tokens: pieces, carried groups, older first pieces
     assert max(r["rollout/partial_responses"] for r in trained) > 0.9
@@ -113,8 +113,8 @@ def test_one_thread_drives_each_engine_device_while_weights_stream_every_step(co
 def test_a_stop_aborts_the_batch_the_vllm_engines_are_generating(colocated, tmp_path):
     """Step 6's batch, asked for in step 5, stalls on both vLLM replicas with its requests in vLLM
     (tests/helpers/stalling_engine.py) while SIGTERM stops the run after step 5 (not sooner: the
-    first step, vLLM's warm-up, takes ~15 s, and the grace's estimate is the slowest of the last 3): the trainers release
-    it and save; each engine rank aborts it (vLLM ends its requests; the two replicas leave their
+    first step, vLLM's warm-up, takes ~15 s, and the grace's estimate is the slowest of the last 3): the trainers
+    release it and save; each engine rank aborts it (vLLM ends its requests; the two replicas leave their
     data-parallel lockstep together) and exits, the stall never lifted. Without the abort each rank
     waits out the stall (120 s), then generates the batch nobody collects. Resuming from the release
     is test_async_rollouts.py's (the HF engine)."""

@@ -1,5 +1,5 @@
 """Bad input ends as one line naming the problem and the fix, exit code 2, before any model is built,
-and the run directory stays untouched (issue 14). Each case is a real `megatron-dapo` command
+and the run directory stays untouched. Each case is a real `megatron-dapo` command
 (in-process through cli.main, so one interpreter serves them all; one case also as a subprocess to
 show that the whole stderr is that one line)."""
 
@@ -57,7 +57,8 @@ def _real_run(inputs, **files) -> list[str]:
 
 
 CASES = {  # name -> (file overrides, expected message part)
-    "missing train file": (dict(train="/nonexistent/train.parquet"), "prompt file not found: /nonexistent/train.parquet"),
+    "missing train file": (dict(train="/nonexistent/train.parquet"), "prompt file not found: "
+                           "/nonexistent/train.parquet"),
     "wrong parquet schema": (dict(train="schema"), "schema.parquet: no 'prompt' or 'problem' column"),
     "malformed JSONL": (dict(train="bad_jsonl"), "bad.jsonl: line 2: field '<line>': invalid JSON"),
     "empty file": (dict(train="empty"), "data.train_files=" ),
@@ -140,8 +141,8 @@ def test_a_fresh_process_prints_one_error_line(inputs, tmp_path):
 
 @pytest.mark.slow
 def test_a_converted_checkpoint_of_another_shape_is_one_line(inputs, tmp_path, capsys):
-    """issue 28: model.checkpoint converted from a wider model ended in a 71-line CheckpointingException
-    from megatron's loader; its hf/config.json is now checked against model.hf_path up front."""
+    """model.checkpoint converted from a wider model would end in a 71-line CheckpointingException from
+    megatron's loader: its hf/config.json is checked against model.hf_path up front."""
     from megatron_dapo.toy.base import make_toy_base
 
     wide = make_toy_base(tmp_path / "wide", seed=0, cfg=ToyConfig(**{**TINY, "hidden_size": 48}))

@@ -1,4 +1,4 @@
-"""The bad-input campaign (benchmarks/bad_input_campaign.py, issue 28): its verdict rules catch
+"""The bad-input campaign (benchmarks/bad_input_campaign.py): its verdict rules catch
 what they must (a traceback, a wrong exit code, an error line that names nothing, a changed run
 dir, a process left behind, a refusal after the model was built), and a slice of every class runs
 clear in CI: each input a fresh `megatron-dapo` process answered in one line with nothing changed."""

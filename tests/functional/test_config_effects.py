@@ -22,8 +22,8 @@ so a new key fails until someone classifies it):
     ``NO_EFFECT_ON_CPU``: keys whose non-default values are accepted and change nothing a one-step
     run on this machine shows, with why they are not refused and what covers them elsewhere.
 
-How it runs (about 3 minutes on 2 cores): the toy base is made once (``base``, warm-up 40 steps: the format, not the task; the
-heads of conf/cpu_tiny_vllm.yaml so the vLLM run can reuse it) and copied into each run dir. Runs
+How it runs (about 3 minutes on 2 cores): the toy base is made once (``base``, warm-up 40 steps: the format, not the
+task; the heads of conf/cpu_tiny_vllm.yaml so the vLLM run can reuse it) and copied into each run dir. Runs
 are in-process through ``cli.main`` (~1 s each; megatron's parallel state is destroyed after
 each, and curves.png, a plot of metrics.jsonl that no key configures, is skipped); toy.* and seed
 runs make their own base with a 1-step warm-up. The 2-process cases (parallel sizes, rollout TP,
@@ -60,7 +60,8 @@ END_TIME = str(int(time.time()) + 36_000)  # a job end 10 h away (time_limit.py)
 # The planted hack (tests/helpers/planted.py): a quarter of the responses "Answer: Answer: <digit>".
 PLANT = RUN_OVERRIDES
 ALL_CORRECT = {"reward.fn": "planted_all"}
-SHORT = {"rollout.max_response_length": "1", "eval.max_response_length": "1", "reward.overlong_buffer.len": "1"}  # no answer line fits
+SHORT = {"rollout.max_response_length": "1", "eval.max_response_length": "1",
+         "reward.overlong_buffer.len": "1"}  # no answer line fits
 
 
 # -- checks: (run with the value, reference) -> whether they differ the way the key says -----------
@@ -121,14 +122,16 @@ C = Case
 CASES: dict[str, Case] = {
     "seed": C("2", records, TOY),
     "num_threads": C("2", lambda a, b: (a.threads, b.threads) == (2, 1)),
-    "model.checkpoint": C("{base}/checkpoints", lambda a, b: text("logs", "from " + str(a.dir.parent / "base/checkpoints"))(
-        a, b) and metric("actor/pg_loss")(a, b)),
+    "model.checkpoint": C("{base}/checkpoints",
+                          lambda a, b: text("logs", "from " + str(a.dir.parent / "base/checkpoints"))(a, b)
+                          and metric("actor/pg_loss")(a, b)),
     "model.dtype": C("bf16", prefix("actor/")),
     "model.make_vocab_size_divisible_by": C("1000", ckpt("padded_vocab_size")),
     "parallel.tensor_model_parallel_size": C("2", ckpt("layout", "tp"), KV, via="dist"),
     "parallel.pipeline_model_parallel_size": C("2", ckpt("layout", "pp"), KV, via="dist"),
     "parallel.use_distributed_optimizer": C("true", ckpt("distributed_optimizer")),
-    "data.dedup": C("false", ckpt("sampler", "num_items", file="trainer_state.json"), REAL | {"data.on_bad_row": "skip"}),
+    "data.dedup": C("false", ckpt("sampler", "num_items", file="trainer_state.json"),
+                    REAL | {"data.on_bad_row": "skip"}),
     "data.on_bad_row": C("skip", lambda a, b: ok(a, b) and b.rc == 2 and "line 3" in b.err, REAL),
     "data.max_prompt_length": C("100", ckpt("sampler", "num_items", file="trainer_state.json"),
                                 REAL | {"data.on_bad_row": "skip"}),
@@ -141,7 +144,8 @@ CASES: dict[str, Case] = {
     "rollout.top_p": C("0.5", metric("rollout/token_prob_mean")),
     "rollout.top_k": C("2", metric("rollout/token_prob_mean")),
     "rollout.max_response_length": C("24", metric("reward/overlong_penalty_mean")),
-    "rollout.tensor_parallel_size": C("2", text("logs", "rollout replica 0 of 1 (hf engine, rollout TP 2)"), KV, via="dist"),
+    "rollout.tensor_parallel_size": C("2", text("logs", "rollout replica 0 of 1 (hf engine, rollout TP 2)"), KV,
+                                      via="dist"),
     "rollout.kv_cache_memory_mb": C("64", lambda a, b: ok(a, b) and b.rc == 2 and "rollout.kv_cache_memory_mb" in b.err,
                                     {"rollout.engine": "vllm", "rollout.kv_cache_memory_mb": "0"}, via="dist"),
     # responses longer than a piece are carried: the step's groups differ; 8 tokens cut fewer than 4
@@ -152,9 +156,10 @@ CASES: dict[str, Case] = {
     "rollout.partial_unfinished": C("abort", lambda a, b: max(r.get("rollout/aborted_tokens", 0) for r in a.records) > 0
                                     and max(r["rollout/carried_groups"] for r in a.records) == 0
                                     and max(r["rollout/carried_groups"] for r in b.records) > 0,
-                                    FILTER | {"train.old_log_probs": "trainer", "rollout.partial": "true", "data.gen_prompts_per_batch": "16",
-                                              "rollout.partial_tokens": "4"}),
-    "rollout.check_logprob_mismatch": C("false", lambda a, b: "rollout/logprob_mismatch" in b.last.keys() - a.last.keys()),
+                                    FILTER | {"train.old_log_probs": "trainer", "rollout.partial": "true",
+                                              "data.gen_prompts_per_batch": "16", "rollout.partial_tokens": "4"}),
+    "rollout.check_logprob_mismatch": C("false",
+                                        lambda a, b: "rollout/logprob_mismatch" in b.last.keys() - a.last.keys()),
     "algorithm.adv_estimator": C("grpo_mean_only", metric("actor/pg_loss")),
     "algorithm.adv_eps": C("0.5", metric("actor/pg_loss")),
     "algorithm.norm_adv_by_std_in_grpo": C("false", metric("actor/pg_loss")),
@@ -169,10 +174,12 @@ CASES: dict[str, Case] = {
                                                         "data.gen_prompts_per_batch": "4"}),
     # the second step's first batch is sized by step 1's keep rate: other prompts, other records
     "algorithm.filter_groups.adaptive": C("true", records, FILTER | TWO),
-    "algorithm.filter_groups.max_gen_prompts": C("4", records, FILTER | TWO | {"algorithm.filter_groups.adaptive": "true"}),
+    "algorithm.filter_groups.max_gen_prompts": C("4", records,
+                                                 FILTER | TWO | {"algorithm.filter_groups.adaptive": "true"}),
     "algorithm.filter_groups.surplus": C("carry", lambda a, b: "dynamic_sampling/num_surplus_carried" in a.last
                                          and "dynamic_sampling/num_surplus_carried" not in b.last),
-    "loss.policy_loss": C("cispo", lambda a, b: "actor/is_weight_mean" in a.last and "actor/is_weight_mean" not in b.last),
+    "loss.policy_loss": C("cispo", lambda a, b: "actor/is_weight_mean" in a.last
+                          and "actor/is_weight_mean" not in b.last),
     "loss.clip_ratio_low": C("0.01", metric("actor/pg_clipfrac_low")),
     "loss.clip_ratio_high": C("0.01", metric("actor/pg_clipfrac_high")),
     "loss.clip_ratio_c": C("1.3", metric("actor/pg_clipfrac_dual"), {"optim.lr": "0.05"}),
@@ -199,12 +206,14 @@ CASES: dict[str, Case] = {
     "optim.adam_beta2": C("0.9", metric("actor/ratio_mean"), {"train.mini_batch_prompts": "1"}),
     "optim.adam_eps": C("0.001", metric("actor/ratio_mean")),
     "optim.clip_grad": C("0.01", metric("actor/ratio_mean")),  # the toy's norms are below the 1.0 of cpu_tiny
-    "train.total_steps": C("2", lambda a, b: [r["step"] for r in a.records] == [1, 2] != [r["step"] for r in b.records]),
+    "train.total_steps": C("2", lambda a, b: [r["step"] for r in a.records] == [1, 2]
+                           != [r["step"] for r in b.records]),
     "train.mini_batch_prompts": C("4", metric("actor/num_updates")),
     "train.ppo_epochs": C("2", metric("actor/num_updates")),
     "train.micro_batch_size": C("4", metric("actor/num_micro_batches")),
     "train.max_tokens_per_micro_batch": C("200", metric("actor/num_micro_batches")),
-    "train.old_log_probs": C("trainer", lambda a, b: timed(a.dir, "old_log_probs") and not timed(b.dir, "old_log_probs")),
+    "train.old_log_probs": C("trainer", lambda a, b: timed(a.dir, "old_log_probs")
+                             and not timed(b.dir, "old_log_probs")),
     "actor.offload_during_rollout": C("true", lambda a, b: "actor/offloaded_gb" in a.last.keys() - b.last.keys()),
     "actor.offload_weights": C("true", metric("actor/offloaded_gb"), {"actor.offload_during_rollout": "true"}),
     "train.generation_budget": C("1", lambda a, b: (len(a.records), len(b.records)) == (1, 2), TWO),
@@ -276,7 +285,8 @@ def dist(runs) -> dict:
     """Every 2-process run the cases need (with and without the value), in one torchrun job; vLLM last."""
     wanted = {}
     for key, case in CASES.items():
-        if case.via == "dist" and (importlib.util.find_spec("vllm") is not None or "rollout.engine" not in case.context | {key: 1}):
+        if case.via == "dist" and (importlib.util.find_spec("vllm") is not None
+                                   or "rollout.engine" not in case.context | {key: 1}):
             for s in (case.context | {key: case.value}, case.context):
                 wanted[frozenset(s.items())] = s
     return run_dist(runs, list(wanted.values()))

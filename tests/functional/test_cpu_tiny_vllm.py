@@ -47,8 +47,8 @@ def test_vllm_config_learns_under_torchrun(tmp_path):
 def test_replicas_with_nothing_to_generate_take_part_and_match_one_process(tmp_path):
     """2 replicas, generation batches of 1 prompt and an evaluation of 1 problem: replica 1's share is
     always empty. vLLM steps its data-parallel replicas in lockstep (an all-reduce of "anything
-    unfinished?" per engine step), so a replica that skipped generate() hung the other for ever
-    (issue 21: the 32B recipe's 32 replicas for 30 AIME problems). Now the run finishes, with the
+    unfinished?" per engine step), so a replica that skipped generate() would hang the other for ever
+    (the 32B recipe's 32 replicas meet AIME's 30 problems). The run finishes, with the
     records of one process: exactly for rollouts, rewards and evaluation, to round-off for the update."""
     args = ["train", "--config", str(ROOT / "conf" / "cpu_tiny_vllm.yaml"), "toy.num_val=1", "train.total_steps=2",
             "data.gen_prompts_per_batch=1", "data.prompts_per_step=2", "train.mini_batch_prompts=1",

@@ -16,9 +16,11 @@ from tests.helpers.demo import copy_demo_base
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
-ENV = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "MASTER_ADDR")}
+ENV = {k: v for k, v in os.environ.items()
+       if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "MASTER_ADDR")}
 CLI = [sys.executable, "-m", "megatron_dapo.cli"]
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "megatron_dapo.cli"]
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
+            "megatron_dapo.cli"]
 
 
 def _ok(cmd: list[str]) -> subprocess.CompletedProcess:
@@ -66,8 +68,10 @@ def test_export_at_any_tp_loads_in_transformers_with_the_trainers_logits(run, tm
     config = str(run / "config.yaml")
     out1 = _ok([*CLI, "export", "--config", config, "--out", str(tmp_path / "tp1")])
     assert "exported" in out1.stdout and "step_00000003" in out1.stdout
-    _ok([*TORCHRUN, "export", "--config", config, "parallel.tensor_model_parallel_size=2", "--out", str(tmp_path / "tp2")])
-    one, two = (tmp_path / "tp1" / "model.safetensors").read_bytes(), (tmp_path / "tp2" / "model.safetensors").read_bytes()
+    _ok([*TORCHRUN, "export", "--config", config, "parallel.tensor_model_parallel_size=2", "--out",
+         str(tmp_path / "tp2")])
+    one, two = ((tmp_path / "tp1" / "model.safetensors").read_bytes(),
+                (tmp_path / "tp2" / "model.safetensors").read_bytes())
     assert one == two, "exported at TP=2 (resharded on load) differs from TP=1"
     meta = json.loads((tmp_path / "tp1" / "export.json").read_text())
     assert meta["step"] == 3 and meta["checkpoint"].endswith("step_00000003")

@@ -1,4 +1,4 @@
-"""Fault injection on the CPU job (issue 14): kills at random moments and mid-save, SIGTERM / SIGUSR1 /
+"""Fault injection on the CPU job: kills at random moments and mid-save, SIGTERM / SIGUSR1 /
 SIGINT mid-step, two trainers on one directory, a damaged checkpoint, a finished run rerun.
 
 Every run is checked against one uninterrupted reference run of the same command: each metrics
@@ -25,7 +25,8 @@ ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 STEPS = 10
 ARGS = [f"train.total_steps={STEPS}", "checkpoint.save_every=2", "eval.every=5", "logging.tensorboard=false"]
-ENV = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "MASTER_ADDR")}
+ENV = {k: v for k, v in os.environ.items()
+       if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "MASTER_ADDR")}
 
 
 def _cmd(run_dir: Path, *extra: str) -> list[str]:
@@ -239,7 +240,8 @@ def test_a_generation_budget_ends_the_run_like_its_last_step(reference, tmp_path
     rerun has nothing to do."""
     ref = {r["step"]: r for r in _records(reference)}
     totals = [ref[s]["rollout/responses_generated_total"] for s in range(1, STEPS + 1)]
-    counted = [sum(ref[s]["dynamic_sampling/num_groups_generated"] * 8 for s in range(1, t + 1)) for t in range(1, STEPS + 1)]
+    counted = [sum(ref[s]["dynamic_sampling/num_groups_generated"] * 8 for s in range(1, t + 1))
+               for t in range(1, STEPS + 1)]
     assert totals == counted  # every generation batch counted, kept or dropped
     budget = int(totals[2]) - 1  # spent during step 3
     run_dir = copy_demo_base(reference, tmp_path / "run")

@@ -25,7 +25,8 @@ from tests.helpers.records import assert_same_record, records
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.slow, pytest.mark.distributed, pytest.mark.extended]
-ENV = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "MASTER_ADDR")}
+ENV = {k: v for k, v in os.environ.items()
+       if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "MASTER_ADDR")}
 TRAIN = ["-m", "megatron_dapo.cli", "train", "--config", str(ROOT / "conf" / "cpu_tiny.yaml"), "eval.every=2",
          "checkpoint.save_every=2", "logging.tensorboard=false", "toy.warmup_steps=40"]
 TP2, PP2 = "parallel.tensor_model_parallel_size=2", "parallel.pipeline_model_parallel_size=2"

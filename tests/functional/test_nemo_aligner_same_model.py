@@ -1,6 +1,6 @@
 """The same tiny Qwen2-shaped model, with the same weights, through our MegatronActor and through the
 NeMo-Aligner adapter's DAPO actor on the real NeMo 2.1 / megatron-core 0.10 stack: one update's
-loss and gradients on one batch must agree (issue 24).
+loss and gradients on one batch must agree.
 
 Our side runs here (tests/nemo_aligner/ours_side.py: megatron-core 0.19.2, our update path up to the
 optimizer step); NeMo's runs in ``.venv-nemo`` under torchrun (probe_same_model.py), which copies

@@ -27,7 +27,8 @@ from tests.helpers.records import LAYOUT_COUNTS, assert_same_record, records
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
-ENV = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "MASTER_ADDR")}
+ENV = {k: v for k, v in os.environ.items()
+       if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "MASTER_ADDR")}
 STEPS = 4
 ARGS = [f"train.total_steps={STEPS}", "logging.tensorboard=false"]
 

@@ -104,7 +104,8 @@ class Runs:
 
     def args(self, settings: dict, run_dir: Path) -> list[str]:
         merged = BASE | {"logging.dir": str(run_dir)} | {k: v for k, v in settings.items() if not k.startswith("_")}
-        return [f"{k}={_fmt(v, base=self.base, data=self.data, root=self.root, run=run_dir)}" for k, v in merged.items()]
+        return [f"{k}={_fmt(v, base=self.base, data=self.data, root=self.root, run=run_dir)}"
+                for k, v in merged.items()]
 
     def prepare(self, settings: dict, run_dir: Path) -> None:
         run_dir.mkdir(parents=True)
@@ -179,7 +180,8 @@ def run_dist(runs: Runs, wanted: list[dict]) -> dict:
     for i, settings in enumerate(sorted(wanted, key=lambda s: s.get("rollout.engine", "") == "vllm")):
         run_dir = runs.root / f"dist{i}"
         runs.prepare(settings, run_dir)
-        spec.append(dict(config=CONFIG, args=runs.args(settings, run_dir), result=str(run_dir) + ".json", settings=settings))
+        spec.append(dict(config=CONFIG, args=runs.args(settings, run_dir), result=str(run_dir) + ".json",
+                         settings=settings))
     (runs.root / "spec.json").write_text(json.dumps(spec))
     (runs.root / "driver.py").write_text(DRIVER)
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",

@@ -23,8 +23,9 @@ REFUSED: dict[str, tuple[str, dict]] = {  # key -> (value, context)
 GPU_ONLY: dict[str, str] = {
     "model.fp8_recipe": "only read with model.fp8 set, which needs Transformer Engine on CUDA (refused on CPU); "
                         "tests/gpu/test_policy_gpu.py::test_fp8_switch_builds_and_runs",
-    "rollout.gpu_memory_utilization": "vLLM on CUDA only: on CPU vLLM needs rollout.kv_cache_memory_mb, which overrides "
-                                      "it; tests/gpu/test_vllm_engine.py (its free-memory check), tests/unit/test_plan.py",
+    "rollout.gpu_memory_utilization": "vLLM on CUDA only: on CPU vLLM needs rollout.kv_cache_memory_mb, which "
+                                      "overrides it; tests/gpu/test_vllm_engine.py (its free-memory check), "
+                                      "tests/unit/test_plan.py",
     "rollout.sleep_level": "vLLM's sleep mode exists on CUDA only (its CPU build has none): "
                            "tests/gpu/test_vllm_engine.py (level 2 then a full sync), "
                            "tests/unit/test_rollout_vllm_engine.py (the level reaches LLM.sleep)",
@@ -54,11 +55,13 @@ NO_EFFECT_ON_CPU: dict[str, str] = {
     "logging.samples_max_chars": "the toy's prompts and responses are shorter than the smallest cap (200 characters); "
                                  "the cut: tests/unit/test_observe.py::test_clip_keeps_the_head_and_the_answer_line",
     "alarms.shortcut_fallbacks": "no setting makes the gradient shortcut fall back (it holds for every loss the code "
-                                 "builds); counting: tests/unit/test_grad_shortcut_count.py, thresholds: test_observe.py",
+                                 "builds); counting: tests/unit/test_grad_shortcut_count.py, thresholds: "
+                                 "test_observe.py",
     "parallel.timeout_minutes": "how long a collective may wait for a late rank: no collective of a healthy one-step "
                                 "run waits long; tests/functional/test_async_rollouts.py runs separate placement at "
                                 "0.1 (6 s) through a 15-s batch and writes the default run's records",
     "rollout.wait_timeout_minutes": "read by separate placement only (how long a rank waits for the other side); "
                                     "tests/unit/test_separate_waits.py (trainer rank 0 gives up naming it), "
-                                    "test_rollout_channel.py (a receiver does), test_plan.py (checked against the plan)",
+                                    "test_rollout_channel.py (a receiver does), test_plan.py (checked against the "
+                                    "plan)",
 }

@@ -4,8 +4,8 @@ stop that cannot wait for it (tests/functional/test_async_rollouts.py, test_asyn
 ``StallingHFEngine`` is the real HF engine; the engine's call numbered ``$STALL_CALL`` (from 1;
 training batches and evaluations alike) waits until the engine is aborted (then it raises, as a
 batch aborted while decoding does) or ``$STALL_S`` seconds (default ``MAX_STALL_S``) have passed
-(then it generates what it would have), and says how its stall ended. A call number, not a file a test creates: a test cannot create one between two
-batches that an engine runs back to back.
+(then it generates what it would have), and says how its stall ended. A call number, not a file a test creates:
+a test cannot create one between two batches that an engine runs back to back.
 ``StallingVLLMEngine`` is the real vLLM engine; such a batch stalls the same way after its requests
 are in vLLM, before its first engine step, so that an abort goes through the real one: vLLM ends
 the requests and the replicas leave their data-parallel lockstep together.

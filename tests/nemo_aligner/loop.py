@@ -74,7 +74,7 @@ def build_trainer(ptl_trainer, actor, cfg, *, num_prompts: int, prompts_per_gen_
                                                         init_using_ptl, retrieve_custom_trainer_state_dict)
     from megatron.core import parallel_state as ps
 
-    from megatron_dapo.integrations.nemo_aligner import dapo_trainer_class
+    from megatron_dapo.integrations.nemo_aligner_classes import dapo_trainer_class
 
     # A checkpoint found by exp_manager: the loop's counters come from it (before init_using_ptl
     # restores the weights and the optimizer from the same path).

@@ -79,7 +79,7 @@ def build(model: dict, *, actor_cls=None, extra_trainer: dict | None = None, exp
     the actor class (default: DAPOActor) on that trainer."""
     from nemo_aligner.utils.train_script_utils import init_distributed, resolve_and_create_trainer
 
-    from megatron_dapo.integrations.nemo_aligner import dapo_actor_class
+    from megatron_dapo.integrations.nemo_aligner_classes import dapo_actor_class
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     trainer = trainer_config(world) | {"dapo": extra_trainer or {}}

@@ -183,7 +183,8 @@ def test_rollout_log_probs_follow_the_old_ones():
         assert len(back) == len(xs) and all(torch.equal(v, x.rollout_log_probs) for v, x in zip(back, xs))
 
 
-@pytest.mark.parametrize("tp,sp,cp", [(1, False, 1), (2, True, 1), (4, True, 1), (8, True, 1), (4, False, 1), (2, True, 2)])
+@pytest.mark.parametrize("tp,sp,cp", [(1, False, 1), (2, True, 1), (4, True, 1), (8, True, 1), (4, False, 1),
+                                      (2, True, 2)])
 def test_fp8_padding_gives_every_gemm_rows_divisible_by_16_on_variable_length_batches(tp, sp, cp):
     """Real RL micro-batches: variable lengths, token-budget packing, any number of rows. Each rank's
     GEMM input is [s / (TP if SP) / CP, b, h]; TE needs its rows (all dims but the last) % 16 == 0."""

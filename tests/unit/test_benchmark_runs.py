@@ -39,8 +39,8 @@ def test_every_benchmark_has_run(name):
     assert run_all.has_run(BENCH / f"{name}.py"), f"{name}.py has no top-level run(quick)"
 
 
-@pytest.mark.parametrize("name", ["async_rollout", "checkpoint_save", "fault_campaign", "losses", "reward_fuzz", "rollout",
-                                  "rollout_corrections", "table1"])
+@pytest.mark.parametrize("name", ["async_rollout", "checkpoint_save", "fault_campaign", "losses", "reward_fuzz",
+                                  "rollout", "rollout_corrections", "table1"])
 def test_quick_is_smaller_than_full(name):
     """No size of the quick run exceeds the full run's and at least one is smaller: QUICK != FULL
     alone would pass a quick run larger than the full one. A skip_* flag counts as smaller when

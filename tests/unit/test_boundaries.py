@@ -16,10 +16,12 @@ import sys
 from pathlib import Path
 
 PKG = Path(__file__).resolve().parents[2] / "megatron_dapo"
-FREE = ["algo", "reward", "data", "groups", "trainer_state", "batching", "off_policy", "rollout", "rollout.engine", "rollout.placement", "rollout.hf_engine",
-        "rollout.vllm_engine", "rollout.weight_sync", "rollout.pipeline", "rollout.separate", "rollout.engine_server",
-        "rollout.channel", "rollout.protocol", "rollout.weight_stream", "step_model", "convert", "eval", "eval_metrics", "config",
-        "config_loading", "metrics_log", "config_rules", "errors", "run_lock", "preemption", "quiet", "plotting", "toy", "memory_plan", "gpu_models", "generation_model", "plan_report", "layout", "ranks", "gpu_binding", "worked_example",
+FREE = ["algo", "reward", "data", "groups", "trainer_state", "batching", "off_policy", "rollout", "rollout.engine",
+        "rollout.placement", "rollout.hf_engine", "rollout.vllm_engine", "rollout.weight_sync", "rollout.pipeline",
+        "rollout.separate", "rollout.engine_server", "rollout.channel", "rollout.protocol", "rollout.weight_stream",
+        "step_model", "convert", "eval", "eval_metrics", "config", "config_loading", "metrics_log", "config_rules",
+        "errors", "run_lock", "preemption", "quiet", "plotting", "toy", "memory_plan", "gpu_models", "generation_model",
+        "plan_report", "layout", "ranks", "gpu_binding", "worked_example",
         "data.prepare", "mcore.run_export", "observe", "observe.observer", "observe.samples_cli", "observe.report",
         "observe.profiler",
         "toy.task", "toy.tokenizer", "toy.base", "toy.bootstrap"]
@@ -70,7 +72,8 @@ def test_megatron_only_under_mcore_and_vllm_only_in_its_engine():
             if top == "tests":
                 bad.append(f"{rel}:{line} imports {module} (the package imports nothing from tests/)")
     for path in sorted((PKG.parent / "benchmarks").glob("*.py")):
-        bad += [f"benchmarks/{path.name}:{line} imports {m}" for line, m in _imports(path) if m.split(".")[0] == "tests"]
+        bad += [f"benchmarks/{path.name}:{line} imports {m}" for line, m in _imports(path)
+                if m.split(".")[0] == "tests"]
     assert not bad, "\n".join(bad)
 
 
@@ -122,5 +125,6 @@ def test_documents_the_code_cites_are_in_the_repository():
         if path == Path(__file__).resolve():
             continue  # the patterns below
         bad += [f"{rel}: cites {m} (missing)" for m in cited.findall(text) if not (root / m).is_file()]
-        bad += [f"{rel}: points outside the repository ({m})" for m in re.findall(r"\.\./shared\S*|shared/reference\S*", text)]
+        bad += [f"{rel}: points outside the repository ({m})"
+                for m in re.findall(r"\.\./shared\S*|shared/reference\S*", text)]
     assert not bad, "\n".join(bad)

@@ -270,7 +270,8 @@ def test_file_and_argument_errors(tmp_path):
     with pytest.raises(InputError, match="empty.parquet: not a readable parquet file"):
         load_prompts(tmp_path / "empty.parquet")
     pq.write_table(pa.table({"question": ["1+1?"], "label": [2]}), tmp_path / "schema.parquet")
-    with pytest.raises(InputError, match=r"schema.parquet: no 'prompt' or 'problem' column \(it has \['question', 'label'\]\)"):
+    with pytest.raises(InputError, match=r"schema.parquet: no 'prompt' or 'problem' column \(it has \['question', "
+                       r"'label'\]\)"):
         load_prompts(tmp_path / "schema.parquet")
     (tmp_path / "p.csv").write_text("a,b\n")
     with pytest.raises(ValueError, match=r"unknown prompt file extension '\.csv'.*\.parquet, \.jsonl"):

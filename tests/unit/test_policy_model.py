@@ -139,13 +139,14 @@ def test_recompute_gives_identical_grads(world_of_one):
     world_of_one(hf)
     ids = torch.randint(0, 120, (2, 9), generator=torch.Generator().manual_seed(0))
     pos = torch.arange(9).expand(2, 9)
-    grads = {}
+    grads, state = {}, None  # the first model's weights, loaded into the others
     for mode in ("none", "selective", "full"):
         model_cfg = ModelConfig(make_vocab_size_divisible_by=8, recompute=mode)
         (model,) = build_model(hf, model=model_cfg, parallel=ONE)
-        if mode != "none":
+        if state is None:
+            state = model.state_dict()
+        else:
             model.load_state_dict(state)
-        state = model.state_dict()
         lp, ent = vocab_parallel_logprobs(model(ids, pos, None), torch.roll(ids, -1, 1), temperature=1.0)
         (lp.sum() + ent.sum()).backward()
         grads[mode] = torch.cat([p.grad.flatten() for p in model.parameters()])

@@ -105,7 +105,8 @@ def test_a_step_that_cannot_finish_within_the_grace_is_abandoned_at_once(tmp_pat
     done, seconds, line = _watched(tmp_path, estimate=100.0, grace=25.0, step_s=30.0)
     assert done.returncode == 0 and "step finished" not in done.stdout
     assert seconds < 10  # at the signal, not after the 30 s step nor at the end of the grace
-    assert line.startswith("megatron-dapo: SIGTERM: the step in flight and its checkpoint need ~100 s, more than the 25 s")
+    assert line.startswith("megatron-dapo: SIGTERM: the step in flight and its checkpoint need ~100 s, more than the "
+                           "25 s")
     assert "the last checkpoint is ckpt/step_00000002, rerun the same command to resume from it" in line
     assert line in done.stderr
 
@@ -166,5 +167,6 @@ def test_seconds_left_to_the_kill_are_counted_as_the_watchdog_counts_them():
     assert stopped(TIME_LIMIT, since=0, end_time=end).seconds_left() == pytest.approx(100, abs=0.5)
     assert stopped(signal.SIGUSR1, since=3, end_time=None).seconds_left() is None  # no end: no kill foreseen
     assert StopRequest().seconds_left() is None
-    assert stopped(signal.SIGTERM, since=3, end_time=end).deadline(10.0) - time.monotonic() == pytest.approx(12, abs=0.5)
+    assert (stopped(signal.SIGTERM, since=3, end_time=end).deadline(10.0) - time.monotonic()
+            == pytest.approx(12, abs=0.5))
     assert StopRequest().deadline(10.0) is None and stopped(signal.SIGUSR1, since=3, end_time=None).deadline(1) is None

@@ -18,7 +18,8 @@ IMPORTS = ("from megatron_dapo.mcore.cpu_compat import apply_cpu_compat; apply_c
 def _stderr(quiet: bool) -> str:
     code = ("from megatron_dapo.quiet import quiet_start_up; quiet_start_up(); " if quiet else "") + IMPORTS
     # -W default: show DeprecationWarnings too, as pytest does
-    return subprocess.run([sys.executable, "-W", "default", "-c", code], capture_output=True, text=True, timeout=300, check=True).stderr
+    return subprocess.run([sys.executable, "-W", "default", "-c", code], capture_output=True, text=True, timeout=300,
+                          check=True).stderr
 
 
 @pytest.mark.slow

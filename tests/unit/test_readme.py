@@ -32,25 +32,12 @@ NOT_REPO_PATHS = {"Qwen/Qwen2.5-32B", "BytedTsinghua-SIA/DAPO-Math-17k"}
 OUTPUT_DIRS = {"runs", ".venv"}
 
 
-def _performance_ratio(benchmark: str, figure: str) -> str:
-    result = json.loads((ROOT / "docs" / "performance.json").read_text())
-    for bench in result["benchmarks"]:
-        if bench["name"] == benchmark:
-            for fig in bench["result"]["figures"]:
-                if fig["figure"] == figure:
-                    return f"{fig['ratio']:.2f}"
-    raise AssertionError(f"docs/performance.json has no figure {figure!r} of {benchmark}")
-
-
 # Numbers README quotes from generated docs files: (pattern with one group, source, what must fill
 # it). Keep them few: each is a sentence README must keep.
 QUOTES = [
     (r"the campaign's ([\d,]+) broken inputs",
      "docs/bad_input_campaign.json: the number of inputs",
      lambda: f"{len(json.loads((ROOT / 'docs' / 'bad_input_campaign.json').read_text())):,}"),
-    (r"runs at (\d+\.\d+)x the tokens/s of HF transformers",
-     "docs/performance.json: train_step, V=152064: megatron tokens/s, ratio",
-     lambda: _performance_ratio("train_step", "V=152064: megatron tokens/s")),
 ]
 
 

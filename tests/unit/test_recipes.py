@@ -94,8 +94,8 @@ def test_missing_inputs_stop_the_launch_with_the_command_that_makes_them(tmp_pat
     out = _dry(ROOT / "recipes/qwen2.5-7b/train.sbatch", DATA_DIR=str(tmp_path))
     assert out.returncode == 2 and "srun" not in out.stdout
     assert f"missing input {tmp_path}/train.parquet" in out.stderr
-    assert f"megatron-dapo prepare-data --train <dapo-math-17k.parquet> --eval data/aime-2024.parquet --out {tmp_path}" \
-        in out.stderr
+    assert "megatron-dapo prepare-data --train <dapo-math-17k.parquet> --eval data/aime-2024.parquet " \
+        f"--out {tmp_path}" in out.stderr
 
 
 def test_the_recipes_read_what_prepare_data_writes(data_dir):
@@ -138,9 +138,11 @@ def test_single_node_train_eval_and_convert_dry_runs(recipe, data_dir):
     assert "torchrun --standalone --nproc-per-node 8 -m megatron_dapo.cli train" in train.stdout
     assert train.stdout.rstrip().endswith("rollout.n=8") and "per-GPU memory" in train.stdout
     evaluation = _dry(recipe / "run.sh", "eval", **d)
-    assert "megatron_dapo.cli eval" in evaluation.stdout and f"data.val_files=\\[{data_dir}/eval.parquet\\]" in evaluation.stdout
+    assert "megatron_dapo.cli eval" in evaluation.stdout \
+        and f"data.val_files=\\[{data_dir}/eval.parquet\\]" in evaluation.stdout
     convert = _dry(recipe / "run.sh", "convert")
-    assert convert.returncode == 0 and "tools/convert_ckpt/hf_to_megatron.py --hf-dir /models/Qwen2.5-" in convert.stdout
+    assert convert.returncode == 0 \
+        and "tools/convert_ckpt/hf_to_megatron.py --hf-dir /models/Qwen2.5-" in convert.stdout
 
 
 def test_a_layout_that_cannot_run_fails_the_dry_run_with_the_reason(data_dir):

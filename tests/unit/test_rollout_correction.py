@@ -59,7 +59,8 @@ def test_rejection_by_hand():
             assert got.mask[i, t].item() == (1.0 if keep else 0.0)
     assert got.weights is None
     rejected = (mask > 0) & (got.mask == 0)
-    assert got.metrics["rollout_corr/token_masked_frac"].item() == pytest.approx(rejected.sum().item() / mask.sum().item())
+    assert got.metrics["rollout_corr/token_masked_frac"].item() == pytest.approx(
+        rejected.sum().item() / mask.sum().item())
 
 
 def test_metrics_by_hand():
@@ -84,7 +85,8 @@ assert sorted(RS_THRESHOLDS) == sorted(REJECTION_OPTIONS)
     dict(rollout_is="token", rollout_is_threshold="0.7_1.4"),
     dict(rollout_is="sequence", rollout_is_threshold="0.3_3.0"),
     *[dict(rollout_rs=o, rollout_rs_threshold=t) for o, t in RS_THRESHOLDS.items()],
-    dict(rollout_is="token", rollout_is_threshold=2.0, rollout_rs="seq_mean_k1,token_k2", rollout_rs_threshold="0.9_1.1,0.2"),
+    dict(rollout_is="token", rollout_is_threshold=2.0, rollout_rs="seq_mean_k1,token_k2",
+         rollout_rs_threshold="0.9_1.1,0.2"),
 ])
 @pytest.mark.parametrize("seed", range(2))
 def test_equals_verl(spec, seed):

@@ -13,7 +13,7 @@ from megatron_dapo.groups import Group, version_lag
 from megatron_dapo.rollout.engine import Rollout
 from megatron_dapo.rollout.partial import Carried
 from megatron_dapo.rollout.pipeline import Ahead, RolloutPipeline
-from megatron_dapo.run import ASYNC_TIS_CAP, with_async_defaults
+from megatron_dapo.config_derived import ASYNC_TIS_CAP, derive
 from megatron_dapo.trainer_state import TrainerState
 
 
@@ -109,6 +109,9 @@ def test_stale_rollouts_turn_tis_on_unless_chosen():
                                                             max_staleness=2))
     def corr(c):
         return c.algorithm.rollout_correction
+
+    def with_async_defaults(c):
+        return derive(c, on_gpu=False)[0]
 
     assert not corr(with_async_defaults(sync)).active
     assert (corr(with_async_defaults(stale)).rollout_is, corr(with_async_defaults(stale)).rollout_is_threshold) == \

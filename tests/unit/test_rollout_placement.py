@@ -40,7 +40,8 @@ def test_rollout_settings_fail_as_one_config_error_before_heavy_work(monkeypatch
     with pytest.raises(ConfigError, match="rollout.tensor_parallel_size=3 does not divide the world size 4"):
         check_rollout(DAPOConfig(rollout=RolloutConfig(engine="hf", tensor_parallel_size=3)), 4)
     vllm = DAPOConfig(rollout=RolloutConfig(engine="vllm"))
-    with pytest.raises(ConfigError, match="vLLM on CPU needs an explicit KV-cache size: set rollout.kv_cache_memory_mb"):
+    with pytest.raises(ConfigError, match="vLLM on CPU needs an explicit KV-cache size: set "
+                       "rollout.kv_cache_memory_mb"):
         check_rollout(vllm, 1)
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else find_spec(name, *a))

@@ -403,7 +403,8 @@ class _RecordingLLM:
 @pytest.mark.parametrize("level", [1, 2])
 def test_sleep_passes_the_configured_level_and_wakes_in_order(level):
     eng = object.__new__(ve.VLLMEngine)  # the methods under test, without building vLLM
-    eng.llm, eng.enable_sleep_mode, eng.sleep_level, eng._asleep, eng._reloading = _RecordingLLM(), True, level, set(), False
+    eng.llm, eng.enable_sleep_mode, eng.sleep_level, eng._asleep, eng._reloading = (
+        _RecordingLLM(), True, level, set(), False)
     eng.sleep()
     eng.sleep()  # already asleep: nothing more
     eng.wake_up()

@@ -25,13 +25,15 @@ def _flat(d: dict, prefix: str = "") -> dict:
 @pytest.fixture(scope="module")
 def configs(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("t1")
-    return [(name, load_config(table1.CONFIG, table1._overrides(row, 1, 10240, run_dir))) for name, row in table1.rows()]
+    return [(name, load_config(table1.CONFIG, table1._overrides(row, 1, 10240, run_dir)))
+            for name, row in table1.rows()]
 
 
 def test_first_row_is_grpo_and_last_is_dapo(configs):
     grpo, dapo = configs[0][1], configs[-1][1]
     grpo_loss, dapo_loss = grpo.loss_settings(), dapo.loss_settings()
-    assert (grpo_loss.clip_ratio_low, grpo_loss.clip_ratio_high, grpo_loss.loss_agg_mode) == (0.2, 0.2, "seq-mean-token-mean")
+    assert ((grpo_loss.clip_ratio_low, grpo_loss.clip_ratio_high, grpo_loss.loss_agg_mode)
+            == (0.2, 0.2, "seq-mean-token-mean"))
     assert not grpo.algorithm.filter_groups.enable and not grpo.reward.overlong_buffer.enable
     assert not grpo.reward.overlong_filter
     assert (dapo_loss.clip_ratio_low, dapo_loss.clip_ratio_high, dapo_loss.loss_agg_mode) == (0.2, 0.28, "token-mean")

@@ -7,7 +7,8 @@ import time
 
 import pytest
 
-from megatron_dapo.time_limit import END_TIME_ENV, STATUS_FILE_ENV, StepClock, job_end_time, parse_end_time, write_status
+from megatron_dapo.time_limit import (END_TIME_ENV, STATUS_FILE_ENV, StepClock, job_end_time, parse_end_time,
+                                      write_status)
 
 # One line of `scontrol show job -o 41` from slurm-wlm 22.05 (fields cut for length).
 LINE = ("JobId=41 JobName=dapo UserId=root(0) JobState=RUNNING Reason=None RunTime=00:00:07 TimeLimit=00:01:00 "

@@ -1,0 +1,114 @@
+"""Settings a run derives: every "auto", 0 or null that stands for another value, and the values a
+combination of settings implies, resolved in this one place at launch (run.prepare_run), each said
+in one log line on rank 0.
+
+Two kinds:
+* decided by the config itself (the policy loss's paper values, the rollout's limit for evaluation,
+  partial rollouts' piece and surplus, the adaptive batch cap, the async correction, the audit
+  scorer): the resolved config holds the value, so the run's config.yaml records what ran;
+* decided by the machine (model.dtype and model.transformer_impl: bf16 and Transformer Engine on a
+  GPU, fp32 and the local spec on a CPU): the config keeps "auto", so that one config.yaml runs on
+  either (an export on a CPU node of a GPU run), and config.yaml records what this launch chose as
+  comments (``comments``).
+
+Sentinels that are values, not defaults, stay: null dual clip (off), 0 = never / unbounded / off,
+and train.logprob_chunk_tokens=0 (sized against memory when the pass runs, mcore/logprobs.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from megatron_dapo.config import DAPOConfig
+from megatron_dapo.config_algo import AUTO
+from megatron_dapo.precision import resolve_dtype
+
+ASYNC_TIS_CAP = 2.0  # verl's tis_imp_ratio_cap (decoupled_token_is): the correction stale rollouts get
+
+
+@dataclass(frozen=True)
+class Derived:
+    """One derived setting: ``key`` (dotted) went from ``given`` to ``value``, ``why``; ``kept``: the
+    config keeps ``given`` (decided by the machine, recorded as a comment)."""
+
+    key: str
+    given: Any
+    value: Any
+    why: str
+    kept: bool = False
+
+    def line(self) -> str:
+        return f"{self.key}: {_show(self.given)} -> {_show(self.value)} ({self.why})"
+
+
+def derive(cfg: DAPOConfig, *, on_gpu: bool) -> tuple[DAPOConfig, list[Derived]]:
+    """``cfg`` with every config-decided derived setting resolved, and every derived setting (both
+    kinds, module doc) in the order resolved. Resolving a resolved config changes nothing."""
+    out: list[Derived] = []
+    loss = cfg.loss_settings()  # the paper's values for "auto", Dr. GRPO's constant (config_algo.LossConfig)
+    for key in ("clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "loss_agg_mode", "loss_scale_factor"):
+        given, value = getattr(cfg.loss, key), getattr(loss, key)
+        if given != value:
+            why = (f"loss.policy_loss={loss.policy_loss}'s default, config_algo.POLICY_LOSS_DEFAULTS" if given == AUTO
+                   else "seq-mean-token-sum-norm's constant: rollout.max_response_length, the generation budget")
+            out.append(Derived(f"loss.{key}", given, value, why))
+    r, fg = cfg.rollout, cfg.algorithm.filter_groups
+    ev = dataclasses.replace(cfg.eval, max_response_length=cfg.eval_max_response_length)
+    if ev != cfg.eval:
+        out.append(Derived("eval.max_response_length", None, ev.max_response_length, "the rollout's limit"))
+    if r.partial and not r.partial_tokens:
+        out.append(Derived("rollout.partial_tokens", 0, r.piece_tokens, "a quarter of rollout.max_response_length"))
+        r = dataclasses.replace(r, partial_tokens=r.piece_tokens)
+    if cfg.surplus != fg.surplus:
+        out.append(Derived("algorithm.filter_groups.surplus", fg.surplus, cfg.surplus,
+                           "partial rollouts carry kept groups beyond a step's batch (docs/async_rollouts.md)"))
+        fg = dataclasses.replace(fg, surplus=cfg.surplus)
+    if fg.adaptive and not fg.max_gen_prompts:
+        cap = 4 * cfg.data.gen_prompts_per_batch
+        out.append(Derived("algorithm.filter_groups.max_gen_prompts", 0, cap, "4 x data.gen_prompts_per_batch"))
+        fg = dataclasses.replace(fg, max_gen_prompts=cap)
+    corr = cfg.algorithm.rollout_correction
+    if (r.max_staleness or r.partial) and not corr.active:
+        why = (f"rollout.max_staleness={r.max_staleness}" if r.max_staleness else "rollout.partial=true") + (
+            ": truncated importance sampling corrects stale rollouts (set algorithm.rollout_correction to "
+            "choose another)")
+        out.append(Derived("algorithm.rollout_correction.rollout_is", corr.rollout_is, "token", why))
+        out.append(Derived("algorithm.rollout_correction.rollout_is_threshold", corr.rollout_is_threshold,
+                           ASYNC_TIS_CAP, "verl's decoupled_token_is cap"))
+        corr = dataclasses.replace(corr, rollout_is="token", rollout_is_threshold=ASYNC_TIS_CAP)
+    alarms = cfg.alarms
+    if alarms.audit_fn == AUTO:
+        from megatron_dapo.observe.observer import audit_fn_name
+
+        name = audit_fn_name(cfg) or "none"
+        out.append(Derived("alarms.audit_fn", AUTO, name,
+                           "eval.reward_fn, or the value scorer, unless it is reward.fn"))
+        alarms = dataclasses.replace(alarms, audit_fn=name)
+    m = cfg.model
+    if m.dtype == AUTO:
+        out.append(Derived("model.dtype", AUTO, resolve_dtype(m.dtype, on_gpu), _machine(on_gpu), kept=True))
+    if m.transformer_impl == AUTO:
+        out.append(Derived("model.transformer_impl", AUTO, "transformer_engine" if on_gpu else "local",
+                           _machine(on_gpu), kept=True))
+    algorithm = dataclasses.replace(cfg.algorithm, filter_groups=fg, rollout_correction=corr)
+    resolved = dataclasses.replace(cfg, loss=loss, eval=ev, rollout=r, algorithm=algorithm, alarms=alarms)
+    return resolved, out
+
+
+def comments(derived: list[Derived]) -> str:
+    """config.yaml's closing comment: the settings this launch decided by its machine."""
+    kept = [d for d in derived if d.kept]
+    if not kept:
+        return ""
+    return "# decided by this launch's machine (the keys above stay auto):\n" + "".join(
+        f"#   {d.line()}\n" for d in kept)
+
+
+def _machine(on_gpu: bool) -> str:
+    return "this launch has a GPU" if on_gpu else "this launch has no GPU"
+
+
+def _show(value: Any) -> str:
+    return "null" if value is None else str(value)
