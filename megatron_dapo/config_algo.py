@@ -134,9 +134,11 @@ class LossConfig:
             fail(f"loss.clip_ratio_low must be in [0, 1] (1: no lower bound), got {low}")
         if high != AUTO and not 0 <= high <= 10:
             fail(f"loss.clip_ratio_high must be in [0, 10], got {high} (DAPO uses 0.28)")
-        if c not in (AUTO, None) and high != AUTO and c <= 1 + high:
-            fail(f"loss.clip_ratio_c={c} must exceed 1 + clip_ratio_high = {1 + high} (verl uses 10.0), or be "
-                 "null to disable dual clip")
+        if c not in (AUTO, None) and high != AUTO:
+            from megatron_dapo.algo.losses import dual_clip_error  # the loss's own rule (algo imports torch)
+
+            if (error := dual_clip_error(c, high)) is not None:
+                fail(f"loss.{error}")
         if self.loss_scale_factor is not None and not self.loss_scale_factor > 0:
             fail(f"loss.loss_scale_factor must be > 0 (tokens), got {self.loss_scale_factor}")
 
@@ -149,9 +151,12 @@ class LossConfig:
         if auto and paper is None:
             fail(f"loss.policy_loss={self.policy_loss!r} has no paper defaults here: set loss.{', loss.'.join(auto)}")
         high = paper["clip_ratio_high"] if self.clip_ratio_high == AUTO else self.clip_ratio_high
-        if "clip_ratio_c" in auto and paper["clip_ratio_c"] is not None and paper["clip_ratio_c"] <= 1 + high:
-            fail(f"loss.clip_ratio_c=auto is {self.policy_loss}'s {paper['clip_ratio_c']}, which must exceed "
-                 f"1 + clip_ratio_high = {1 + high}: set loss.clip_ratio_c above it, or null")
+        if "clip_ratio_c" in auto:
+            from megatron_dapo.algo.losses import dual_clip_error
+
+            if dual_clip_error(paper["clip_ratio_c"], high) is not None:
+                fail(f"loss.clip_ratio_c=auto is {self.policy_loss}'s {paper['clip_ratio_c']}, which must exceed "
+                     f"1 + clip_ratio_high = {1 + high}: set loss.clip_ratio_c above it, or null")
         out = dataclasses.replace(self, **{k: paper[k] for k in auto})
         if out.clip_ratio_c is not None and out.policy_loss != "dapo":
             fail(f"loss.clip_ratio_c={out.clip_ratio_c} with loss.policy_loss={out.policy_loss}: the dual clip caps "

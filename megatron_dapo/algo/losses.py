@@ -39,6 +39,15 @@ __all__ = ["AGG_MODES", "GSPO_MAX_LOG_RATIO", "MAX_LOG_RATIO", "POLICY_LOSSES", 
            "compute_cispo_loss", "compute_gspo_loss", "compute_policy_loss", "get_policy_loss_fn"]
 
 
+def dual_clip_error(clip_ratio_c: float | None, clip_ratio_high: float) -> str | None:
+    """The dual clip's one rule, the config's and the loss's: c must exceed 1 + clip_ratio_high, the
+    clipped ratio's ceiling, or the cap -A * c would bind inside the clip range (None: no dual clip)."""
+    if clip_ratio_c is not None and clip_ratio_c <= 1.0 + clip_ratio_high:
+        return (f"clip_ratio_c={clip_ratio_c} must exceed 1 + clip_ratio_high = {1.0 + clip_ratio_high} "
+                "(verl uses 10.0), or be None (null) to disable the dual clip")
+    return None
+
+
 def _check(log_probs, clip_ratio_low, clip_ratio_high, clip_ratio_c, is_weights, *, dual_clip: bool) -> None:
     if not 0.0 <= clip_ratio_low <= 1.0 or clip_ratio_high < 0.0:
         raise ValueError(f"need 0 <= clip_ratio_low <= 1 and clip_ratio_high >= 0, got "
@@ -46,8 +55,8 @@ def _check(log_probs, clip_ratio_low, clip_ratio_high, clip_ratio_c, is_weights,
     if clip_ratio_c is not None and not dual_clip:
         raise ValueError(f"clip_ratio_c={clip_ratio_c}: the dual clip belongs to the per-token PPO ratio "
                          "(policy loss dapo); pass None")
-    if clip_ratio_c is not None and clip_ratio_c <= 1.0:
-        raise ValueError(f"clip_ratio_c must be > 1 (or None to disable), got {clip_ratio_c}")
+    if (error := dual_clip_error(clip_ratio_c, clip_ratio_high)) is not None:
+        raise ValueError(error)
     if is_weights is not None and is_weights.shape != log_probs.shape:
         raise ValueError(f"is_weights must have the shape of log_probs {tuple(log_probs.shape)}, "
                          f"got {tuple(is_weights.shape)}")

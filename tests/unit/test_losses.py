@@ -196,6 +196,8 @@ def test_metrics_are_detached_tensors():
     (dict(clip_ratio_low=1.5, clip_ratio_high=0.28), "clip_ratio_low"),
     (dict(clip_ratio_low=0.2, clip_ratio_high=-0.1), "clip_ratio_high"),
     (dict(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=1.0), "clip_ratio_c"),
+    # the config's rule too (one function, algo.losses.dual_clip_error): above 1 but inside the clip range
+    (dict(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=1.2), r"must exceed 1 \+ clip_ratio_high = 1.28"),
     (dict(clip_ratio_low=0.2, clip_ratio_high=0.28, loss_agg_mode="token-sum"), "seq-mean-token-mean"),
 ])
 def test_bad_arguments_name_the_problem(kwargs, match):
