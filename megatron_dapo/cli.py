@@ -128,10 +128,10 @@ def _serve_or_join(cfg, stop):
     from megatron_dapo import ranks
     from megatron_dapo.rollout.engine_server import serve
     from megatron_dapo.rollout.separate import Engines
-    from megatron_dapo.rollout.worlds import sides, split_world
+    from megatron_dapo.rollout.worlds import rank_counts, split_world
     from megatron_dapo.run import check_settings
 
-    check_settings(cfg, sides(cfg.rollout, ranks.world_size())[1])  # every rank, before any group
+    check_settings(cfg, rank_counts(cfg.rollout, ranks.world_size())[1])  # every rank, before any group
     split = split_world(cfg.rollout.num_ranks, tensor_parallel_size=cfg.rollout.tensor_parallel_size,
                         timeout_minutes=cfg.parallel.timeout_minutes, wait_minutes=cfg.rollout.wait_timeout_minutes)
     if split.is_trainer:

@@ -25,7 +25,7 @@ from megatron_dapo.observe.rows import RowSpec
 from megatron_dapo.preemption import StopRequest
 from megatron_dapo.rollout.engine import SamplingParams, rollout_sampling_params
 from megatron_dapo.rollout.partial import Carried, items, merge
-from megatron_dapo.rollout.pipeline import Ahead, RolloutPipeline
+from megatron_dapo.rollout.pipeline import GenRequest, RolloutPipeline
 
 logger = logging.getLogger(__name__)
 
@@ -50,18 +50,18 @@ class GenerationBatches:
         self.partial = run.cfg.rollout.partial
         self.carry: list[Carried] = [Carried.from_json(c) for c in carried]
 
-    def draw(self, step: int, num_gen_batches: int, size: int) -> Ahead:
+    def draw(self, step: int, num_gen_batches: int, size: int) -> GenRequest:
         """Step ``step``'s generation batch after ``num_gen_batches`` others: new prompts drawn now
         (retired ones skipped: data.skip_solved_after), ``size`` of them, and with partial rollouts the
         whole carry, whose groups take the first of the ``size`` places (so at most ``size`` groups
         are in flight, however long their responses)."""
         fresh = max(0, size - len(self.carry)) if self.partial else size
-        ahead = Ahead(step, self.obs.draw(self.run.sampler, fresh), seed(self.run.cfg, step, num_gen_batches))
+        ahead = GenRequest(step, self.obs.draw(self.run.sampler, fresh), seed(self.run.cfg, step, num_gen_batches))
         if self.partial:
             ahead.carried, self.carry = self.carry, []
         return ahead
 
-    def submit(self, ahead: Ahead) -> None:
+    def submit(self, ahead: GenRequest) -> None:
         """Asks the engines for ``ahead`` and returns at once (separate placement)."""
         ahead.request = self.run.placement.submit(*self._request(ahead))
 
@@ -93,7 +93,7 @@ class GenerationBatches:
         release is finished (the sync waited for it)."""
         pipeline.collect_in_flight(lambda request: self.run.placement.collect(request)[1])
 
-    def generate(self, ahead: Ahead, *, keep: Callable[[torch.Tensor], torch.Tensor], rows: RowSpec | None,
+    def generate(self, ahead: GenRequest, *, keep: Callable[[torch.Tensor], torch.Tensor], rows: RowSpec | None,
                  carry_all: bool = False) -> tuple[GenBatch, list[int]]:
         """``ahead``'s scored groups (groups.generate_groups, ``carry_all`` as there) and their prompts,
         on every rank; its rollouts from a stop's checkpoint, from the engines' answer to ``submit``,
@@ -130,11 +130,11 @@ class GenerationBatches:
         """The carry, for the trainer state (the leader's; elsewhere the groups without rollouts)."""
         return [c.to_json() for c in self.carry]
 
-    def _params(self, ahead: Ahead) -> SamplingParams:
+    def _params(self, ahead: GenRequest) -> SamplingParams:
         run = self.run
         return rollout_sampling_params(run.cfg.rollout, seed=ahead.seed, stop_token_ids=run.inputs.stops)
 
-    def _request(self, ahead: Ahead) -> tuple[list[list[int]], int, SamplingParams]:
+    def _request(self, ahead: GenRequest) -> tuple[list[list[int]], int, SamplingParams]:
         """What the engines generate for ``ahead``: (prompts, responses per prompt, params)."""
         run, r = self.run, self.run.cfg.rollout
         params, train_ids = self._params(ahead), run.inputs.train_ids
@@ -143,7 +143,7 @@ class GenerationBatches:
         batch = run.placement.from_leader(items(train_ids, ahead.indices, r.n, ahead.carried, r.max_response_length))
         return batch, 1, dataclasses.replace(params, max_tokens=r.piece_tokens)
 
-    def _fetch(self, ahead: Ahead):
+    def _fetch(self, ahead: GenRequest):
         """Where a batch's rollouts come from: a stop's saved ones, the engines' answer to an
         earlier request, or (None) a generation now."""
         placement = self.run.placement

@@ -41,12 +41,12 @@ def describe_layout(cfg: DAPOConfig, world_size: int, hf_config: dict, source: s
     from megatron_dapo.errors import ConfigError
     from megatron_dapo.mcore.parallel import check_training_layout, validate_parallel
     from megatron_dapo.rollout.placement import replica_layout
-    from megatron_dapo.rollout.worlds import sides
+    from megatron_dapo.rollout.worlds import rank_counts
 
     p, d, t = cfg.parallel, cfg.data, cfg.train
     where = f"at world size {world_size}"
     try:
-        trainers, engines = sides(cfg.rollout, world_size)
+        trainers, engines = rank_counts(cfg.rollout, world_size)
         if trainers != world_size:  # the checks below see the trainers' world alone
             where += f" (its first {trainers} ranks training; rollout.num_ranks={engines} hold the engines)"
         sizes = validate_parallel(hf_config, parallel=p, model=cfg.model, world_size=trainers, on_gpu=on_gpu,

@@ -361,13 +361,13 @@ def plan(cfg: DAPOConfig, hf: dict, world_size: int, *, gpu: str | GPUModel = "h
     """The plan of ``cfg`` at ``world_size`` on ``gpu`` (a GPU_MODELS key or a GPUModel);
     ``capacity_gb`` (1e9 bytes) replaces the model's reported total when given."""
     from megatron_dapo.mcore.model import padded_vocab_size, resolve_runtime
-    from megatron_dapo.rollout.worlds import sides
+    from megatron_dapo.rollout.worlds import rank_counts
 
     device = (gpu_model(gpu) if isinstance(gpu, str) else gpu).with_capacity(capacity_gb)
     p, t, r = cfg.parallel, cfg.train, cfg.rollout
     # Separate placement: the trainers' ranks are this plan's; the engines run on GPUs of their own,
     # which are not planned (nothing of theirs sits beside the trainer's state).
-    world_size, engine_ranks = sides(r, world_size)
+    world_size, engine_ranks = rank_counts(r, world_size)
     tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
     padded = padded_vocab_size(hf["vocab_size"], cfg.model.make_vocab_size_divisible_by, tp)
     seq = cfg.data.max_prompt_length + r.max_response_length

@@ -31,7 +31,7 @@ import torch
 
 from megatron_dapo.rollout.channel import ChannelClosed, send_object
 from megatron_dapo.rollout.engine import EngineSpec, GenerationAborted
-from megatron_dapo.rollout.placement import replica_layout, shard_range, stamp
+from megatron_dapo.rollout.placement import replica_layout, shard_range, with_version
 from megatron_dapo.rollout.protocol import Cancel, Collect, Generate, Start, Stop, Stream, Weights
 from megatron_dapo.rollout.weight_stream import receive_weights, reserve_bucket
 from megatron_dapo.rollout.worlds import WorldSplit
@@ -121,7 +121,7 @@ class Worker(threading.Thread):
                 self._current = None
         with self._done:
             if item.request not in self.cancelled:  # else finished before the cancel reached it
-                self.results[item.request] = (stamp(out, version) if leader else None, idle)
+                self.results[item.request] = (with_version(out, version) if leader else None, idle)
                 self.served += 1
             self._done.notify_all()
         return True

@@ -38,8 +38,9 @@ from megatron_dapo.rollout.partial import Carried
 
 
 @dataclass
-class Ahead:
-    """One generation batch asked for ahead: the first of step ``step`` (from 0)."""
+class GenRequest:
+    """One generation batch as requested: step ``step``'s (from 0) prompts, seed and carried groups;
+    asked for ahead (its first batch) or drawn in its step, then in flight, collected or released."""
 
     step: int
     indices: list[int]  # the prompts, drawn in the synchronous loop's order
@@ -59,7 +60,7 @@ class Ahead:
                 "carried": [c.to_json() for c in self.carried]}
 
     @classmethod
-    def from_json(cls, data: dict) -> "Ahead":
+    def from_json(cls, data: dict) -> "GenRequest":
         saved = data["rollouts"]
         return cls(step=int(data["step"]), indices=list(data["indices"]), seed=int(data["seed"]),
                    rollouts=None if saved is None else [[Rollout(**r) for r in group] for group in saved],
@@ -79,7 +80,7 @@ class RolloutPipeline:
     max_staleness: int
     total_steps: int
     save_every: int
-    ahead: list[Ahead] = field(default_factory=list)
+    ahead: list[GenRequest] = field(default_factory=list)
     _last: int = -1  # the last step whose first batch was asked for ahead (or generated in its step)
 
     def targets(self, step: int, *, finished: bool) -> list[int]:
@@ -99,14 +100,14 @@ class RolloutPipeline:
             self._last = out[-1]
         return out
 
-    def add(self, ahead: Ahead) -> None:
+    def add(self, ahead: GenRequest) -> None:
         self.ahead.append(ahead)
 
     def has(self, step: int) -> bool:
         """Whether step ``step``'s first batch was asked for ahead and not taken yet."""
         return bool(self.ahead) and self.ahead[0].step == step
 
-    def take(self, step: int) -> Ahead | None:
+    def take(self, step: int) -> GenRequest | None:
         """Step ``step``'s first batch when it was asked for ahead (the oldest in flight), else None."""
         if self.has(step):
             return self.ahead.pop(0)
@@ -132,7 +133,7 @@ class RolloutPipeline:
             if ahead.in_flight:
                 ahead.rollouts = collect(ahead.request)
 
-    def released(self, step: int | None = None) -> list[Ahead]:
+    def released(self, step: int | None = None) -> list[GenRequest]:
         """Batches released at a stop and restored: neither in flight nor collected; with ``step``,
         those that may be asked for again at its end (no save before theirs: a resume may save more
         often than the run that released them). The others are generated in their own step."""
@@ -155,7 +156,7 @@ class RolloutPipeline:
 
     def restore(self, saved: list[dict]) -> None:
         """On resume: the batches a stop collected or released (``to_json``), in step order."""
-        self.ahead = [Ahead.from_json(a) for a in saved]
+        self.ahead = [GenRequest.from_json(a) for a in saved]
         if self.ahead:
             self._last = self.ahead[-1].step
 

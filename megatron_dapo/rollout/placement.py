@@ -55,7 +55,7 @@ def gather_all(item: Any, world_size: int, group: Any) -> list:
     return parts
 
 
-def stamp(outputs: list[list[Rollout]], version: int) -> list[list[Rollout]]:
+def with_version(outputs: list[list[Rollout]], version: int) -> list[list[Rollout]]:
     """``outputs`` with every rollout's ``weight_version`` set to ``version`` (in place)."""
     for group in outputs:
         for rollout in group:
@@ -118,7 +118,7 @@ class RolloutPlacement:
         # the replicas (docs/DESIGN.md "Rollout placement"); a replica that skipped the call
         # would leave the others waiting in that all-reduce for ever.
         outputs = self.engine.generate([prompt_ids[i] for i in share], n, params, prompt_indices=list(share))
-        return share, stamp(outputs, self.version)
+        return share, with_version(outputs, self.version)
 
     # ------------------------------------------------------------------ asked for ahead
     def submit(self, prompt_ids: Sequence[Sequence[int]], n: int, params: SamplingParams) -> int:

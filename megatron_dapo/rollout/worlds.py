@@ -119,7 +119,7 @@ def check_split(world_size: int, num_engine_ranks: int, tensor_parallel_size: in
     return world_size - num_engine_ranks
 
 
-def sides(rollout, world_size: int) -> tuple[int, int]:
+def rank_counts(rollout, world_size: int) -> tuple[int, int]:
     """(trainer ranks, engine ranks) of a launch of ``world_size`` under ``rollout`` (a
     config.RolloutConfig): colocated, every rank is both; separate, ``check_split``'s split (its
     ConfigError when the split cannot run)."""

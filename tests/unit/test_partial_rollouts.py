@@ -14,7 +14,7 @@ from megatron_dapo.rollout import SamplingParams
 from megatron_dapo.rollout.engine import Rollout
 from megatron_dapo.rollout.hf_engine import HFEngine
 from megatron_dapo.rollout.partial import Carried, is_cut, items, merge, partial_metrics, token_versions
-from megatron_dapo.rollout.pipeline import Ahead
+from megatron_dapo.rollout.pipeline import GenRequest
 from megatron_dapo.config_derived import ASYNC_TIS_CAP, derive
 from megatron_dapo.run import check_rollout
 from megatron_dapo.trainer_state import TrainerState
@@ -142,11 +142,11 @@ def test_an_engine_that_cannot_continue_a_prefix_is_refused(monkeypatch):
 
 def test_the_carry_and_a_batchs_carried_groups_round_trip_through_the_trainer_state():
     group = Carried(4, [_r([1], [2, 3, 4, 5], version=2), _r([1], [6, 7], "stop", 1, [[0, 1], [1, 1]])])
-    ahead = Ahead(3, [1, 2], seed=9, rollouts=[[_r([1], [2])]], carried=[group])
+    ahead = GenRequest(3, [1, 2], seed=9, rollouts=[[_r([1], [2])]], carried=[group])
     state = TrainerState(step=3, sampler={}, carried=(group.to_json(),), ahead=(ahead.to_json(),))
     back = TrainerState.from_json(state.to_json(), "x")
     assert Carried.from_json(back.carried[0]) == group
-    assert Ahead.from_json(back.ahead[0]) == ahead
+    assert GenRequest.from_json(back.ahead[0]) == ahead
     assert TrainerState.from_json({k: v for k, v in state.to_json().items() if k != "carried"}, "x").carried == ()
 
 

@@ -12,7 +12,7 @@ from megatron_dapo.errors import ConfigError
 from megatron_dapo.groups import Group, version_lag
 from megatron_dapo.rollout.engine import Rollout
 from megatron_dapo.rollout.partial import Carried
-from megatron_dapo.rollout.pipeline import Ahead, RolloutPipeline
+from megatron_dapo.rollout.pipeline import GenRequest, RolloutPipeline
 from megatron_dapo.config_derived import ASYNC_TIS_CAP, derive
 from megatron_dapo.trainer_state import TrainerState
 
@@ -51,7 +51,7 @@ def test_staleness_0_and_the_last_steps_ask_for_nothing():
 def test_take_hands_each_step_its_batch_in_order():
     pipe = RolloutPipeline(2, 8, 0)
     for t in pipe.targets(0, finished=False):
-        pipe.add(Ahead(t, [t], seed=t, request=t))
+        pipe.add(GenRequest(t, [t], seed=t, request=t))
     assert pipe.take(0) is None  # step 0 drew its own
     assert pipe.take(1).request == 1 and pipe.take(1) is None and pipe.take(2).request == 2
 
@@ -59,7 +59,7 @@ def test_take_hands_each_step_its_batch_in_order():
 def test_a_stop_keeps_the_collected_batches_and_a_resume_takes_them():
     pipe = RolloutPipeline(1, 8, 0)
     pipe.targets(0, finished=False)
-    pipe.add(Ahead(1, [5, 7], seed=11, request=1))
+    pipe.add(GenRequest(1, [5, 7], seed=11, request=1))
     with pytest.raises(RuntimeError, match=r"steps \[1\] are still in flight"):
         pipe.to_json()
     rollout = Rollout(prompt_ids=[1, 2], response_ids=[3], logprobs=[-0.5], finish_reason="stop", weight_version=4)
@@ -125,11 +125,11 @@ def test_a_second_stop_collects_only_what_is_in_flight():
     # Resumed from a stop with steps 1 and 2 restored; step 1 taken; step 3 asked for; stopped again:
     # the restored step 2 keeps its rollouts (it has no request), step 3's are collected.
     pipe = RolloutPipeline(2, 8, 0)
-    saved = Ahead(2, [4], seed=2, rollouts=[[Rollout(prompt_ids=[1], response_ids=[2], weight_version=0)]])
-    pipe.restore([Ahead(1, [3], seed=1, rollouts=[]).to_json(), saved.to_json()])
+    saved = GenRequest(2, [4], seed=2, rollouts=[[Rollout(prompt_ids=[1], response_ids=[2], weight_version=0)]])
+    pipe.restore([GenRequest(1, [3], seed=1, rollouts=[]).to_json(), saved.to_json()])
     pipe.take(1)
     assert pipe.targets(1, finished=False) == [3]
-    pipe.add(Ahead(3, [5], seed=3, request=7))
+    pipe.add(GenRequest(3, [5], seed=3, request=7))
     asked = []
     pipe.collect_in_flight(lambda request: asked.append(request) or [[]])
     assert asked == [7] and pipe.ahead[0].rollouts == saved.rollouts and pipe.to_json()
@@ -138,7 +138,7 @@ def test_a_second_stop_collects_only_what_is_in_flight():
 def test_a_run_that_ends_cancels_what_is_in_flight():
     pipe = RolloutPipeline(2, 8, 0)
     for t in pipe.targets(0, finished=False):
-        pipe.add(Ahead(t, [t], seed=t, request=t + 10))
+        pipe.add(GenRequest(t, [t], seed=t, request=t + 10))
     pipe.ahead[0].rollouts = []  # collected at a stop before a resume: nothing to cancel
     cancelled = []
     pipe.drop(cancelled.extend)  # the generation budget ran out at step 1: its final save finds nothing in flight
@@ -170,9 +170,9 @@ def test_a_stop_releases_what_the_engines_cannot_finish_before_the_kill_and_a_re
     without rollouts, no request; its request id goes to the engines to abort), restored as such, and
     asked for again: its prompts, seed and carried groups unchanged."""
     pipe = RolloutPipeline(2, 8, 0)
-    pipe.add(Ahead(2, [4, 5], seed=21, request=7))
+    pipe.add(GenRequest(2, [4, 5], seed=21, request=7))
     carried = Carried(9, [Rollout(prompt_ids=[1], response_ids=[2, 3], weight_version=1)])
-    pipe.add(Ahead(3, [6], seed=31, request=8, carried=[carried]))
+    pipe.add(GenRequest(3, [6], seed=31, request=8, carried=[carried]))
     assert pipe.in_flight() == [7, 8]
     assert pipe.release(1) == [8] and pipe.in_flight() == [7]
     got = Rollout(prompt_ids=[1], response_ids=[4], weight_version=1)
@@ -193,7 +193,7 @@ def test_a_released_batch_is_asked_for_again_only_where_no_save_comes_before_it(
     """A resume may save more often than the run whose stop released a batch: asked for at the end
     of step 2 or 3, step 4's batch would be in flight at the save that ends step 3 (record 4), which
     then failed ("still in flight"). It is generated in its own step instead."""
-    saved = [Ahead(4, [1, 2], seed=3).to_json()]  # released: no rollouts, no request
+    saved = [GenRequest(4, [1, 2], seed=3).to_json()]  # released: no rollouts, no request
     often, never = RolloutPipeline(2, 8, save_every=2), RolloutPipeline(2, 8, save_every=0)
     often.restore(saved)
     never.restore(saved)
@@ -204,7 +204,7 @@ def test_a_released_batch_is_asked_for_again_only_where_no_save_comes_before_it(
 
 def test_a_stop_whose_batches_all_finished_keeps_every_one():
     pipe = RolloutPipeline(1, 8, 0)
-    pipe.add(Ahead(2, [4], seed=2, request=3))
+    pipe.add(GenRequest(2, [4], seed=2, request=3))
     assert pipe.release(1) == [] and pipe.in_flight() == [3]
     pipe.collect_in_flight(lambda request: [[]])
     assert pipe.in_flight() == [] and pipe.to_json()[0]["rollouts"] == [[]]
@@ -228,7 +228,7 @@ def _held_and_lag(k: int, steps: int, *, ahead_size) -> tuple[int, int]:
     for step in range(steps):
         dyn.start_step()
         while not dyn.is_full or pipeline.has(step):
-            ahead = pipeline.take(step) or Ahead(step, list(range(size)), 0)
+            ahead = pipeline.take(step) or GenRequest(step, list(range(size)), 0)
             acc = torch.tensor([[rng.random() < 0.6, False, False, False] for _ in ahead.indices])
             dyn.add([versions.pop(step, step) if ahead.request else step] * len(ahead.indices), acc)
         groups, _ = dyn.pop()
@@ -237,7 +237,7 @@ def _held_and_lag(k: int, steps: int, *, ahead_size) -> tuple[int, int]:
             prompts = ahead_size(dyn, size, target - step)
             if prompts:
                 versions[target] = step - 1  # asked for now: the weights of the step before
-                pipeline.add(Ahead(target, list(range(prompts)), 0, request=target))
+                pipeline.add(GenRequest(target, list(range(prompts)), 0, request=target))
         most = max(most, len(dyn.held))
     return most, lag
 
