@@ -49,6 +49,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     world = args.world_size or ranks.world_size()
     hf_config, source = model_shape(cfg, args.shape)  # read once: the layout and the plan share it
+    print(f"run directory: {cfg.logging.dir} (checkpoints: {cfg.checkpoint_root})")
     print(describe_layout(cfg, world, hf_config, source))
     result = plan(cfg, hf_config, world, gpu=args.gpu, capacity_gb=args.gpu_memory_gb, mfu=args.mfu,
                   gpus_per_node=args.gpus_per_node)

@@ -75,8 +75,9 @@ def derive(cfg: DAPOConfig, *, on_gpu: bool) -> tuple[DAPOConfig, list[Derived]]
             ": truncated importance sampling corrects stale rollouts (set algorithm.rollout_correction to "
             "choose another)")
         out.append(Derived("algorithm.rollout_correction.rollout_is", corr.rollout_is, "token", why))
-        out.append(Derived("algorithm.rollout_correction.rollout_is_threshold", corr.rollout_is_threshold,
-                           ASYNC_TIS_CAP, "verl's decoupled_token_is cap"))
+        if corr.rollout_is_threshold != ASYNC_TIS_CAP:
+            out.append(Derived("algorithm.rollout_correction.rollout_is_threshold", corr.rollout_is_threshold,
+                               ASYNC_TIS_CAP, "verl's decoupled_token_is cap"))
         corr = dataclasses.replace(corr, rollout_is="token", rollout_is_threshold=ASYNC_TIS_CAP)
     alarms = cfg.alarms
     if alarms.audit_fn == AUTO:

@@ -3,7 +3,7 @@ same 2 gloo processes, as training places them: the engine's log-probs equal the
 every weight sync.
 
 Per spawn (one per rollout layout: TP=2, and TP=1 x 2 replicas), for untied and tied embeddings:
-build the actor from a DAPOConfig + HF config dict and the engine with VLLMEngine.from_config on
+build the actor from a DAPOConfig + HF config dict and the engine with VLLMEngine.from_spec on
 a directory holding only config.json (dummy weights until the first sync); score fixed probe
 tokens with those dummy weights; sync the actor's export into the engine in small buckets (fused
 qkv / gate_up and tied embeddings go through vLLM's own load_weights): the engine's log-probs of
@@ -108,6 +108,7 @@ def _worker(rank, config_dirs, rollout_tp):
     from megatron_dapo.mcore.actor import MegatronActor
     from megatron_dapo.mcore.parallel import destroy_parallel
     from megatron_dapo.rollout import SamplingParams, sync_weights
+    from megatron_dapo.rollout.engine import EngineSpec
     from megatron_dapo.rollout.vllm_engine import VLLMEngine
 
     cfg = dapo_cfg(rollout_tp)
@@ -115,7 +116,7 @@ def _worker(rank, config_dirs, rollout_tp):
     for tied in (False, True):
         torch.manual_seed(11)
         actor = MegatronActor(cfg, hf_config(tied))
-        engine = VLLMEngine.from_config(config_dirs[tied], cfg)
+        engine = VLLMEngine.from_spec(EngineSpec.of(cfg, model_path=config_dirs[tied]))
         assert (engine.dp_rank, engine.dp_size) == ((0, 1) if rollout_tp == 2 else (rank, 2))
         assert torch.get_num_threads() == 1  # the harness's setting survives the engine build
         dummy = engine_scores(engine, PROBES)  # vLLM's dummy weights: what the first sync replaces

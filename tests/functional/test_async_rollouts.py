@@ -46,7 +46,8 @@ def test_staleness_1_learns_and_reports_the_lag_of_its_timeline(demo_base, tmp_p
     assert lag_max == {s: 0.0 if s % 10 == 1 else 1.0 for s in range(1, 41)}
     assert all(0 < r["rollout/version_lag_mean"] <= 1 for r in recs if r["step"] % 10 not in (0, 1))
     assert all(r["rollout_corr/is_frac_high"] >= 0 for r in recs if r["step"])  # token TIS on by default
-    assert "algorithm.rollout_correction.rollout_is=token, rollout_is_threshold=2.0" in log
+    assert "derived algorithm.rollout_correction.rollout_is: null -> token (rollout.max_staleness=1:" in log
+    assert "derived algorithm.rollout_correction.rollout_is_threshold: 2.0 -> 2.0" not in log  # only what changed
     assert "rollout_is: token" in (run_dir / "config.yaml").read_text()
     assert all(r["timing_s/trainer_waited"] >= 0 and r["timing_s/engines_idle"] >= 0 for r in recs if r["step"])
 

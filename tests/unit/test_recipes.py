@@ -153,6 +153,29 @@ def test_a_layout_that_cannot_run_fails_the_dry_run_with_the_reason(data_dir):
     assert "srun" not in out.stdout
 
 
+def test_the_dry_run_plans_the_model_directory_that_will_run(data_dir, tmp_path):
+    """model.hf_path on this host is what the plan reads, whatever shape the recipe names: a 7B
+    directory under the 1.5B recipe is planned as 7B (and does not fit an H100 at its settings); a
+    path not on this host is planned at the recipe's shape, said as nominal."""
+    import json
+
+    from megatron_dapo.convert.synthetic import QWEN25_CONFIGS
+
+    seven = tmp_path / "Qwen2.5-7B"
+    seven.mkdir()
+    (seven / "config.json").write_text(json.dumps(QWEN25_CONFIGS["7B"]))
+    sbatch, d = ROOT / "recipes/qwen2.5-1.5b/train.sbatch", {"DATA_DIR": str(data_dir)}
+    out = _dry(sbatch, f"model.hf_path={seven}", **d)
+    assert f"model: {seven}/config.json (not the Qwen2.5-1.5B shape the launch names: planned as found): " \
+           "28 layers, hidden 3584" in out.stdout, out.stdout
+    assert out.returncode == 2 and "GB per GPU while generating" in out.stderr, out.stderr
+    assert "run directory: runs/dapo-qwen2.5-1.5b (checkpoints: runs/dapo-qwen2.5-1.5b/checkpoints)" in out.stdout
+    missing = _dry(sbatch, f"model.hf_path={tmp_path / 'absent'}", **d)
+    assert missing.returncode == 0, missing.stderr
+    assert (f"model: the nominal Qwen2.5-1.5B shape (model.hf_path={tmp_path / 'absent'} is not on this host): "
+            "28 layers, hidden 1536") in missing.stdout
+
+
 def test_sbatch_outside_slurm_refuses_to_launch():
     out = _dry(ROOT / "recipes/qwen2.5-7b/train.sbatch", dry=False)
     assert out.returncode == 2 and "not inside a SLURM allocation" in out.stderr
