@@ -154,9 +154,8 @@ class LossConfig:
         if "clip_ratio_c" in auto:
             from megatron_dapo.algo.losses import dual_clip_error
 
-            if dual_clip_error(paper["clip_ratio_c"], high) is not None:
-                fail(f"loss.clip_ratio_c=auto is {self.policy_loss}'s {paper['clip_ratio_c']}, which must exceed "
-                     f"1 + clip_ratio_high = {1 + high}: set loss.clip_ratio_c above it, or null")
+            if (error := dual_clip_error(paper["clip_ratio_c"], high)) is not None:
+                fail(f"loss.clip_ratio_c=auto is {self.policy_loss}'s {paper['clip_ratio_c']}: loss.{error}")
         out = dataclasses.replace(self, **{k: paper[k] for k in auto})
         if out.clip_ratio_c is not None and out.policy_loss != "dapo":
             fail(f"loss.clip_ratio_c={out.clip_ratio_c} with loss.policy_loss={out.policy_loss}: the dual clip caps "

@@ -75,6 +75,8 @@ def test_resolved_config_round_trips(tmp_path):
      "reward.overlong_buffer.len=30000 must be in (0, rollout.max_response_length=20480]"),
     ("loss.clip_ratio_low=1.2", "loss.clip_ratio_low must be in [0, 1] (1: no lower bound), got 1.2"),
     ("loss.clip_ratio_c=1.1", "loss.clip_ratio_c=1.1 must exceed 1 + clip_ratio_high = 1.28"),
+    ("loss.clip_ratio_high=9.5",  # the dual clip left at auto: dapo's 10.0 now sits inside the clip range
+     "loss.clip_ratio_c=auto is dapo's 10.0: loss.clip_ratio_c=10.0 must exceed 1 + clip_ratio_high = 10.5"),
     ("loss.loss_agg_mode=token-sum", "loss.loss_agg_mode='token-sum' is not one of"),
     ("loss.tis_cap=2", "moved to algorithm.rollout_correction: set algorithm.rollout_correction.rollout_is=token"),
     ("algorithm.rollout_correction.rollout_is_threshold=0", "rollout_is_threshold=0.0: need an upper bound > 0"),
