@@ -13,8 +13,10 @@ from megatron_dapo.reward.math_dapo import TAIL_CHARS
 from megatron_dapo.reward.labelled_cases import CASES, HARMLESS_AFTER, HARMLESS_BEFORE, HEDGE_AFTER, HEDGE_BEFORE
 
 POOL_TIMEOUT_S = 2.0
-SLACK_S = 2.5  # scheduling noise on a loaded 2-core box; the kill itself takes milliseconds
-RESTART_S = 8.0  # spawn + imports + warm-up of a replacement worker on a loaded 2-core box
+# A hung item is abandoned at the limit, never waited for: bounds in these tests are half the hang,
+# not timings (a replacement worker's start takes seconds on a loaded 2-core box, never a minute).
+HANG_S = 60.0
+ABANDONED_S = HANG_S / 2
 TOWER = "Answer: $9^{9^{9^{9}}}$"  # parses instantly; sympy then never finishes comparing it
 
 
@@ -22,7 +24,7 @@ def _hooked_score(response: str, ground_truth: str) -> dict:
     """Test hook: compute_score, except that "SLEEP" hangs far past any timeout, "NAP..." takes
     50 ms, and "CRASH" kills the worker process (like the OOM killer would)."""
     if response == "SLEEP":
-        time.sleep(30)
+        time.sleep(HANG_S)
     if response.startswith("NAP"):
         time.sleep(0.05)
     if response == "CRASH":
@@ -234,7 +236,7 @@ def test_pool_times_out_only_the_hanging_item_and_recovers(hooked_pool):
     responses = ["Answer: 1"] * 20 + ["SLEEP"] + ["Answer: 2"] * 20
     start = time.monotonic()
     results = hooked_pool.score(responses, ["1"] * 20 + ["1"] + ["2"] * 20)
-    assert time.monotonic() - start < POOL_TIMEOUT_S + SLACK_S
+    assert time.monotonic() - start < ABANDONED_S
     assert results[20] == {"score": -1.0, "acc": False, "pred": "", "timed_out": True}
     assert all(r["acc"] and not r["timed_out"] for i, r in enumerate(results) if i != 20)
     assert hooked_pool.last_num_timeouts == 1 and hooked_pool.num_timeouts == before + 1
@@ -258,7 +260,7 @@ def test_pool_from_a_thread(hooked_pool):
 def test_pool_timeout_with_large_unpipelined_chunks():
     # Untruncated 150k-character responses: two do not fit in a socket buffer. Once the NAP item
     # is answered, the worker stuck on SLEEP has room in its queue; sending it the next chunk
-    # would block the parent (until the 30 s sleep ends) instead of enforcing the timeout.
+    # would block the parent (until the minute's sleep ends) instead of enforcing the timeout.
     # Distinct strings: pickle would send repeated ones only once.
     responses = [f"{i}" + "x" * 150_000 + "\nAnswer: 7" for i in range(16)]
     responses[4], responses[5] = "NAP" + responses[4], "SLEEP"
@@ -268,7 +270,7 @@ def test_pool_timeout_with_large_unpipelined_chunks():
         start = time.monotonic()
         results = pool.score(responses, ["7"] * len(responses))
         # One worker: items after the hang also wait for its replacement to start.
-        assert time.monotonic() - start < timeout_s + SLACK_S + RESTART_S
+        assert time.monotonic() - start < ABANDONED_S
     assert [r["timed_out"] for r in results] == [i == 5 for i in range(16)]
     assert [r["acc"] for r in results] == [i != 5 for i in range(16)]
 
@@ -312,7 +314,7 @@ def test_pool_bounds_a_real_sympy_hang():
         start = time.monotonic()
         # The hang comes last: with one worker, later items would wait for its replacement.
         results = pool.score(["Answer: $41$", "Answer: $42$", TOWER], ["42", "42", "42"])
-        assert time.monotonic() - start < timeout_s + SLACK_S
+        assert time.monotonic() - start < ABANDONED_S
         assert [r["timed_out"] for r in results] == [False, False, True]
         assert [r["acc"] for r in results] == [False, True, False]
 
@@ -320,7 +322,7 @@ def test_pool_bounds_a_real_sympy_hang():
 def test_guard_rejects_tower_without_sympy():
     start = time.monotonic()
     assert not compute_score(TOWER, "42")["acc"]
-    assert time.monotonic() - start < 0.5
+    assert time.monotonic() - start < 5.0  # microseconds guarded; sympy would never return
 
 
 def test_pool_rejects_mismatched_lengths_and_use_after_close():

@@ -13,7 +13,7 @@ from megatron_dapo.reward.labelled_cases import CASES, SCORER_CASES
 from tests.helpers.verl_reference import verl
 
 TIMEOUT_S = 2.0
-SLACK_S = 2.5  # scheduling noise on a loaded 2-core box
+HANG_S = 60.0  # far past the limit: a pool that waited for the hung item would take this long
 # Needs math-verify: exact_forms leaves an unbraced argument to it (Undecided).
 SYMPY_ONLY = ("Answer: $\\sqrt4$", "2")
 
@@ -60,7 +60,7 @@ def test_paper_rule_digit_fast_path(text):
 def _hang_on_sleep(response: str, ground_truth: str) -> dict:
     """Worker-side scorer of the pool test: "SLEEP" hangs past the time limit."""
     if response == "SLEEP":
-        time.sleep(30)
+        time.sleep(HANG_S)
     return compute_score(response, ground_truth)
 
 
@@ -77,7 +77,9 @@ def test_pool_scores_quick_items_inline_and_the_rest_under_the_limit():
         pool.wait_until_ready()
         start = time.monotonic()
         results = pool.score(responses, truths)
-        assert time.monotonic() - start < TIMEOUT_S + SLACK_S
+        # Not a timing bound: the hung item is abandoned rather than waited for (restarting the
+        # worker may take seconds on a loaded 2-core box, never the hang's minute).
+        assert time.monotonic() - start < HANG_S / 2
         assert pool.num_quick == 20 and pool.last_num_timeouts == 1
     assert results[10] == {"score": -1.0, "acc": False, "pred": "", "timed_out": True}
     assert results[11]["acc"] and not results[11]["timed_out"]  # decided by math-verify, in the worker

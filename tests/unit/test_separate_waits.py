@@ -84,6 +84,6 @@ def test_a_wait_past_the_timeout_names_the_key_and_the_engines_missing():
     for request in (6, 7, 8):
         _later(0.15 * (request - 5), lambda request=request: [progress.done(request) for _ in range(ENGINES)])
     started = time.monotonic()
-    with pytest.raises(WaitTimeout, match="request 7"):
+    with pytest.raises(WaitTimeout, match="request 7"):  # a limit per request would never fire
         placement.wait_for([6, 7, 8])
-    assert time.monotonic() - started < 0.4
+    assert time.monotonic() - started < 2.0
