@@ -304,7 +304,11 @@ class LoggingConfig:
     tensorboard: bool = setting(True, "write TensorBoard events")
     wandb: bool = setting(False, "log to Weights & Biases (when installed)")
     wandb_project: str = setting("megatron-dapo", "W&B project")
-    progress: bool = setting(True, "live progress display on rank 0")
+    progress: bool = setting(True, "rank 0's progress: a line per step, and inside a step (generation, updates, "
+                             "evaluation, save) a line rewritten in place on a terminal, else one every "
+                             "progress_every_s")
+    progress_every_s: float = setting(30.0, "seconds between two progress lines inside a step in a log (not a "
+                                      "terminal); a shorter step prints its step line only")
     samples_every: int = setting(1, "write <dir>/samples/step_N.jsonl every N steps (read: megatron-dapo samples); 0 = "
                                  "never")
     samples_per_step: int = setting(64, "responses per dump, whole prompt groups (and as many of an evaluation's)")
@@ -312,7 +316,8 @@ class LoggingConfig:
 
     def __post_init__(self):
         zero = at_least(0)
-        require("logging", self, samples_every=zero, samples_per_step=zero, samples_max_chars=at_least(200))
+        require("logging", self, samples_every=zero, samples_per_step=zero, samples_max_chars=at_least(200),
+                progress_every_s=zero)
 
 
 @dataclass(frozen=True, kw_only=True)

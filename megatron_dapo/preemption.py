@@ -10,13 +10,17 @@ one line naming it.
 
 A signal comes with a grace period before SIGKILL: ``checkpoint.stop_grace_s`` for SIGTERM and
 SIGINT (torchrun waits 30 s after forwarding SIGTERM, SLURM's KillWait is 30 s by default), the
-time left until the job's end for SIGUSR1 (none when the end is unknown). When the step in flight
-and a save cannot fit in it (from the measured step and save times, time_limit.StepClock), the
-step is abandoned at once; otherwise a watchdog abandons it just before the grace runs out. An
-abandoned step exits 0 naming the last checkpoint: every saved step stays as it was (saves are
-atomic, mcore/checkpoint.py), only the unsaved steps are redone on resume. The watchdog learns
-of a signal from the interpreter's wakeup fd, so it acts even while the main thread sits in a
-long collective or kernel, where Python-level handlers cannot run.
+time left until the job's end for SIGUSR1 (none when the end is unknown). A step still generating
+has trained nothing yet, so it can be cut short: its generation aborted, the state as of its start
+saved (the steps since the last checkpoint kept), the step redone on resume. The watchdog cuts it
+at once when the step in flight and a save cannot fit in the grace (from the measured step and
+save times, time_limit.StepClock), else when only the cut's save still fits (an estimate that was
+too low: a long tail of responses). A step past its generation cannot be cut; when it and a save
+cannot fit, it is abandoned at once, else just before the grace runs out. An abandoned step exits 0
+naming the last checkpoint: every saved step stays as it was (saves are atomic,
+mcore/checkpoint.py), only the unsaved steps are redone on resume. The watchdog learns of a signal
+from the interpreter's wakeup fd, so it acts even while the main thread sits in a long collective
+or kernel, where Python-level handlers cannot run.
 
 A second signal (more than FORWARD_WINDOW_S after the first) exits at once without a checkpoint
 (exit code 128 + signal).
@@ -53,6 +57,8 @@ class Watch:
     on_abandon: Callable[[str], None]  # called with the exit line before the process exits 0
     grace_s: float  # SIGTERM / SIGINT
     end_time: float | None  # the job's end (SIGUSR1's grace), seconds since the epoch
+    cut_short: Callable[[], bool] = lambda: False  # aborts the step's generation if it is generating
+    seconds_to_save: Callable[[], float] = lambda: 0.0  # a cut step's save (of the step's start; 0: none due)
 
 
 class StopRequest:
@@ -144,11 +150,15 @@ class StopRequest:
             grace = watch.grace_s
         need = watch.seconds_to_finish()
         budget = grace - ABANDON_SAFETY_S
+        left = lambda: max(budget - (time.monotonic() - received), 0.0)  # noqa: E731
         if need is not None and need > budget:
-            self._abandon(watch, f"{sig.name}: the step in flight and its checkpoint need ~{need:.0f} s, more than "
-                                 f"the {grace:.0f} s before the kill")
-            return
-        if self._saved.wait(max(budget - (time.monotonic() - received), 0.0)):
+            if not watch.cut_short():  # past its generation: nothing to save it by
+                self._abandon(watch, f"{sig.name}: the step in flight and its checkpoint need ~{need:.0f} s, more "
+                                     f"than the {grace:.0f} s before the kill")
+                return
+        elif not self._saved.wait(max(left() - watch.seconds_to_save(), 0.0)):
+            watch.cut_short()  # the step may have overrun its estimate: while a save still fits
+        if self._saved.wait(left()):
             return  # the rest (the curves, the report, the exit) is not worth abandoning the save for
         self._abandon(watch, f"{sig.name}: the step and its checkpoint did not finish within the {grace:.0f} s "
                              "before the kill")

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from megatron_dapo.algo import DynamicSampler
 from megatron_dapo.gen_batches import GenerationBatches
 from megatron_dapo.groups import Group, rollout_metrics, version_lag
+from megatron_dapo.observe.step_progress import StepProgress
 from megatron_dapo.preemption import StopRequest
 from megatron_dapo.rollout.partial import partial_metrics
 from megatron_dapo.rollout.pipeline import RolloutPipeline
@@ -39,11 +40,13 @@ class StepBatches:
     Args:
         run: the built run (its config, sampler, placement; its resume point, if any, is restored).
         obs: the run's Observer (prompt draws, dump rows).
+        progress: told of each generation batch (observe/step_progress.py; None: nobody).
     """
 
-    def __init__(self, run, obs):
+    def __init__(self, run, obs, progress: StepProgress | None = None):
         cfg, fg = run.cfg, run.cfg.algorithm.filter_groups
         self.cfg, self.run, self.obs = cfg, run, obs
+        self.progress = progress or StepProgress(cfg.train.total_steps, 0.0, enabled=False)
         self.dyn = DynamicSampler(prompts_per_step=cfg.data.prompts_per_step, group_size=cfg.rollout.n,
                                   max_num_gen_batches=fg.max_num_gen_batches, enabled=fg.enable,
                                   surplus=cfg.surplus, adaptive=fg.adaptive, max_request=fg.max_gen_prompts,
@@ -66,6 +69,7 @@ class StepBatches:
         dyn, pipeline, gen = self.dyn, self.pipeline, self.gen
         dyn.start_step()
         while not dyn.is_full or pipeline.has(step):
+            self._report(dyn)
             ahead = pipeline.take(step)
             if ahead is None:
                 ahead = gen.draw(step, dyn.num_gen_batches, dyn.request_size(self.gen_batch))
@@ -82,6 +86,12 @@ class StepBatches:
         metrics.update(rollout_metrics(groups) | version_lag(groups, step))
         metrics["rollout/responses_generated_total"] = self.generated
         return StepBatch(groups, metrics, self.generated)
+
+    def _report(self, dyn: DynamicSampler) -> None:
+        """The generation batch about to be generated or collected, for the step's progress."""
+        most = f" of at most {dyn.max_num_gen_batches}" if dyn.enabled and dyn.max_num_gen_batches else ""
+        kept = f"; {len(dyn.held)}/{dyn.prompts_per_step} groups kept" if dyn.enabled else ""
+        self.progress.phase("generating", f"batch {dyn.num_gen_batches + 1}{most}{kept}")
 
     def ask_ahead(self, step: int, *, finished: bool, last: bool) -> None:
         """The end of step ``step``'s rollout: what the engines generate while it trains. ``finished``:

@@ -14,11 +14,12 @@ import logging
 import os
 import socket
 import sys
+import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 
 from megatron_dapo import ranks
 from megatron_dapo.config import DAPOConfig
@@ -29,18 +30,19 @@ from megatron_dapo.groups import to_samples
 from megatron_dapo.metrics_log import MetricsLogger, format_progress, progress_keys, read_metrics
 from megatron_dapo.observe.observer import Observer
 from megatron_dapo.observe.profiler import StepProfiler
-from megatron_dapo.off_policy import correct_samples
+from megatron_dapo.observe.step_progress import StepProgress
 from megatron_dapo.preemption import StopRequest, Watch
 from megatron_dapo.reward import VALUE_REWARD_FN
-from megatron_dapo.rollout.engine import eval_sampling_params
-from megatron_dapo.rollout.partial import token_versions
-from megatron_dapo.rollout.weight_sync import MISMATCH_KEYS, logprob_mismatch
+from megatron_dapo.rollout.engine import GenerationAborted, eval_sampling_params
 from megatron_dapo.run import Run, build_run, prepare_run
 from megatron_dapo.schedule import StepSchedule, finished
 from megatron_dapo.step_batches import StepBatches
+from megatron_dapo.step_update import device_used, old_log_probs, update
 from megatron_dapo.time_limit import StepClock, job_end_time, write_status
+from megatron_dapo.trainer_state import TrainerState
 
 logger = logging.getLogger("megatron_dapo.train")
+CUT_EXIT_S = 2.0  # a cut step's way out of its generation, before its save (Loop.seconds_to_save)
 
 
 @dataclass
@@ -48,6 +50,7 @@ class TrainResult:
     final_eval: dict[str, float]  # the last evaluation's metrics of this invocation ({} if none ran)
     step: int  # completed steps
     stopped_by: str | None = None  # the signal's name when a signal stopped the run early
+    cut: int | None = None  # the step (from 1) whose generation a stop cut short, redone on resume
     checkpoint: str | None = None  # the newest checkpoint when stopped by a signal
     already_complete: bool = False  # nothing to do: the run was at train.total_steps when started
     stop_latency_s: float = 0.0  # from the signal to the saved checkpoint
@@ -98,15 +101,21 @@ def _train(run: Run, stop: StopRequest) -> TrainResult:
     clock = StepClock()
     clock.load_state_dict(run.resume.clock if run.resume else {})
     end_time = job_end_time(scontrol=run.rank == 0)  # rank 0 asks SLURM; the stop all-reduce tells the rest
-    # From the first step on, a signal whose grace cannot hold the step in flight abandons it.
-    stop.watch(Watch(seconds_to_finish=clock.seconds_to_finish, last_checkpoint=lambda: str(_latest(run) or "none yet"),
-                     on_abandon=lambda line: _on_abandon(run, line),
-                     grace_s=cfg.checkpoint.stop_grace_s, end_time=end_time))
     obs = Observer(cfg, run.dir, rank=run.rank, start=start, num_replicas=run.placement.num_replicas,
                    resume=run.resume, log=log)
     try:
         with StepProfiler(cfg.profile, run.dir, run.rank) as prof:  # profile.steps: a trace of those steps
-            loop = Loop(run, log, obs, StepBatches(run, obs), StepSchedule(cfg, stop, clock, end_time, prof))
+            progress = StepProgress(cfg.train.total_steps, cfg.logging.progress_every_s,
+                                    enabled=run.rank == 0 and cfg.logging.progress)
+            run.placement.report_progress(progress if progress.enabled else None)
+            loop = Loop(run, log, obs, StepBatches(run, obs, progress), StepSchedule(cfg, stop, clock, end_time, prof),
+                        progress)
+            # From the first step on, a signal whose grace cannot hold the step in flight cuts its
+            # generation short, or abandons it past that (preemption.py).
+            stop.watch(Watch(seconds_to_finish=clock.seconds_to_finish,
+                             last_checkpoint=lambda: str(_latest(run) or "none yet"),
+                             on_abandon=lambda line: _on_abandon(run, line), grace_s=cfg.checkpoint.stop_grace_s,
+                             end_time=end_time, cut_short=loop.cut_short, seconds_to_save=loop.seconds_to_save))
             return loop.train(start)
     finally:
         log.close()
@@ -116,28 +125,43 @@ def _train(run: Run, stop: StopRequest) -> TrainResult:
 class Loop:
     """The steps of one invocation (docs/DESIGN.md "One step"): ``batches`` owns which rollouts a
     step trains on, ``schedule`` when it evaluates, saves and stops; ``run`` holds the actor and the
-    rollout placement, ``obs`` what is seen of the policy, ``log`` the records."""
+    rollout placement, ``obs`` what is seen of the policy, ``log`` the records, ``progress`` how far
+    the step in flight is."""
 
-    def __init__(self, run: Run, log: MetricsLogger, obs: Observer, batches: StepBatches, schedule: StepSchedule):
+    def __init__(self, run: Run, log: MetricsLogger, obs: Observer, batches: StepBatches, schedule: StepSchedule,
+                 progress: StepProgress):
         self.run, self.log, self.obs, self.batches, self.schedule = run, log, obs, batches, schedule
+        self.progress = progress  # inside a step (batches reports the rollout's)
         self.final: dict[str, float] = {}  # the newest evaluation's metrics
+        self.done = self.saved = 0  # completed steps; the step the newest checkpoint holds
+        # A stop's watchdog may cut the step short while it generates (cut_short, from its thread):
+        # the state as of the step's start, kept while it is not saved, is what the stop then saves.
+        self._phase = threading.Lock()
+        self._generating = False
+        self._start_state: TrainerState | None = None
 
     def train(self, start: int) -> TrainResult:
-        run, batches, schedule, stop = self.run, self.batches, self.schedule, self.schedule.stop
+        run, batches, schedule = self.run, self.batches, self.schedule
         cfg, actor, placement = run.cfg, run.actor, run.placement
         self._begin(start)
-        done = saved = start  # completed steps; the step the newest checkpoint holds
+        self.done = self.saved = start
         ends = False  # at train.total_steps, or the generation budget spent
         for step in range(start, cfg.train.total_steps):
             if not schedule.begin(step):
                 break
-            step_start, metrics = time.perf_counter(), {}
+            step_start, metrics, progress = time.perf_counter(), {}, self.progress
+            progress.begin_step(step + 1)
+            # what a cut (below) saves: the state before this step draws its prompts
+            self._start_state = self._state(self.done) if placement.aborts and self.done > self.saved else None
             if cfg.actor.offload_during_rollout:
                 with self.log.timer("offload"):  # the engine generates in the trainer's grads' and optimizer's memory
                     metrics.update(actor.offload_for_rollout())
-            with self.log.timer("rollout"):
-                batch = batches.collect(step)
-            metrics.update(_device_used("generating"))
+            try:
+                with self._generating_phase(), self.log.timer("rollout"):
+                    batch = batches.collect(step)
+            except GenerationAborted:  # a stop cut the step short (every rank leaves it here)
+                return self._end_cut(step + 1)
+            metrics.update(device_used("generating"))
             placement.sleep()  # the engine's memory goes to the trainer until the next sync
             if cfg.actor.offload_during_rollout:
                 with self.log.timer("onload"):  # after the sleep: the engine's memory is free for the state again
@@ -149,14 +173,16 @@ class Loop:
             batches.ask_ahead(step, finished=ends, last=last)
             metrics.update(batch.metrics)
             samples = to_samples(batch.groups, cfg)
-            samples, mismatch_in_update = _old_log_probs(run, self.log, samples, metrics, batch.groups, step)
+            progress.phase("old log-probs", f"{len(samples)} responses")
+            samples, mismatch_in_update = old_log_probs(run, self.log, samples, metrics, batch.groups, step)
             with self.log.timer("train"):
-                metrics.update(_update(run, samples, mismatch_in_update))
-            metrics.update(_device_used("training"))
+                metrics.update(update(run, samples, mismatch_in_update, progress))
+            metrics.update(device_used("training"))
             pending, write_s = self._write_if_due(step + 1, ends)
             # the engines take the new weights after what is in flight (timing_s/trainer_waited); at a
             # stop, only as long as the rest of the step and the save still end before the kill
-            batches.await_in_flight(stop, reserve_s=schedule.wait_reserve_s())
+            batches.await_in_flight(schedule.stop, reserve_s=schedule.wait_reserve_s())
+            progress.phase("syncing weights", last_s=schedule.clock.sync)
             with self.log.timer("weight_sync"):
                 _sync(run, step + 1, schedule.clock)
             eval_s = self._evaluate_if_due(metrics, schedule.step_evaluates or ends)
@@ -165,15 +191,41 @@ class Loop:
             metrics.update(self.obs.end_step(step + 1, metrics, batch.groups, [s.advantages for s in samples]))
             # Log before saving: a crash between the two resumes from the previous checkpoint and
             # rewrites this step's record, never leaves a step without one.
+            progress.end_step()
             self._log(step + 1, metrics)
-            done = step + 1
-            schedule.end(done, eval_s)
+            self.done = step + 1
+            schedule.end(self.done, eval_s)
             if pending is not None:
-                self._save(done, pending, write_s)
-                saved = done
+                self._save(self.done, pending, write_s)
+                self.saved = self.done
             if ends:
                 break
-        return self._end(done, saved, ends)
+        return self._end(ends)
+
+    def cut_short(self) -> bool:
+        """Called by a stop's watchdog (preemption.py, its own thread): aborts the step's generation
+        if the step is generating (nothing trained yet); returns whether it did."""
+        with self._phase:
+            return self._generating and self.run.placement.abort()
+
+    def seconds_to_save(self) -> float:
+        """What a cut step's stop then needs: leaving the generation (the engines stop at their next
+        token) and saving the state as of its start when it is not saved, counted twice as in a
+        stop's wait (StepSchedule.wait_reserve_s: a save under load took seconds more than the last)."""
+        save = (self.schedule.clock.save or 0.0) if self.done > self.saved else 0.0
+        return CUT_EXIT_S + 2 * save
+
+    @contextmanager
+    def _generating_phase(self):
+        """The step's rollout, the part of a step that a stop can cut short (``cut_short``)."""
+        with self._phase:
+            self._generating = True
+        try:
+            yield
+        finally:
+            with self._phase:
+                self._generating = False
+                self.run.placement.clear_abort()  # an abort after the last batch ended: the step goes on
 
     def _begin(self, start: int) -> None:
         """Before the first step: the ranks' nodes and the config recorded, the engines given the
@@ -190,26 +242,46 @@ class Loop:
             self.schedule.clock.record_eval(time.monotonic() - eval_start)  # the time limit's first estimate
             self._log(0, metrics | self.obs.end_step(0, metrics, [], []))
 
-    def _end(self, done: int, saved: int, ends: bool) -> TrainResult:
+    def _end(self, ends: bool) -> TrainResult:
         """After the last step of this invocation: at a stop, the steps since the last save saved
         with what is in flight, and the watchdog stood down."""
-        stop, run = self.schedule.stop, self.run
+        stop, run, done = self.schedule.stop, self.run, self.done
         if stop.signum is None or ends:
             return TrainResult(final_eval=self.final, step=done)
-        if done > saved:
+        if done > self.saved:
             run.actor.onload_after_rollout()  # an evaluation may have left the state off
             self.batches.collect_in_flight()  # kept with the checkpoint
             self._save(done)
+        return self._stopped()
+
+    def _end_cut(self, step: int) -> TrainResult:
+        """A stop cut step ``step`` (from 1) short in its generation: nothing of it is kept; the
+        steps before it are saved as they were at its start, when the last checkpoint is older."""
+        stop, run = self.schedule.stop, self.run
+        stop.agreed()  # a rank without a signal learns of the stop (every rank is here)
+        if run.rank == 0:
+            print(f"megatron-dapo: {stop.name}: step {step} cut short in its generation; "
+                  + (f"saving steps {self.saved + 1}-{self.done}" if self.done > self.saved else "nothing to save"),
+                  file=sys.stderr, flush=True)
+        if self.done > self.saved:
+            run.placement.sleep()  # the engine's memory back to the trainer's state for the save
+            run.actor.onload_after_rollout()
+            self._save(self.done, state=self._start_state)
+        return dataclasses.replace(self._stopped(), cut=step)
+
+    def _stopped(self) -> TrainResult:
+        stop = self.schedule.stop
         stop.saved()  # the last step is saved: the watchdog stands down
-        latest = _latest(run)
-        return TrainResult(final_eval=self.final, step=done, stopped_by=stop.name, checkpoint=latest and str(latest),
-                           stop_latency_s=stop.seconds_since())
+        latest = _latest(self.run)
+        return TrainResult(final_eval=self.final, step=self.done, stopped_by=stop.name,
+                           checkpoint=latest and str(latest), stop_latency_s=stop.seconds_since())
 
     def _evaluate_if_due(self, metrics: dict, due: bool) -> float:
         """The held-out evaluation when ``due`` (into ``metrics``); returns its seconds (0: none)."""
         if not due:
             return 0.0
         eval_start = time.monotonic()
+        self.progress.phase("evaluating", last_s=self.schedule.clock.eval)
         with self.log.timer("eval"):
             self.run.actor.offload_for_rollout()  # off until the next old log-probs (publish reads no state)
             metrics.update(_evaluate(self.run, self.obs))
@@ -221,19 +293,25 @@ class Loop:
         is on the device, and published after the step is logged."""
         if not self.schedule.saves(steps, ends):
             return None, 0.0
+        self.progress.phase("writing the checkpoint", last_s=self.schedule.clock.save)
         with self.log.timer("checkpoint_write"):
             started = time.monotonic()
             pending = self.run.actor.write_checkpoint(str(self.run.ckpt_dir), steps)
         return pending, time.monotonic() - started
 
-    def _save(self, steps: int, pending=None, write_s: float = 0.0) -> None:
+    def _state(self, steps: int) -> TrainerState:
+        """The trainer state after ``steps`` steps, as of now."""
+        return self.batches.state(step=steps, clock=self.schedule.clock.state_dict(), ledger=self.obs.ledger.state(),
+                                  alarms=tuple(self.obs.alarms.state()))
+
+    def _save(self, steps: int, pending=None, write_s: float = 0.0, state: TrainerState | None = None) -> None:
         """Publishes ``pending`` (the step's tensors, written before the sync ``write_s`` ago) with the
-        trainer state; without one (a stop between steps), saves in one go. The clock records the whole
-        save, both halves: it is what the stop path's one-phase save will cost (the saving step's time
-        holds the write too, which only makes the time-limit estimate safer)."""
+        trainer state (``state``, else as of now); without one (a stop between steps), saves in one go.
+        The clock records the whole save, both halves: it is what the stop path's one-phase save will
+        cost (the saving step's time holds the write too, which only makes the time-limit estimate
+        safer)."""
         clock = self.schedule.clock
-        state = self.batches.state(step=steps, clock=clock.state_dict(), ledger=self.obs.ledger.state(),
-                                   alarms=tuple(self.obs.alarms.state()))
+        state = state or self._state(steps)
         started = time.monotonic()
         if pending is None:
             self.run.actor.save_checkpoint(str(self.run.ckpt_dir), state.to_json())
@@ -306,84 +384,6 @@ def _evaluate(run: Run, obs: Observer | None = None) -> dict[str, float]:
     return metrics
 
 
-def _device_used(phase: str) -> dict[str, float]:
-    """Device-wide used memory at the end of a phase (CUDA only: the engine's allocations are
-    not torch's, so only the device's own count sees both), against the plan's peaks."""
-    if not torch.cuda.is_available():
-        return {}
-    free, total = torch.cuda.mem_get_info()
-    return {f"memory/device_used_gb_{phase}": (total - free) / 1e9}
-
-
-def _update(run: Run, samples: list, mismatch_in_update: bool) -> dict[str, float]:
-    """The step's updates: its samples split into mini-batches of train.mini_batch_prompts groups
-    (e.g. 512 responses -> 16 updates), train.ppo_epochs passes over them; the updates' metrics averaged
-    (actor/num_updates counts them). Every update's token counts in one DP exchange before, every
-    update's metrics in one after. ``mismatch_in_update``: the first update's forward measures the
-    engine/trainer mismatch (train.old_log_probs=rollout: the weights that generated the batch)."""
-    cfg, actor = run.cfg, run.actor
-    actor.prepare_for_training()
-    size = cfg.train.mini_batch_prompts * cfg.rollout.n
-    minis = [samples[i:i + size] for i in range(0, len(samples), size)]
-    counts = actor.batch_counts(minis)
-    pending = []
-    for epoch in range(cfg.train.ppo_epochs):
-        for k, mini in enumerate(minis):
-            first = mismatch_in_update and epoch == k == 0
-            pending.append(actor.get_loss_and_metrics(mini, mismatch=first, defer_metrics=True, counts_table=counts[k]))
-    metrics: dict[str, float] = {}
-    for k, update in enumerate(actor.reduce_metrics(pending)):
-        metrics.update({key: update.pop(key) for key in MISMATCH_KEYS if mismatch_in_update and k == 0})
-        _accumulate(metrics, update)
-    return metrics
-
-
-def _accumulate(metrics: dict, update: dict) -> None:
-    """Averages per-update metrics over the step's updates (counts under actor/num_updates)."""
-    n = metrics.get("actor/num_updates", 0.0)
-    for k, v in update.items():
-        v = float(v)
-        metrics[k] = max(metrics.get(k, v), v) if k.endswith("_max") else (metrics.get(k, 0.0) * n + v) / (n + 1)
-    metrics["actor/num_updates"] = n + 1
-
-
-def _old_log_probs(run: Run, log: MetricsLogger, samples: list, metrics: dict, groups: list,
-                   step: int) -> tuple[list, bool]:
-    """The samples with pi_old (train.old_log_probs): the trainer's forward over the batch, with the
-    engine/trainer mismatch from it, or the engine's own log-probs (no pass; the mismatch is then
-    measured in the first update's forward: the second value says so). The mismatch is measured over
-    the response tokens that the trainer's weights (those of ``step``; ``groups`` in sample order)
-    generated, a numerics check (a stale token's drift is rollout correction's; none current: no
-    mismatch), and rollout correction applied (off_policy.py)."""
-    cfg, actor = run.cfg, run.actor
-    check = cfg.rollout.check_logprob_mismatch
-    if cfg.train.old_log_probs == "rollout":
-        missing = [i for i, s in enumerate(samples) if s.rollout_log_probs is None]
-        if missing:
-            raise ValueError(f"train.old_log_probs=rollout, but samples {missing[:8]} came without the engine's "
-                             "log-probs; set train.old_log_probs=trainer")
-        return [dataclasses.replace(s, old_log_probs=s.rollout_log_probs) for s in samples], check
-    with log.timer("old_log_probs"):
-        actor.prepare_for_inference()
-        old = actor.get_inference_log_probs(samples)
-        actor.finish_inference()
-    current = [[v == step for v in token_versions(r)] for g in groups for r in g.rollouts]
-    if check and any(map(any, current)):
-        metrics.update(_mismatch([s.rollout_log_probs for s in samples], old, current))
-    samples, corrected = correct_samples([dataclasses.replace(s, old_log_probs=lp) for s, lp in zip(samples, old)],
-                                         cfg.algorithm.rollout_correction.spec())  # weights, rejections
-    metrics.update(corrected)
-    return samples, False
-
-
-def _mismatch(engine_lp: list[torch.Tensor], trainer_lp: list[torch.Tensor],
-              current: list[list[bool]]) -> dict[str, float]:
-    pad = torch.nn.utils.rnn.pad_sequence
-    mask = pad([torch.tensor(c, dtype=torch.float32) for c in current], batch_first=True)
-    out = logprob_mismatch(pad(engine_lp, batch_first=True), pad(trainer_lp, batch_first=True), mask)
-    return {k: float(v) for k, v in out.items()}
-
-
 def evaluate_run(cfg: DAPOConfig) -> dict[str, float]:
     """``megatron-dapo eval``: the run's latest checkpoint (or its starting weights) on data.val_files,
     with the eval settings; writes <logging.dir>/eval.json on rank 0. Reads a live run: it does
@@ -426,8 +426,9 @@ def main(cfg: DAPOConfig, stop: StopRequest | None = None, engines=None) -> int:
     write_report(cfg.logging.dir)  # curves, the latest samples, the alarms: one page
     if result.stopped_by:
         saved = f"checkpoint {result.checkpoint}" if result.checkpoint else "no checkpoint yet (nothing to keep)"
+        cut = f", step {result.cut} cut short in its generation" if result.cut else ""
         print(f"megatron-dapo: stopped by {result.stopped_by} after step {result.step} of "
-              f"{cfg.train.total_steps} ({result.stop_latency_s:.1f} s after the signal): {saved}; rerun the "
+              f"{cfg.train.total_steps}{cut} ({result.stop_latency_s:.1f} s after the signal): {saved}; rerun the "
               "same command to resume", flush=True)
     else:
         print("final evaluation: " + _fmt(result.final_eval), flush=True)

@@ -42,6 +42,7 @@ from megatron_dapo.rollout.engine import (
     resolve_seed,
     sequence_seed,
 )
+from megatron_dapo.rollout.gen_progress import GenerationCounter, ProgressSink
 
 
 class HFEngine:
@@ -75,6 +76,7 @@ class HFEngine:
         params = inspect.signature(model.forward).parameters
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
         self._aborted = threading.Event()
+        self.on_progress: ProgressSink | None = None  # rollout/gen_progress.py
 
     @classmethod
     def from_pretrained(cls, path: str, *, dtype: torch.dtype = torch.float32, **kwargs) -> HFEngine:
@@ -116,13 +118,16 @@ class HFEngine:
         if len(prompts) != len(seeds):
             raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
         out: list[Rollout] = []
+        counter = GenerationCounter(self.on_progress, len(prompts), params.max_tokens)
         for start in range(0, len(prompts), self.max_batch_size):
             stop = start + self.max_batch_size
-            out += self._sample_batch(prompts[start:stop], seeds[start:stop], params)
+            part = self._sample_batch(prompts[start:stop], seeds[start:stop], params, counter)
+            counter.part_done([len(r.response_ids) for r in part])
+            out += part
         return out
 
     def _sample_batch(self, prompts: Sequence[Sequence[int]], seeds: Sequence[int],
-                      params: SamplingParams) -> list[Rollout]:
+                      params: SamplingParams, counter: GenerationCounter) -> list[Rollout]:
         device = next(self.model.parameters()).device
         num_seqs, max_len = len(prompts), max(len(p) for p in prompts)
         # Left padding: [B, L] ids and mask, real tokens right-aligned.
@@ -161,6 +166,8 @@ class HFEngine:
                 finished[r] = tokens[i] in stop_ids
             if all(finished) or step == params.max_tokens - 1:
                 break
+            if counter.due():
+                counter.report(sum(finished), sum(map(len, responses)), step + 1)
             keep = [i for i, r in enumerate(rows) if not finished[r]]
             if 4 * len(keep) <= 3 * len(rows):  # compact: a decode step costs by its rows
                 rows, keep_B = [rows[i] for i in keep], torch.tensor(keep)

@@ -23,6 +23,7 @@ wakes only its weights for that (``VLLMEngine.update_weights``), the KV cache at
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -30,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_dapo.errors import ConfigError
-from megatron_dapo.rollout.engine import Rollout, RolloutEngine, SamplingParams
+from megatron_dapo.rollout.engine import GenerationAborted, Rollout, RolloutEngine, SamplingParams
 from megatron_dapo.rollout.weight_sync import sync_weights
 
 
@@ -98,6 +99,7 @@ class RolloutPlacement:
         self.version = 0  # the trainer steps in the engine's weights (the last sync's version)
         self._requests = 0  # request ids of ``submit``
         self._submitted: dict[int, tuple[range, list[list[Rollout]]]] = {}
+        self._aborted = threading.Event()  # set by ``abort`` (another thread), until ``clear_abort``
 
     def share(self, num_items: int) -> range:
         """Global positions of this replica's share of ``num_items`` prompts."""
@@ -117,7 +119,19 @@ class RolloutPlacement:
         # replicas step in lockstep, all-reducing "anything unfinished?" every engine step over
         # the replicas (docs/DESIGN.md "Rollout placement"); a replica that skipped the call
         # would leave the others waiting in that all-reduce for ever.
-        outputs = self.engine.generate([prompt_ids[i] for i in share], n, params, prompt_indices=list(share))
+        try:
+            outputs = self.engine.generate([prompt_ids[i] for i in share], n, params, prompt_indices=list(share))
+        except GenerationAborted:
+            if not self._aborted.is_set():
+                raise
+        # An abort reaches the ranks at different moments (one rank's signal, or a batch that ended
+        # just before it): every rank learns whether any was aborted, and all leave together
+        # before the results' gather (one small exchange per generation batch).
+        aborted = self._aborted.is_set()
+        if self.world_size > 1:
+            aborted = any(self.gather_all(aborted))
+        if aborted:
+            raise GenerationAborted("the generation batch was aborted (a stop cut the step short)")
         return share, with_version(outputs, self.version)
 
     # ------------------------------------------------------------------ asked for ahead
@@ -189,3 +203,28 @@ class RolloutPlacement:
     def shutdown(self) -> None:
         """Ends this rank's engine (its workers and, for vLLM, its groups)."""
         self.engine.shutdown()
+
+    @property
+    def aborts(self) -> bool:
+        """Whether ``abort`` can end a generation: the engine can stop a batch it has begun."""
+        return bool(getattr(self.engine, "aborts", False))
+
+    def abort(self) -> bool:
+        """Ends this rank's generation at the engine's next token (``Placement.abort``); False for an
+        engine that cannot stop a batch it has begun."""
+        if not self.aborts:
+            return False
+        self._aborted.set()
+        self.engine.abort()
+        return True
+
+    def report_progress(self, sink) -> None:
+        """``Placement.report_progress``: an engine without ``on_progress`` reports nothing."""
+        if hasattr(self.engine, "on_progress"):
+            self.engine.on_progress = sink
+
+    def clear_abort(self) -> None:
+        """The next ``generate`` runs (``Placement.clear_abort``)."""
+        if self._aborted.is_set():
+            self._aborted.clear()
+            self.engine.clear_abort()

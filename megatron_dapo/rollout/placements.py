@@ -15,6 +15,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from megatron_dapo.rollout.engine import Rollout, SamplingParams
+from megatron_dapo.rollout.gen_progress import ProgressSink
 
 
 @runtime_checkable
@@ -24,7 +25,7 @@ class Placement(Protocol):
     ``rank`` / ``world_size``: this rank among the trainer ranks that share the placement;
     ``replica`` / ``num_replicas``: this rank's engine replica (colocated; separate: one, the
     engines'); ``is_leader``: this rank scores and holds the replica's results (trainer rank 0
-    with separate engines).
+    with separate engines); ``aborts``: whether ``abort`` can end a generation running now.
     """
 
     rank: int
@@ -32,6 +33,7 @@ class Placement(Protocol):
     replica: int
     num_replicas: int
     is_leader: bool
+    aborts: bool
 
     def generate(self, prompt_ids: Sequence[Sequence[int]], n: int,
                  params: SamplingParams) -> tuple[range, list[list[Rollout]]]:
@@ -74,6 +76,17 @@ class Placement(Protocol):
 
     def shutdown(self) -> None:
         """Ends what this rank owns of the engines (at the run's end)."""
+
+    def abort(self) -> bool:
+        """Ends the generation running now (called from another thread: a stop's watchdog): its
+        ``generate`` raises GenerationAborted on every trainer rank, those without an abort too, so
+        that all leave together. False where it cannot (then nothing changes)."""
+
+    def clear_abort(self) -> None:
+        """Undoes an ``abort`` that came after the last ``generate`` it could end."""
+
+    def report_progress(self, sink: ProgressSink | None) -> None:
+        """This rank's engine tells ``sink`` how far its generation batches are (None: nobody)."""
 
 
 def make_placement(cfg, engines=None) -> Placement:

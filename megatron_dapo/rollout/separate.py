@@ -188,6 +188,21 @@ class SeparatePlacement:
     def shutdown(self) -> None:
         """Nothing here: ``Engines.shutdown`` (train.py) tells the engines, once it knows how the run ended."""
 
+    aborts = False  # abort() below
+
+    def abort(self) -> bool:
+        """Not here (``Placement.abort``): a step's own batches are waited for, and a stop's watchdog
+        abandons the step when they overrun its grace (the batches asked for ahead have a deadline
+        of their own: gen_batches.GenerationBatches.await_in_flight)."""
+        return False
+
+    def clear_abort(self) -> None:
+        """Nothing to undo."""
+
+    def report_progress(self, sink) -> None:
+        """Not here: the engines run in processes of their own; the trainers show which batch they
+        wait for (step_batches.py)."""
+
     # ------------------------------------------------------------------ trainer rank 0's waits
     def _next(self) -> int:
         self._requests += 1

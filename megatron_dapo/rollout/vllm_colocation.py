@@ -25,6 +25,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from megatron_dapo.rollout.gen_progress import GenerationCounter
+
 
 # Module level so that they pickle by reference for standalone engines in child processes.
 def begin_reload(worker: Any) -> None:
@@ -165,7 +167,8 @@ def tp_cpu_group() -> Any:
     return get_tp_group().cpu_group
 
 
-def step_requests(engine: Any, ids: list[str], aborted: threading.Event, tp_group: Any = None) -> list[Any]:
+def step_requests(engine: Any, ids: list[str], aborted: threading.Event, tp_group: Any = None,
+                  counter: GenerationCounter | None = None) -> list[Any]:
     """Steps ``engine`` (an LLM's llm_engine) until the requests ``ids`` (``LLM.enqueue``'s, internal)
     finish, as LLM.generate does; their outputs in the order enqueued (vLLM's own sort: outputs carry
     the request counter's ids).
@@ -177,18 +180,26 @@ def step_requests(engine: Any, ids: list[str], aborted: threading.Event, tp_grou
     them in a forward it never joins. The loop keeps stepping while another data-parallel replica
     has requests (``has_unfinished_requests`` is a collective of the DP group, hung by a replica that
     left): at a stop every replica is aborted, so they leave together. Finished ids are ignored by
-    abort_request.
+    abort_request. ``counter`` (rollout/gen_progress.py) is told how far they are when it is due.
     """
     from megatron_dapo.rollout.engine import GenerationAborted
 
-    finished, aborting = [], False
+    finished, aborting, done_tokens, longest = [], False, 0, 0
     while True:
         if not aborting and _any_rank(aborted.is_set(), tp_group):
             engine.abort_request(ids, internal=True)
             aborting = True
         if not engine.has_unfinished_requests():
             break
-        finished += [out for out in engine.step() if out.finished]
+        outs = engine.step()
+        ended = [out for out in outs if out.finished]
+        finished += ended
+        if counter is not None:
+            done_tokens += sum(len(out.outputs[0].token_ids) for out in ended)
+            if counter.due():  # a request's output holds all its tokens so far
+                running = [len(out.outputs[0].token_ids) for out in outs if out.outputs and not out.finished]
+                longest = max([longest, *running, *(len(out.outputs[0].token_ids) for out in ended)])
+                counter.report(len(finished), done_tokens + sum(running), longest)
     if aborting:
         raise GenerationAborted("the vLLM engine was aborted while generating")
     return sorted(finished, key=lambda out: int(out.request_id))

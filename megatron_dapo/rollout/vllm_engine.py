@@ -92,6 +92,7 @@ from megatron_dapo import ranks
 from megatron_dapo.errors import ConfigError
 from megatron_dapo.rollout import vllm_colocation as _c
 from megatron_dapo.rollout.engine import EngineSpec, Rollout, SamplingParams, check_prompts, sequence_seed
+from megatron_dapo.rollout.gen_progress import GenerationCounter, ProgressSink
 from megatron_dapo.rollout.placement import replica_layout
 from megatron_dapo.rollout.vllm_checks import (
     check_cpu_head_dim,
@@ -292,6 +293,8 @@ class VLLMEngine:
         self._asleep: set[str] = set()
         self._reloading = False
         self._aborted = threading.Event()
+        self.on_progress: ProgressSink | None = None  # rollout/gen_progress.py
+        self._counter: GenerationCounter | None = None  # the generate call in progress's
         # the ranks of a replica must agree on an abort (external launcher: each steps its own scheduler)
         self._tp_group = _c.tp_cpu_group() if mode == "colocated" and tensor_parallel_size > 1 else None
 
@@ -356,6 +359,7 @@ class VLLMEngine:
                     for i, index in enumerate(indices) for k in range(n)]
         ids = self.llm.enqueue(prompts=[{"prompt_token_ids": list(prompt_ids[i])} for i, _ in requests],
                                sampling_params=[sp for _, sp in requests], use_tqdm=False)
+        self._counter = GenerationCounter(self.on_progress, len(ids), params.max_tokens)
         outputs = self._run(ids)
         result: list[list[Rollout]] = [[] for _ in prompt_ids]
         for (i, _), out in zip(requests, outputs, strict=True):
@@ -365,7 +369,7 @@ class VLLMEngine:
     def _run(self, ids: list[str]) -> list[Any]:
         """The requests ``ids``' outputs once vLLM's engine, stepped on this thread, has finished them;
         after abort() GenerationAborted (vllm_colocation.step_requests)."""
-        return _c.step_requests(self.llm.llm_engine, ids, self._aborted, self._tp_group)
+        return _c.step_requests(self.llm.llm_engine, ids, self._aborted, self._tp_group, self._counter)
 
     # ------------------------------------------------------------------ weights and memory
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

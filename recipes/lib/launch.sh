@@ -7,9 +7,11 @@
 # check on a machine without the weights; empty for the CPU demo, whose model is made at start),
 # GPUS_PER_NODE (processes per node) and, for the real recipes, DATA_DIR (default /data: what
 # `megatron-dapo prepare-data --out $DATA_DIR` writes, train.parquet and eval.parquet). Its run.sh
-# and train.sbatch source it and this file, then call recipe_main or slurm_nodes. PYTHON and
-# TORCHRUN name the interpreter and launcher (default: python and torchrun on PATH, as in the
-# container).
+# and train.sbatch source it and this file, then call recipe_main or slurm_nodes. PYTHON names the
+# interpreter (default: python on PATH, as in the container). The launcher is torchrun's agent run
+# by megatron_dapo.launch, which ends as the run ended: a stop signal that torchrun meets with
+# SignalException (exit 1, a traceback) after the trainers saved gives exit 0 and one line; TORCHRUN
+# names another launcher (e.g. TORCHRUN=torchrun).
 #
 # Under SLURM (slurm_nodes; docs/DESIGN.md "Preemption and time limits"):
 #   CONTAINER_IMAGE   pyxis: run each node's torchrun in this image (.sqsh or registry URI), with
@@ -22,7 +24,7 @@
 declare -p SINGLE_NODE >/dev/null 2>&1 || SINGLE_NODE=()  # recipe.env may set it
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 PYTHON=${PYTHON:-python}
-TORCHRUN=${TORCHRUN:-torchrun}
+if [ -n "${TORCHRUN:-}" ]; then LAUNCHER=("$TORCHRUN"); else LAUNCHER=("$PYTHON" -m megatron_dapo.launch); fi
 MEGATRON_DAPO=("-m" "megatron_dapo.cli")
 
 # The environment Megatron-Core and NCCL want; a value already set by the user or the cluster wins.
@@ -84,7 +86,7 @@ single_node() {
   local -a data
   mapfile -t data < <(data_overrides)
   set -- "${data[@]}" "${SINGLE_NODE[@]}" "$@"
-  local cmd=("$TORCHRUN" --standalone --nproc-per-node "$GPUS_PER_NODE" "${MEGATRON_DAPO[@]}" "$command"
+  local cmd=("${LAUNCHER[@]}" --standalone --nproc-per-node "$GPUS_PER_NODE" "${MEGATRON_DAPO[@]}" "$command"
              --config "$RECIPE" "$@")
   if [ "${DRY_RUN:-0}" = 1 ]; then
     check_inputs
@@ -148,7 +150,7 @@ slurm_nodes() {
   nodes=${#hosts[@]}
   mapfile -t data < <(data_overrides)
   mapfile -t flags < <(container_flags)
-  local cmd=("$TORCHRUN" --nnodes "$nodes" --nproc-per-node "$GPUS_PER_NODE" --rdzv-backend c10d
+  local cmd=("${LAUNCHER[@]}" --nnodes "$nodes" --nproc-per-node "$GPUS_PER_NODE" --rdzv-backend c10d
              --rdzv-endpoint "$head:$port" --rdzv-id "$job" "${MEGATRON_DAPO[@]}" "$command" --config "$RECIPE"
              "${data[@]}" "$@")
   local task

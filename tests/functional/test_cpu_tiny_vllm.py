@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.demo import DEMO_DIRS
 from tests.helpers.records import assert_same_records, records
 
 pytest.importorskip("vllm", reason="vLLM is not installed (./install.sh vllm)")
@@ -69,3 +70,50 @@ def test_replicas_with_nothing_to_generate_take_part_and_match_one_process(tmp_p
     assert all(r["dynamic_sampling/num_gen_batches"] >= 2 for r in records(two)[1:])  # several 1-prompt batches
     # the update at DP=2 vs DP=1, and the engine's probabilities after syncing it, to round-off
     assert_same_records(two, one, round_off=("rollout/token_prob",))
+
+
+def test_a_stop_while_vllm_generates_cuts_the_step_and_resumes_exactly(tmp_path):
+    """Colocated vLLM, 2 processes: step 4's batch stalls on both replicas with its requests in vLLM
+    (tests/helpers/stalling_engine.py) when SIGTERM reaches both (as SLURM sends it): vLLM ends the
+    requests, steps 1-3 are saved as they were at step 4's start (the periodic save had step 2 only),
+    exit 0; the rerun ends equal to an uninterrupted run."""
+    import os
+    import signal
+    import time
+
+    import psutil
+
+    args = ["train.total_steps=6", "eval.before_train=false", "eval.every=0", "checkpoint.save_every=2",
+            "algorithm.filter_groups.enable=false", "logging.tensorboard=false"]  # one batch a step: call 4 is step 4's
+
+    def command(run_dir: Path, *extra: str) -> list[str]:
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
+                "tests.helpers.stalling_engine", "train", "--config", str(ROOT / "conf" / "cpu_tiny_vllm.yaml"),
+                f"logging.dir={run_dir}", *args, *extra]
+
+    reference = tmp_path / "reference"
+    out = subprocess.run(command(reference), cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-5000:]
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    for name in DEMO_DIRS:
+        shutil.copytree(reference / name, run_dir / name)
+    log = tmp_path / "stalled.log"
+    with open(log, "w") as sink:
+        agent = subprocess.Popen(command(run_dir, "rollout.engine=stalling_vllm", "checkpoint.stop_grace_s=12"),
+                                 cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT, env={**os.environ, "STALL_CALL": "4"})
+        deadline = time.time() + 600
+        while log.read_text().count("call 4 stalls") < 2:
+            assert agent.poll() is None and time.time() < deadline, log.read_text()[-3000:]
+            time.sleep(0.1)
+        for worker in psutil.Process(agent.pid).children():
+            worker.send_signal(signal.SIGTERM)
+        agent.wait(timeout=120)
+    text = log.read_text()
+    assert agent.returncode == 0, text[-3000:]
+    assert text.count("call 4 stall ended by an abort") == 2 and "abandoning" not in text, text[-3000:]
+    assert "stopped by SIGTERM after step 3 of 6, step 4 cut short in its generation" in text, text[-3000:]
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_00000003"
+    out = subprocess.run(command(run_dir), cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-5000:]
+    assert_same_records(run_dir, reference)

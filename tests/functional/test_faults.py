@@ -336,3 +336,80 @@ def test_the_run_records_the_config_it_ran(reference):
     assert cfg.model.hf_path == str(reference / "toy_base")
     assert cfg.data.train_files == (str(reference / "toy_data" / "train.parquet"),)
     assert cfg.data.val_files == (str(reference / "toy_data" / "val.parquet"),)
+
+
+def _stalled(run_dir: Path, log: Path, *, nproc: int = 1, grace_s: int = 8) -> subprocess.Popen:
+    """The demo with the stalling HF engine (tests/helpers/stalling_engine.py): its 6th generation,
+    step 4's batch (the evaluation before training is the 1st, step 1 draws two batches), waits for
+    an abort; ``nproc`` processes, under torchrun when 2 (DP=2)."""
+    launcher = [sys.executable] + (["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+                                   if nproc > 1 else [])
+    cmd = launcher + ["-m", "tests.helpers.stalling_engine"] + _cmd(run_dir, "rollout.engine=stalling_hf",
+                                                                     f"checkpoint.stop_grace_s={grace_s}")[3:]
+    out = open(log, "w+")
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, text=True,
+                            env={**ENV, "STALL_CALL": "6"})
+    proc.out, proc.err = out, open(os.devnull)
+    return proc
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_a_stop_during_generation_cuts_the_step_and_saves_the_steps_before_it(reference, tmp_path, nproc):
+    """SIGTERM to every trainer process (as SLURM's scancel and time limit send it) while step 4
+    generates, its batch outlasting the grace: the step's generation is aborted and steps 3 and before
+    saved as they were at step 4's start, exit 0; the rerun redoes step 4 on and ends equal to the
+    uninterrupted run. Before, the watchdog abandoned the step at the grace's end and the resume went
+    back to the periodic checkpoint of step 2."""
+    run_dir = copy_demo_base(reference, tmp_path / "run")
+    log = tmp_path / "stalled.log"
+    proc = _stalled(run_dir, log, nproc=nproc)
+    _wait_for(lambda: log.read_text().count("call 6 stalls") == nproc, proc, "step 4's stalled batch")
+    assert _records(run_dir)[-1]["step"] == 3
+    workers = psutil.Process(proc.pid).children() if nproc > 1 else [proc]
+    assert len(workers) == nproc
+    sent = time.monotonic()
+    for worker in workers:
+        worker.send_signal(signal.SIGTERM)
+    _finish(proc)
+    text = log.read_text()
+    assert proc.returncode == 0, text[-3000:]
+    assert time.monotonic() - sent < 8, "cut while a save still fits the 8 s grace"
+    assert text.count("call 6 stall ended by an abort") == nproc, text[-3000:]
+    assert "megatron-dapo: SIGTERM: step 4 cut short in its generation; saving steps 3-3" in text
+    latest = run_dir / "checkpoints" / "step_00000003"
+    assert f"stopped by SIGTERM after step 3 of {STEPS}, step 4 cut short in its generation" in text
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == latest.name and str(latest) in text
+    assert "abandoning" not in text and "Traceback" not in text
+    assert [r["step"] for r in _records(run_dir)] == [0, 1, 2, 3]
+    out = _run(run_dir) if nproc == 1 else subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"] + _cmd(run_dir)[1:],
+        cwd=ROOT, capture_output=True, text=True, timeout=900, env=ENV)
+    assert out.returncode == 0, out.stderr[-5000:]
+    if nproc == 1:
+        _assert_same_as_reference(run_dir, reference)
+    else:  # DP=2 runs its own numbers (gradients reduced over two ranks): each step once
+        assert [r["step"] for r in _records(run_dir)] == list(range(STEPS + 1))
+
+
+@pytest.mark.parametrize("launcher", ["megatron_dapo.launch", "torch.distributed.run"])
+def test_a_stop_signal_to_the_launcher_ends_it_as_the_run_ended(reference, tmp_path, launcher):
+    """SIGTERM to the agent (DP=2): it forwards SIGTERM, both trainers save and exit 0. Plain torchrun
+    then raises SignalException (rc 1, a traceback); megatron_dapo.launch, the same agent, exits 0
+    with one line naming the run's checkpoint, as the recipes launch it."""
+    run_dir = copy_demo_base(reference, tmp_path / "run")
+    cmd = [sys.executable, "-m", launcher, "--standalone", "--nproc-per-node=2"] + _cmd(run_dir)[1:]
+    with open(tmp_path / "out.txt", "w+") as out:
+        agent = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, text=True, env=ENV)
+        agent.out, agent.err = out, open(os.devnull)
+        _wait_for(_logged(run_dir, 1), agent, "a step")
+        agent.send_signal(signal.SIGTERM)
+        agent.wait(timeout=120)
+        out.seek(0)
+        text = out.read()
+    step = _records(run_dir)[-1]["step"]
+    saved = f"stopped after step {step} of {STEPS}, by SIGTERM; checkpoint {run_dir / 'checkpoints'}"
+    if launcher == "torch.distributed.run":
+        assert agent.returncode == 1 and "SignalException" in text and "Traceback" in text
+        return
+    assert agent.returncode == 0 and "Traceback" not in text, text[-3000:]
+    assert text.strip().splitlines()[-1].startswith(f"megatron-dapo: SIGTERM reached the launcher; the run {saved}")

@@ -130,4 +130,4 @@ def test_a_failing_run_fails_the_job(cluster, tmp_path):
     # one task per node, torchrun found where the task runs (bash -c), with the node's CPUs unbound
     step = next(line for line in text.splitlines() if line.startswith("job step: srun "))
     assert "--ntasks-per-node=1" in step and "--cpu-bind=none" in step and "--cpus-per-task=" in step, step
-    assert " bash -c " in step and "exec torchrun --nnodes 2 " in step.replace("\\", ""), step
+    assert " bash -c " in step and "megatron_dapo.launch --nnodes 2 " in step.replace("\\", ""), step

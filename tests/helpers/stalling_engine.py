@@ -4,8 +4,9 @@ stop that cannot wait for it (tests/functional/test_async_rollouts.py, test_asyn
 ``StallingHFEngine`` is the real HF engine; the engine's call numbered ``$STALL_CALL`` (from 1;
 training batches and evaluations alike) waits until the engine is aborted (then it raises, as a
 batch aborted while decoding does) or ``$STALL_S`` seconds (default ``MAX_STALL_S``) have passed
-(then it generates what it would have), and says how its stall ended. A call number, not a file a test creates:
-a test cannot create one between two batches that an engine runs back to back.
+(then it generates what it would have), and says when its stall begins and how it ended. A call
+number, not a file a test creates: a test cannot create one between two batches that an engine runs
+back to back.
 ``StallingVLLMEngine`` is the real vLLM engine; such a batch stalls the same way after its requests
 are in vLLM, before its first engine step, so that an abort goes through the real one: vLLM ends
 the requests and the replicas leave their data-parallel lockstep together.
@@ -31,6 +32,7 @@ def _stall(engine) -> None:
         return
     aborted, started = engine._aborted, time.monotonic()
     limit = float(os.environ.get("STALL_S", MAX_STALL_S))
+    print(f"stalling engine: call {engine.calls} stalls", file=sys.stderr, flush=True)
     while not aborted.is_set() and time.monotonic() - started < limit:
         time.sleep(0.05)
     how = "by an abort" if aborted.is_set() else ("timed out" if limit == MAX_STALL_S else f"after {limit:g} s")

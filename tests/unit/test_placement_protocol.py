@@ -40,8 +40,9 @@ def separate():
 
 def test_the_protocol_names_what_the_loop_uses():
     assert set(METHODS) >= {"generate", "submit", "collect", "wait_for", "cancel", "from_leader", "gather",
-                            "gather_all", "sync", "take_waits", "sleep", "wake_up", "shutdown"}
-    assert ATTRIBUTES == ["is_leader", "num_replicas", "rank", "replica", "world_size"]
+                            "gather_all", "sync", "take_waits", "sleep", "wake_up", "shutdown", "abort", "clear_abort",
+                            "report_progress"}
+    assert ATTRIBUTES == ["aborts", "is_leader", "num_replicas", "rank", "replica", "world_size"]
 
 
 @pytest.mark.parametrize("name", METHODS)
@@ -54,7 +55,8 @@ def test_both_placements_take_each_call_as_the_protocol_says(name):
 def test_both_placements_are_placements(colocated, separate):
     for placement in (colocated, separate):
         assert isinstance(placement, Placement)
-        assert all(isinstance(getattr(placement, a), bool if a == "is_leader" else int) for a in ATTRIBUTES)
+        assert all(isinstance(getattr(placement, a), bool if a in ("is_leader", "aborts") else int)
+                   for a in ATTRIBUTES)
     assert separate.from_leader([[1, 2]]) == [[1, 2]]  # only the leader sends: as given
     assert colocated.from_leader([[1, 2]]) == [[1, 2]]  # one replica of one rank: its own
 
@@ -74,3 +76,19 @@ def test_colocated_submit_is_generate_now_collected_once(colocated):
     colocated.cancel([second])
     with pytest.raises(KeyError):
         colocated.collect(second)  # forgotten
+
+
+def test_an_abort_ends_the_colocated_generation_until_cleared_and_the_separate_one_declines(colocated, separate):
+    """A stop's cut (train.Loop.cut_short): the colocated placement's next generate raises, also when
+    the abort came after the engine's batch ended (every rank must leave together), and runs again
+    once cleared; the separate placement cannot abort and says so."""
+    from megatron_dapo.rollout.engine import GenerationAborted
+
+    params = SamplingParams(temperature=1.0, max_tokens=4, seed=0)
+    want = colocated.generate([[5, 6]], 2, params)
+    assert colocated.aborts and colocated.abort()
+    with pytest.raises(GenerationAborted, match="a stop cut the step short"):
+        colocated.generate([[5, 6]], 2, params)
+    colocated.clear_abort()
+    assert colocated.generate([[5, 6]], 2, params)[1][0][0].response_ids == want[1][0][0].response_ids
+    assert not separate.aborts and not separate.abort()

@@ -170,3 +170,37 @@ def test_seconds_left_to_the_kill_are_counted_as_the_watchdog_counts_them():
     assert (stopped(signal.SIGTERM, since=3, end_time=end).deadline(10.0) - time.monotonic()
             == pytest.approx(12, abs=0.5))
     assert StopRequest().deadline(10.0) is None and stopped(signal.SIGUSR1, since=3, end_time=None).deadline(1) is None
+
+
+CUT_CHILD = """
+import os, signal, sys, threading, time
+from megatron_dapo.preemption import StopRequest, Watch
+estimate, grace, to_save = map(float, sys.argv[1:4])
+cut = threading.Event()
+def cut_short():
+    cut.set()
+    return True
+stop = StopRequest().install()
+stop.watch(Watch(seconds_to_finish=lambda: estimate, last_checkpoint=lambda: "ckpt/step_00000002",
+                 on_abandon=lambda line: print("abandoned", flush=True), grace_s=grace, end_time=None,
+                 cut_short=cut_short, seconds_to_save=lambda: to_save))
+start = time.monotonic()
+os.kill(os.getpid(), signal.SIGTERM)
+cut.wait(30)  # the step's generation, until it is cut
+print(f"cut after {time.monotonic() - start:.1f} s", flush=True)
+time.sleep(0.3)  # the save of the step's start
+stop.saved()
+time.sleep(0.5)
+"""
+
+
+@pytest.mark.parametrize("estimate, grace, to_save, cut_from, cut_by", [
+    (100.0, 25.0, 1.0, 0.0, 2.0),  # the step cannot fit: its generation is cut at once
+    (1.0, 8.0, 3.0, 2.5, 4.5),  # it should fit but overruns: cut when only the save still fits (8 - 2 - 3)
+])
+def test_a_step_still_generating_is_cut_short_rather_than_abandoned(estimate, grace, to_save, cut_from, cut_by):
+    done = subprocess.run([sys.executable, "-c", CUT_CHILD, str(estimate), str(grace), str(to_save)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    seconds = float(done.stdout.split("cut after ")[1].split(" s")[0])
+    assert cut_from <= seconds < cut_by and "abandoned" not in done.stdout, done.stdout

@@ -72,8 +72,8 @@ def test_sbatch_dry_run_checks_inputs_and_layout_and_prints_the_job_step(recipe,
     # every CPU of the node to its one task, unbound; torchrun looked up where the task runs
     assert step.startswith(r"srun --ntasks-per-node=1 --kill-on-bad-exit=1 --cpus-per-task=\$SLURM_CPUS_ON_NODE "
                            "--cpu-bind=none bash -c 'trap \"\" USR1; cd ")
-    assert (f"&& exec torchrun --nnodes {nodes} --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint node001:29500 "
-            f"--rdzv-id dry-run -m megatron_dapo.cli train --config {conf} ") in step
+    assert (f" -m megatron_dapo.launch --nnodes {nodes} --nproc-per-node 8 --rdzv-backend c10d "
+            f"--rdzv-endpoint node001:29500 --rdzv-id dry-run -m megatron_dapo.cli train --config {conf} ") in step
     assert rf"data.train_files=\[{data_dir}/train.parquet\] data.val_files=\[{data_dir}/eval.parquet\]" in step
     assert "--container" not in step
 
@@ -116,7 +116,7 @@ def test_the_cpu_rehearsal_recipe_dry_runs_without_data_or_gpus():
     assert out.returncode == 0, out.stderr
     assert "layout at world size 2: checked when the run starts" in out.stdout and "input:" not in out.stdout
     step = _step(out.stdout)
-    assert "exec torchrun --nnodes 2 --nproc-per-node 1 " in step and "data.train_files" not in step
+    assert " -m megatron_dapo.launch --nnodes 2 --nproc-per-node 1 " in step and "data.train_files" not in step
     assert step.endswith("--config conf/cpu_tiny.yaml train.total_steps=3 '")
     bad = _dry(ROOT / "recipes/cpu-tiny/train.sbatch", "train.total_steps=0")
     assert bad.returncode == 2 and "train.total_steps must be >= 1" in bad.stderr
@@ -135,7 +135,7 @@ def test_single_node_train_eval_and_convert_dry_runs(recipe, data_dir):
     train = _dry(recipe / "run.sh", "train", "rollout.n=8", **d)
     assert train.returncode == 0, train.stderr
     assert "layout at world size 8:" in train.stdout and "8 responses per prompt" in train.stdout
-    assert "torchrun --standalone --nproc-per-node 8 -m megatron_dapo.cli train" in train.stdout
+    assert "-m megatron_dapo.launch --standalone --nproc-per-node 8 -m megatron_dapo.cli train" in train.stdout
     assert train.stdout.rstrip().endswith("rollout.n=8") and "per-GPU memory" in train.stdout
     evaluation = _dry(recipe / "run.sh", "eval", **d)
     assert "megatron_dapo.cli eval" in evaluation.stdout \
