@@ -137,6 +137,7 @@ def _serve_or_join(cfg, stop):
                         timeout_minutes=cfg.parallel.timeout_minutes, wait_minutes=cfg.rollout.wait_timeout_minutes)
     if split.is_trainer:
         return Engines(split)
+    logging.getLogger("megatron_dapo").setLevel(logging.NOTSET)  # each engine rank's events are its own
     logger = logging.getLogger("megatron_dapo.train")
     try:
         served = serve(split)

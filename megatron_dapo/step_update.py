@@ -39,7 +39,8 @@ def update(run: Run, samples: list, mismatch_in_update: bool,
     pending = []
     total = cfg.train.ppo_epochs * len(minis)
     if progress is not None:
-        progress.phase("updating", f"{cfg.train.ppo_epochs} epoch(s) of {len(minis)} mini-batches")
+        progress.phase("updating", f"{cfg.train.ppo_epochs} epochs of {len(minis)} mini-batches"
+                       if cfg.train.ppo_epochs > 1 else "")
     for epoch in range(cfg.train.ppo_epochs):
         for k, mini in enumerate(minis):
             first = mismatch_in_update and epoch == k == 0

@@ -402,8 +402,16 @@ def evaluate_run(cfg: DAPOConfig) -> dict[str, float]:
 
 
 def setup_logging() -> None:
+    """Our INFO lines from rank 0 only, warnings and errors from every rank: the same news from every
+    rank is noise, one rank's trouble is not (an engine rank logs its own events: cli._serve_or_join).
+    The other ranks' transformers progress bars (each rank loading its engine's weights) go too."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("megatron").setLevel(logging.WARNING)  # per-parameter and config dumps
+    if ranks.rank() != 0:
+        from transformers.utils import logging as hf_logging
+
+        logging.getLogger("megatron_dapo").setLevel(logging.WARNING)
+        hf_logging.disable_progress_bar()
 
 
 def main(cfg: DAPOConfig, stop: StopRequest | None = None, engines=None) -> int:

@@ -26,8 +26,10 @@ TTY_EVERY_S = 0.5
 
 
 def fmt_seconds(seconds: float) -> str:
-    """``42s``, ``3m07s``, ``1h02m``."""
-    seconds = max(int(seconds), 0)
+    """``0.4s``, ``42s``, ``3m07s``, ``1h02m``."""
+    if seconds < 10:
+        return f"{max(seconds, 0.0):.1f}s"
+    seconds = int(seconds)
     if seconds < 60:
         return f"{seconds}s"
     if seconds < 3600:

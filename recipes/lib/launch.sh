@@ -40,6 +40,16 @@ launch_env() {
   export PYTHONUNBUFFERED=1
 }
 
+# check_python: PYTHON imports torch and this checkout's package (found, not imported: no start-up
+# cost), or one line naming the fix; every path that runs PYTHON here calls it first.
+check_python() {
+  (cd "$REPO" && "$PYTHON" -c "import importlib.util as u, sys
+sys.exit(0 if u.find_spec('torch') and u.find_spec('megatron_dapo') else 1)") 2>/dev/null && return 0
+  echo "$0: PYTHON=$PYTHON cannot import torch and megatron_dapo: activate the environment ./install.sh made" \
+       "(source $REPO/.venv/bin/activate), or set PYTHON=$REPO/.venv/bin/python" >&2
+  exit 2
+}
+
 # The data files of the run: prepare-data's outputs under DATA_DIR (nothing for the CPU demo).
 data_overrides() {
   [ -n "${DATA_DIR:-}" ] || return 0
@@ -64,6 +74,7 @@ check_inputs() {
 # Without a SHAPE (the CPU demo) only the config is checked: its model is made when the run starts.
 show_layout() {
   local command=$1 world=$2; shift 2
+  check_python
   if [ -z "${SHAPE:-}" ]; then
     (cd "$REPO" && "$PYTHON" "${MEGATRON_DAPO[@]}" config --config "$RECIPE" "$@" >/dev/null) || exit 2
     echo "layout at world size $world: checked when the run starts (the CPU demo makes its model then)"
@@ -96,6 +107,7 @@ single_node() {
     return 0
   fi
   check_inputs
+  check_python
   launch_env
   cd "$REPO" && exec "${cmd[@]}"
 }
@@ -191,6 +203,7 @@ slurm_nodes() {
 
 # The recipe's model.hf_path (read from the config, so that the path lives in one place).
 hf_path() {
+  check_python
   (cd "$REPO" && "$PYTHON" -c "import sys; from megatron_dapo.config_loading import load_config
 print(load_config(sys.argv[1]).model.hf_path)" "$RECIPE")
 }

@@ -65,16 +65,17 @@ def cluster(tmp_path):
 
 
 def _sbatch(c: SlurmCluster, out: Path, *args: str, time_min: int, timeout: float,
-            signal_lead: int | None = None, env: dict | None = None) -> int:
-    """recipes/cpu-tiny/train.sbatch submitted from the repository root, as README says; waits.
-    ``signal_lead``: --signal=USR1@<it>, as the GPU recipes ask (measured here: it can come up to
-    ~30 s earlier than asked, SLURM checks every 30 s)."""
+            signal_lead: int | None = None, env: dict | None = None, cwd: Path = ROOT,
+            script: str = str(ROOT / "recipes" / "cpu-tiny" / "train.sbatch")) -> int:
+    """recipes/cpu-tiny/train.sbatch submitted (from the repository root, as README says, unless
+    ``cwd``; ``script`` as sbatch is given it); waits. ``signal_lead``: --signal=USR1@<it>, as the
+    GPU recipes ask (measured here: it can come up to ~30 s earlier than asked, SLURM checks every 30 s)."""
     done = c.run("sbatch", "--parsable", "--wait", f"--time={time_min}", f"--output={out}",
                  *([f"--signal=USR1@{signal_lead}"] if signal_lead else []),
-                 str(ROOT / "recipes" / "cpu-tiny" / "train.sbatch"), *args, check=False, timeout=timeout,
+                 script, *args, check=False, timeout=timeout,
                  env={**ENV, **{k: v for k, v in c.env.items() if k != "PATH"}, "STATUS_DIR": str(out.parent),
                       **(env or {})},
-                 cwd=ROOT)
+                 cwd=cwd)
     return done.returncode
 
 
@@ -121,8 +122,11 @@ def test_the_warning_signal_reaches_the_trainers_through_torchrun(reference, clu
 
 
 def test_a_failing_run_fails_the_job(cluster, tmp_path):
+    """Submitted from recipes/ with a relative path: the spooled copy finds its checkout from the path
+    SLURM keeps (the submit directory used to be taken for the root: recipe.env not found, rc 1)."""
     out = tmp_path / "job.out"
-    rc = _sbatch(cluster, out, f"logging.dir={tmp_path / 'run'}", "train.total_steps=0", time_min=2, timeout=300)
+    rc = _sbatch(cluster, out, f"logging.dir={tmp_path / 'run'}", "train.total_steps=0", time_min=2, timeout=300,
+                 cwd=ROOT / "recipes", script="cpu-tiny/train.sbatch")
     text = out.read_text()
     assert rc != 0, text[-3000:]
     assert "config error: train.total_steps must be >= 1, got 0" in text

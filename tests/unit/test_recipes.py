@@ -192,3 +192,21 @@ def test_the_paper_layout_by_hand():
     assert "TP 8 x PP 2 x CP 1 x DP 8; 32 layers per pipeline chunk" in text
     assert "32 engine replica(s) of rollout TP 4" in text and "(64 responses per DP rank)" in text
     assert "vocabulary 152064 (padded to 152064)" in text  # 152064 = 128 x 1188: no padding at TP 8
+
+
+def test_an_interpreter_without_the_environment_is_one_line_naming_the_fix(tmp_path):
+    """A dry run without the venv on PATH used to end in torch's ModuleNotFoundError traceback."""
+    for python in ("/nonexistent/python", "/usr/bin/env"):  # missing; present but no Python with torch
+        out = _dry(ROOT / "recipes/cpu-tiny/train.sbatch", PYTHON=python)
+        assert out.returncode == 2 and out.stdout == "", out.stderr
+        assert out.stderr.count("\n") == 1 and f"PYTHON={python} cannot import torch and megatron_dapo" in out.stderr
+        assert f"set PYTHON={ROOT}/.venv/bin/python" in out.stderr
+
+
+def test_a_batch_script_finds_its_checkout_from_any_directory(tmp_path):
+    """Run from elsewhere under its own path (sbatch runs a spooled copy: test_slurm.py submits from
+    another directory), a batch script finds the checkout it belongs to."""
+    out = subprocess.run(["bash", str(ROOT / "recipes/cpu-tiny/train.sbatch")], cwd=tmp_path,
+                         env={**ENV, "DRY_RUN": "1"}, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert f"cd {ROOT} && exec" in _step(out.stdout)

@@ -53,7 +53,7 @@ def test_a_part_that_reports_nothing_while_it_runs_says_so_when_it_was_long():
     progress.begin_step(2)
     progress.phase("writing the checkpoint", last_s=12.0)  # shorter than the interval: nothing
     progress.phase("writing the checkpoint", last_s=95.0)
-    assert out.getvalue() == "  step 2/10 writing the checkpoint | the last took 1m35s | 0s so far\n"
+    assert out.getvalue() == "  step 2/10 writing the checkpoint | the last took 1m35s | 0.0s so far\n"
 
 
 def test_a_terminal_line_is_rewritten_in_place_and_cleared_before_the_step_line():
@@ -66,8 +66,8 @@ def test_a_terminal_line_is_rewritten_in_place_and_cleared_before_the_step_line(
     clock.now += 0.6
     progress.note("b")
     progress.end_step()
-    assert out.getvalue().split("\r\x1b[2K") == ["", "  step 1/10 generating (batch 1) | a | 0s so far",
-                                                 "  step 1/10 generating (batch 1) | b | 1s so far", ""]
+    assert out.getvalue().split("\r\x1b[2K") == ["", "  step 1/10 generating (batch 1) | a | 0.6s so far",
+                                                 "  step 1/10 generating (batch 1) | b | 1.2s so far", ""]
     assert "\n" not in out.getvalue()
 
 
@@ -85,7 +85,7 @@ def test_generation_detail_and_its_bound():
     assert generation_detail(p) == ("responses 812/2048 | 3,211 tok/s | longest 8,190/20,480 | "
                                     "at most 25m00s left")  # 12,290 steps to the limit at 8.19 steps/s
     assert GenerationProgress(5, 5, 10, 2, 16, 1.0).seconds_left_at_most() is None
-    assert [fmt_seconds(s) for s in (0.4, 59, 61, 3599, 3661)] == ["0s", "59s", "1m01s", "59m59s", "1h01m"]
+    assert [fmt_seconds(s) for s in (0.42, 59, 61, 3599, 3661)] == ["0.4s", "59s", "1m01s", "59m59s", "1h01m"]
 
 
 class Sink:
