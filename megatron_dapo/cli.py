@@ -205,7 +205,8 @@ def cmd_prepare_data(args: argparse.Namespace) -> int:
     """Downloaded DAPO-Math-17K / AIME files -> deduplicated train / eval files (data/prepare.py)."""
     from megatron_dapo.data.prepare import format_report, prepare_data
 
-    report = prepare_data(args.out, train=args.train, eval=args.eval, on_bad_row=args.on_bad_row, force=args.force)
+    report = prepare_data(args.out, train=args.train, eval=args.eval, on_bad_row=args.on_bad_row, force=args.force,
+                          say=lambda line: print(line, file=sys.stderr, flush=True))
     print(format_report(report, args.out), flush=True)
     return 0
 

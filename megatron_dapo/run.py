@@ -115,11 +115,8 @@ def prepare_run(cfg: DAPOConfig, *, lock: bool = True, engines=None) -> Prepared
         toy.check(cfg, run_dir)
     if cfg.checkpoint.resume == "auto":
         check_checkpoints(ckpt_dir)
-    inputs = None if cfg.toy.enable else _load_inputs(cfg, ckpt_dir)
-    if inputs is not None:  # the demo's model is made below; its layout is checked then
-        check_layout(cfg, inputs.hf_config, world)
-        if lock:  # training saves; evaluation does not
-            check_disk(cfg, inputs.hf_config)
+    # the demo's model is made below; its layout is checked then. Training saves, evaluation does not.
+    inputs = None if cfg.toy.enable else _load_inputs(cfg, ckpt_dir, world, saves=lock)
     run_lock = None
     if lock and rank == 0:
         from megatron_dapo.run_lock import RunDirLock
@@ -129,10 +126,7 @@ def prepare_run(cfg: DAPOConfig, *, lock: bool = True, engines=None) -> Prepared
         if cfg.toy.enable:
             cfg = toy.materialise(cfg, run_dir, rank)
         if inputs is None:
-            inputs = _load_inputs(cfg, ckpt_dir)
-            check_layout(cfg, inputs.hf_config, world)
-            if lock:
-                check_disk(cfg, inputs.hf_config)
+            inputs = _load_inputs(cfg, ckpt_dir, world, saves=lock)
         resume = None
         if inputs.resume_from is not None:
             from megatron_dapo.mcore.checkpoint import TRAINER_STATE, read_trainer_state
@@ -158,8 +152,10 @@ def build_run(prep: Prepared) -> Run:
         raise
 
 
-def _load_inputs(cfg: DAPOConfig, ckpt_dir: Path) -> Inputs:
-    """Everything read from the user's files, checked; InputError on the first problem."""
+def _load_inputs(cfg: DAPOConfig, ckpt_dir: Path, world: int, *, saves: bool) -> Inputs:
+    """Everything read from the user's files, checked; InputError on the first problem. The layout
+    (``world`` ranks) and, when the run ``saves``, the disk are checked against the model's config
+    before any data is read: a launch that cannot run fails in seconds, not after tokenizing."""
     from megatron_dapo.hf_dir import check_weights, read_hf_dir
     from megatron_dapo.rollout.engine import get_engine_cls
 
@@ -167,6 +163,9 @@ def _load_inputs(cfg: DAPOConfig, ckpt_dir: Path) -> Inputs:
         raise InputError("model.hf_path is empty: point it at an HF model dir (config.json, tokenizer), "
                          "or set toy.enable=true for the CPU demo")
     hf = read_hf_dir(cfg.model.hf_path, weights=False)
+    check_layout(cfg, hf.config, world)
+    if saves:
+        check_disk(cfg, hf.config)
     train_ids, train_truths = _prompts("data.train_files", cfg.data.train_files, hf.tokenizer, cfg,
                                        dedup=cfg.data.dedup)
     # Always merged: eval.n draws the samples, and copies would skew pass@n and cons@n.

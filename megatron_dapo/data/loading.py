@@ -34,7 +34,7 @@ import json
 import logging
 import os
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +52,7 @@ ON_BAD_ROW_CHOICES = ("error", "skip")
 _COLUMNS = ("prompt", "reward_model", "data_source", "ability", "extra_info", "problem", "answer",
             "ground_truth")
 _NUM_EXAMPLES_LOGGED = 5
+ROWS_REPORTED = 10_000  # load_prompts' on_rows: how often
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,7 +82,8 @@ class _BadRow(Exception):
 
 
 def load_prompts(paths: str | os.PathLike | Sequence[str | os.PathLike], *, dedup: bool = True,
-                 on_bad_row: str = "error", batch_size: int = 8192) -> LoadResult:
+                 on_bad_row: str = "error", batch_size: int = 8192,
+                 on_rows: Callable[[int], None] | None = None) -> LoadResult:
     """Read prompt files (.parquet or .jsonl) and merge identical prompts.
 
     Args:
@@ -90,6 +92,7 @@ def load_prompts(paths: str | os.PathLike | Sequence[str | os.PathLike], *, dedu
             share the same `index`, and ground-truth conflicts are still detected).
         on_bad_row: "error" raises ValueError at the first bad row; "skip" counts and drops it.
         batch_size: parquet rows decoded at a time; bounds the transient memory of a read.
+        on_rows: told the rows read so far, every ``ROWS_REPORTED`` rows (progress of a long read).
     """
     if on_bad_row not in ON_BAD_ROW_CHOICES:
         raise ValueError(f"on_bad_row must be one of {ON_BAD_ROW_CHOICES}, got {on_bad_row!r}")
@@ -120,6 +123,8 @@ def load_prompts(paths: str | os.PathLike | Sequence[str | os.PathLike], *, dedu
     for reader in readers:
         for where, row in reader:
             num_rows += 1
+            if on_rows is not None and num_rows % ROWS_REPORTED == 0:
+                on_rows(num_rows)
             try:
                 messages, ground_truth, data_source, ability, extra = _parse_row(row)
             except _BadRow as err:

@@ -128,14 +128,45 @@ job_end_time() {
   if [ -n "$end" ]; then date -d "$end" +%s; else echo 0; fi
 }
 
+# container_mounts: pyxis's --container-mounts (CONTAINER_MOUNTS, else the checkout, DATA_DIR and
+# /models, each at its own path).
+container_mounts() {
+  echo "${CONTAINER_MOUNTS:-$REPO:$REPO,${DATA_DIR:-/data}:${DATA_DIR:-/data},/models:/models}"
+}
+
 # container_flags: pyxis's options for each node's step, explicit on the srun line (a step reaches
 # the image only through them; `sbatch --container-image` would put the batch script, srun
 # included, into the container).
 container_flags() {
   [ -n "${CONTAINER_IMAGE:-}" ] || return 0
-  printf '%s\n' "--container-image=$CONTAINER_IMAGE" \
-    "--container-mounts=${CONTAINER_MOUNTS:-$REPO:$REPO,${DATA_DIR:-/data}:${DATA_DIR:-/data},/models:/models}" \
+  printf '%s\n' "--container-image=$CONTAINER_IMAGE" "--container-mounts=$(container_mounts)" \
     "--container-workdir=$REPO" --no-container-mount-home
+}
+
+# check_mounts [key=value ...]: with a container, the run's model.hf_path lies under one of its
+# mounts (inside the container nothing else exists: the run would fail on every node after the
+# allocation started). Read from the resolved config, so an override is checked too; a batch host
+# whose PYTHON cannot read it (everything lives in the image) says so and goes on.
+check_mounts() {
+  [ -n "${CONTAINER_IMAGE:-}" ] || return 0
+  local mounts model m dst
+  mounts=$(container_mounts)
+  echo "container: $CONTAINER_IMAGE, mounts $mounts"
+  if ! model=$(cd "$REPO" && "$PYTHON" -c "import sys; from megatron_dapo.config_loading import load_config
+print(load_config(sys.argv[1], sys.argv[2:]).model.hf_path)" "$RECIPE" "$@" 2>/dev/null); then
+    echo "  model.hf_path not checked against them: $PYTHON cannot read the config on this host"
+    return 0
+  fi
+  [[ $model == /* ]] || model=$REPO/$model  # the container's working directory is the checkout
+  IFS=, read -ra list <<< "$mounts"
+  for m in "${list[@]}"; do
+    dst=${m#*:}  # SRC:DST[:FLAGS], or a path mounted at itself
+    dst=${dst%%:*}
+    case "$model/" in "${dst%/}/"*) return 0 ;; esac
+  done
+  echo "$0: model.hf_path=$model is outside the container's mounts ($mounts), so no node would find it:" \
+       "move it under one (e.g. /models) or add its directory to CONTAINER_MOUNTS" >&2
+  exit 2
 }
 
 # slurm_nodes COMMAND [key=value ...]: inside an sbatch allocation, one torchrun per node (srun
@@ -172,6 +203,7 @@ slurm_nodes() {
   local step=(srun --ntasks-per-node=1 --kill-on-bad-exit=1 ${cpus:+"--cpus-per-task=$cpus"} --cpu-bind=none
               "${flags[@]}" bash -c "$task")
   check_inputs
+  check_mounts "${data[@]}" "$@"
   if [ "${DRY_RUN:-0}" = 1 ]; then
     show_layout "$command" $((nodes * GPUS_PER_NODE)) "${data[@]}" "$@"
     echo "job step (one task per node, ${#hosts[@]} nodes: ${hosts[*]}):"

@@ -155,3 +155,13 @@ def test_a_converted_checkpoint_of_another_shape_is_one_line(inputs, tmp_path, c
     assert rc == 2 and "Traceback" not in err, err
     assert f"checkpoint {ckpt} holds another model shape (hidden_size 48 -> 32" in line, line
     assert "tools/convert_ckpt/hf_to_megatron.py" in line and not (tmp_path / "run").exists()
+
+
+def test_a_layout_that_cannot_run_is_refused_before_any_data_is_read(inputs, tmp_path, capsys):
+    """A 1-layer model cannot split into 2 pipeline stages: that is the error, although the train file
+    is missing too, which only reading the data finds (tokenizing all of it took 26 s on every rank
+    of a real launch before the layout failed)."""
+    rc, err = _train(capsys, tmp_path / "run", *_real_run(inputs, train="/nonexistent/train.parquet"),
+                     "parallel.pipeline_model_parallel_size=2")
+    assert rc == 2 and "pipeline" in err.strip().splitlines()[-1], err
+    assert "prompt file not found" not in err and "Kept" not in err

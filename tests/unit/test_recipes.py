@@ -85,9 +85,24 @@ def test_the_container_flags_are_on_the_srun_line(data_dir):
     step = _step(out.stdout)
     assert (rf"--container-image=/images/dapo.sqsh --container-mounts={ROOT}:{ROOT}\,{data_dir}:{data_dir}\,"
             rf"/models:/models --container-workdir={ROOT} --no-container-mount-home bash -c ") in step
-    mounts = _step(_dry(ROOT / "recipes/qwen2.5-32b/train.sbatch", DATA_DIR=str(data_dir), CONTAINER_IMAGE="x",
-                        CONTAINER_MOUNTS="/a:/a").stdout)
-    assert "--container-mounts=/a:/a " in mounts
+    assert f"container: /images/dapo.sqsh, mounts {ROOT}:{ROOT},{data_dir}:{data_dir},/models:/models" in out.stdout
+    mounts = _step(_dry(ROOT / "recipes/qwen2.5-32b/train.sbatch", "model.hf_path=/a/Qwen2.5-32B",
+                        DATA_DIR=str(data_dir), CONTAINER_IMAGE="x", CONTAINER_MOUNTS="/scratch/a:/a:ro").stdout)
+    assert "--container-mounts=/scratch/a:/a:ro " in mounts
+
+
+@pytest.mark.parametrize("mounts, model", [(None, "/home/me/Qwen2.5-32B"), ("/a:/a", "/models/Qwen2.5-32B"),
+                                           ("/models:/m", "/models/Qwen2.5-32B"), ("/a:/a", "/ab/Qwen")])
+def test_a_model_outside_the_container_mounts_is_refused_before_the_job(data_dir, mounts, model):
+    """Inside the image only the mounts exist (by their container-side paths): a model.hf_path outside
+    them used to start the job and fail on every node."""
+    env = dict(DATA_DIR=str(data_dir), CONTAINER_IMAGE="x", **({"CONTAINER_MOUNTS": mounts} if mounts else {}))
+    out = _dry(ROOT / "recipes/qwen2.5-32b/train.sbatch", f"model.hf_path={model}", **env)
+    assert out.returncode == 2 and "srun" not in out.stdout, out.stderr
+    assert out.stderr.strip().endswith(f"model.hf_path={model} is outside the container's mounts "
+                                       f"({mounts or f'{ROOT}:{ROOT},{data_dir}:{data_dir},/models:/models'}), "
+                                       "so no node would find it: move it under one (e.g. /models) or add its "
+                                       "directory to CONTAINER_MOUNTS")
 
 
 def test_missing_inputs_stop_the_launch_with_the_command_that_makes_them(tmp_path):
