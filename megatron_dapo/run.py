@@ -152,6 +152,30 @@ def build_run(prep: Prepared) -> Run:
         raise
 
 
+def _log_replicas(cfg: DAPOConfig, placement) -> None:
+    """One line from rank 0: which ranks hold which rollout replica, and which rank scores for it
+    (each rank's own line was the same news from every rank). Collective over the placement."""
+    seats = placement.gather_all((placement.replica, placement.is_leader))
+    if placement.rank != 0:
+        return
+    ranks_of: dict[int, list[int]] = {}
+    for rank, (replica, _) in enumerate(seats):
+        ranks_of.setdefault(replica, []).append(rank)
+    scorers = {replica: rank for rank, (replica, leads) in enumerate(seats) if leads}
+    def seat(r: int) -> str:
+        held = ranks_of[r]
+        span = str(held[0]) if len(held) == 1 else f"{held[0]}-{held[-1]}"
+        return f"replica {r}: rank{'s' * (len(held) > 1)} {span}, scoring on {scorers.get(r)}"
+    shown = sorted(ranks_of)
+    shown = shown if len(shown) <= 6 else shown[:3] + shown[-1:]
+    parts = [seat(r) for r in shown]
+    if len(ranks_of) > len(shown):
+        parts.insert(3, "...")
+    logger.info("rollout: %d replica(s) of rollout TP %d (%s engine) over %d trainer rank(s): %s",
+                placement.num_replicas, cfg.rollout.tensor_parallel_size, cfg.rollout.engine, len(seats),
+                "; ".join(parts))
+
+
 def _load_inputs(cfg: DAPOConfig, ckpt_dir: Path, world: int, *, saves: bool) -> Inputs:
     """Everything read from the user's files, checked; InputError on the first problem. The layout
     (``world`` ranks) and, when the run ``saves``, the disk are checked against the model's config
@@ -275,9 +299,7 @@ def _build(prep: Prepared) -> Run:
         placement.sleep()
         actor.onload_after_rollout()
     pool = make_reward_pool(cfg) if placement.is_leader else None
-    logger.info("rank %d: rollout replica %d of %d (%s engine, rollout TP %d)%s", prep.rank, placement.replica,
-                placement.num_replicas, cfg.rollout.engine, cfg.rollout.tensor_parallel_size,
-                ", scoring" if placement.is_leader else "")
+    _log_replicas(cfg, placement)
     run = Run(**{f.name: getattr(prep, f.name) for f in dataclasses.fields(Prepared)}, actor=actor,
               placement=placement, pool=pool, sampler=sampler)
     prep.lock = None  # the Run holds it now

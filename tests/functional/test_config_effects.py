@@ -144,7 +144,7 @@ CASES: dict[str, Case] = {
     "rollout.top_p": C("0.5", metric("rollout/token_prob_mean")),
     "rollout.top_k": C("2", metric("rollout/token_prob_mean")),
     "rollout.max_response_length": C("24", metric("reward/overlong_penalty_mean")),
-    "rollout.tensor_parallel_size": C("2", text("logs", "rollout replica 0 of 1 (hf engine, rollout TP 2)"), KV,
+    "rollout.tensor_parallel_size": C("2", text("logs", "rollout: 1 replica(s) of rollout TP 2 (hf engine)"), KV,
                                       via="dist"),
     "rollout.kv_cache_memory_mb": C("64", lambda a, b: ok(a, b) and b.rc == 2 and "rollout.kv_cache_memory_mb" in b.err,
                                     {"rollout.engine": "vllm", "rollout.kv_cache_memory_mb": "0"}, via="dist"),
@@ -257,6 +257,8 @@ CASES: dict[str, Case] = {
     "profile.with_stack": C("true", lambda a, b: trace_bytes(a) > trace_bytes(b) > 0, {"profile.steps": "[1,1]"}),
     "data.skip_solved_after": C("1", metric("ledger/retired"), ALL_CORRECT),
     "logging.progress": C("false", lambda a, b: "step 1/1 |" in b.out and "step 1/1 |" not in a.out),
+    "logging.progress_every_s": C("0", lambda a, b: "  step 1/1 updating | update " in a.out
+                                  and "  step 1/1 " not in b.out),
     "toy.num_digits": C("4", records, TOY),
     "toy.min_digits": C("4", records, TOY),
     "toy.num_train": C("100", ckpt("sampler", "num_items", file="trainer_state.json"), TOY),

@@ -72,6 +72,9 @@ def test_replicas_with_nothing_to_generate_take_part_and_match_one_process(tmp_p
     assert_same_records(two, one, round_off=("rollout/token_prob",))
 
 
+# The cut in CI: test_faults.py (the HF engine, 1 and 2 processes); vLLM's abort of its requests in CI:
+# test_async_rollouts_vllm.py. This one (~150 s in CI) puts the two together.
+@pytest.mark.extended
 def test_a_stop_while_vllm_generates_cuts_the_step_and_resumes_exactly(tmp_path):
     """Colocated vLLM, 2 processes: step 4's batch stalls on both replicas with its requests in vLLM
     (tests/helpers/stalling_engine.py) when SIGTERM reaches both (as SLURM sends it): vLLM ends the

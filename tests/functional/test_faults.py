@@ -391,7 +391,8 @@ def test_a_stop_during_generation_cuts_the_step_and_saves_the_steps_before_it(re
         assert [r["step"] for r in _records(run_dir)] == list(range(STEPS + 1))
 
 
-@pytest.mark.parametrize("launcher", ["megatron_dapo.launch", "torch.distributed.run"])
+@pytest.mark.parametrize("launcher", ["megatron_dapo.launch",  # plain torchrun: what the launcher changes
+                                      pytest.param("torch.distributed.run", marks=pytest.mark.extended)])
 def test_a_stop_signal_to_the_launcher_ends_it_as_the_run_ended(reference, tmp_path, launcher):
     """SIGTERM to the agent (DP=2): it forwards SIGTERM, both trainers save and exit 0. Plain torchrun
     then raises SignalException (rc 1, a traceback); megatron_dapo.launch, the same agent, exits 0

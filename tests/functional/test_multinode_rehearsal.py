@@ -64,8 +64,9 @@ def test_two_agents_train_save_and_resume_at_another_layout(tmp_path):
     run_dir = tmp_path / "run"
     first = _two_nodes(run_dir, "train.total_steps=2", TP2)
     # every global rank came up on its node with its own rollout replica
-    for rank in range(4):
-        assert f"rank {rank}: rollout replica {rank} of 4" in first, first[-3000:]
+    seats = "; ".join(f"replica {r}: rank {r}, scoring on {r}" for r in range(4))
+    assert f"rollout: 4 replica(s) of rollout TP 1 (hf engine) over 4 trainer rank(s): {seats}" in first, \
+        first[-3000:]
     ckpt = run_dir / "checkpoints" / "step_00000002"
     meta = json.loads((ckpt / "checkpoint.json").read_text())
     assert meta["layout"]["tp"] == 2 and meta["layout"]["dp"] == 2, meta["layout"]

@@ -49,8 +49,8 @@ def reference(tmp_path_factory) -> tuple[Path, str]:
 
 def test_the_structure_runs_as_the_32b_recipe_does(reference):
     run_dir, text = reference
-    for rank in range(4):
-        assert f"rank {rank}: rollout replica {rank} of 4 (hf engine, rollout TP 1)" in text
+    seats = "; ".join(f"replica {r}: rank {r}, scoring on {r}" for r in range(4))
+    assert f"rollout: 4 replica(s) of rollout TP 1 (hf engine) over 4 trainer rank(s): {seats}" in text
     got = records(run_dir)
     assert [r["step"] for r in got] == [0, 1, 2, 3, 4]
     assert [r["step"] for r in got if "eval/avg@4" in r] == [0, 2, 4]  # before training, then every 2

@@ -51,7 +51,8 @@ def test_separate_engines_at_staleness_0_reproduce_the_colocated_run(demo_base, 
                                                if got.get(k) != want.get(k)}
     for engine in (0, 1):
         assert f"engine rank {engine}: rollout replica {engine} of 2 (hf engine), answering" in log
-    assert "rank 0: rollout replica 0 of 1 (hf engine, rollout TP 1), scoring" in log
+    assert "rollout: 1 replica(s) of rollout TP 1 (hf engine) over 2 trainer rank(s): replica 0: ranks 0-1, " \
+           "scoring on 0" in log  # the trainers' view: the engines' replicas are theirs (above)
 
 
 def test_a_setting_the_machine_cannot_run_is_one_line_on_every_rank_before_the_split(tmp_path):
