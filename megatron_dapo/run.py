@@ -154,23 +154,19 @@ def build_run(prep: Prepared) -> Run:
 
 def _log_replicas(cfg: DAPOConfig, placement) -> None:
     """One line from rank 0: which ranks hold which rollout replica, and which rank scores for it
-    (each rank's own line was the same news from every rank). Collective over the placement."""
+    (each rank's own line was the same news from every rank); at most six replicas named. Collective
+    over the placement."""
     seats = placement.gather_all((placement.replica, placement.is_leader))
     if placement.rank != 0:
         return
-    ranks_of: dict[int, list[int]] = {}
+    held: dict[int, list[int]] = {}
     for rank, (replica, _) in enumerate(seats):
-        ranks_of.setdefault(replica, []).append(rank)
-    scorers = {replica: rank for rank, (replica, leads) in enumerate(seats) if leads}
-    def seat(r: int) -> str:
-        held = ranks_of[r]
-        span = str(held[0]) if len(held) == 1 else f"{held[0]}-{held[-1]}"
-        return f"replica {r}: rank{'s' * (len(held) > 1)} {span}, scoring on {scorers.get(r)}"
-    shown = sorted(ranks_of)
-    shown = shown if len(shown) <= 6 else shown[:3] + shown[-1:]
-    parts = [seat(r) for r in shown]
-    if len(ranks_of) > len(shown):
-        parts.insert(3, "...")
+        held.setdefault(replica, []).append(rank)
+    scorer = {replica: rank for rank, (replica, leads) in enumerate(seats) if leads}
+    parts = [f"replica {r}: " + (f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks[0]}-{ranks[-1]}")
+             + f", scoring on {scorer.get(r)}" for r, ranks in sorted(held.items())]
+    if len(parts) > 6:
+        parts = parts[:3] + ["..."] + parts[-1:]
     logger.info("rollout: %d replica(s) of rollout TP %d (%s engine) over %d trainer rank(s): %s",
                 placement.num_replicas, cfg.rollout.tensor_parallel_size, cfg.rollout.engine, len(seats),
                 "; ".join(parts))

@@ -110,10 +110,15 @@ class StepClock:
     def record_sync(self, seconds: float) -> None:
         self.sync = seconds
 
+    def save_reserve(self) -> float:
+        """The time a save that must end before a kill is given: twice the last one (a save under
+        load took 2-3 s more than the last one)."""
+        return 2 * (self.save or 0.0)
+
     def rest_after_wait(self, evaluates: bool) -> float:
         """What follows a step's wait for the engines, as last measured: its sync, its evaluation
-        (``evaluates``) and twice a save (a save under load took 2-3 s more than the last one)."""
-        return (self.sync or 0.0) + ((self.eval or 0.0) if evaluates else 0.0) + 2 * (self.save or 0.0)
+        (``evaluates``) and a save (``save_reserve``)."""
+        return (self.sync or 0.0) + ((self.eval or 0.0) if evaluates else 0.0) + self.save_reserve()
 
     @property
     def step_estimate(self) -> float | None:

@@ -20,7 +20,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-
 from megatron_dapo import ranks
 from megatron_dapo.config import DAPOConfig
 from megatron_dapo.config_derived import comments
@@ -210,10 +209,9 @@ class Loop:
 
     def seconds_to_save(self) -> float:
         """What a cut step's stop then needs: leaving the generation (the engines stop at their next
-        token) and saving the state as of its start when it is not saved, counted twice as in a
-        stop's wait (StepSchedule.wait_reserve_s: a save under load took seconds more than the last)."""
-        save = (self.schedule.clock.save or 0.0) if self.done > self.saved else 0.0
-        return CUT_EXIT_S + 2 * save
+        token) and saving the state as of its start when it is not saved (StepClock.save_reserve,
+        as in a stop's wait for the engines)."""
+        return CUT_EXIT_S + (self.schedule.clock.save_reserve() if self.done > self.saved else 0.0)
 
     @contextmanager
     def _generating_phase(self):

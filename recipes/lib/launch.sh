@@ -152,8 +152,7 @@ check_mounts() {
   local mounts model m dst
   mounts=$(container_mounts)
   echo "container: $CONTAINER_IMAGE, mounts $mounts"
-  if ! model=$(cd "$REPO" && "$PYTHON" -c "import sys; from megatron_dapo.config_loading import load_config
-print(load_config(sys.argv[1], sys.argv[2:]).model.hf_path)" "$RECIPE" "$@" 2>/dev/null); then
+  if ! model=$(hf_path "$@" 2>/dev/null); then
     echo "  model.hf_path not checked against them: $PYTHON cannot read the config on this host"
     return 0
   fi
@@ -233,11 +232,11 @@ slurm_nodes() {
   return "$rc"
 }
 
-# The recipe's model.hf_path (read from the config, so that the path lives in one place).
+# hf_path [key=value ...]: the run's model.hf_path (read from the resolved config, so that the path
+# lives in one place and an override counts).
 hf_path() {
-  check_python
   (cd "$REPO" && "$PYTHON" -c "import sys; from megatron_dapo.config_loading import load_config
-print(load_config(sys.argv[1]).model.hf_path)" "$RECIPE")
+print(load_config(sys.argv[1], sys.argv[2:]).model.hf_path)" "$RECIPE" "$@")
 }
 
 # recipe_main train|eval|convert [key=value ...]: what a recipe folder's run.sh does.
@@ -250,6 +249,7 @@ recipe_main() {
   case $what in
     train | eval) single_node "$what" "$@" ;;
     convert)
+      check_python
       local cmd=("$PYTHON" tools/convert_ckpt/hf_to_megatron.py --hf-dir "$(hf_path)"
                  --out "${CKPT_DIR:-ckpt/$(basename "$(hf_path)")}" "$@")
       if [ "${DRY_RUN:-0}" = 1 ]; then print_cmd "${cmd[@]}"; return 0; fi
