@@ -319,8 +319,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except InputError as e:  # bad input is one line, not a traceback (errors.py)
-        kind = "config error" if isinstance(e, ConfigError) else "error"
-        print(f"megatron-dapo: {kind}: {e}", file=sys.stderr)
+        from megatron_dapo import ranks
+
+        config = isinstance(e, ConfigError)
+        # A config error is every rank's (the same files and overrides): rank 0 says it. Other bad
+        # input may be one node's (a file missing there): each rank that meets it says so.
+        if not config or ranks.rank() == 0:
+            print(f"megatron-dapo: {'config error' if config else 'error'}: {e}", file=sys.stderr)
         return 2
 
 

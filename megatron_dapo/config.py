@@ -292,6 +292,9 @@ class CheckpointConfig:
     memory_efficient_save: bool = setting(True, "distributed optimizer: gather its fully reshardable state on DP rank "
                                            "0 only (the copy that is written), not on every DP rank's host; loads at "
                                            "any TP/PP either way")
+    async_save: bool = setting(False, "write a save's files from a child process while the next step trains: "
+                               "training waits only for the copy of the device state to host memory, which the "
+                               "child holds until written (docs/checkpoints_memory.md); published once written")
 
     def __post_init__(self):
         require("checkpoint", self, save_every=at_least(0), keep_last=at_least(1), stop_grace_s=at_least(0),

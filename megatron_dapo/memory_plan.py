@@ -39,6 +39,7 @@ from megatron_dapo import generation_model as gm
 from megatron_dapo.config import DAPOConfig
 from megatron_dapo.errors import ConfigError
 from megatron_dapo.layout import Communicator, communicators
+from megatron_dapo.save_memory import SaveHost, save_host
 from megatron_dapo.gpu_models import CUDA_CONTEXT_BYTES, GPUModel, gpu_model
 
 GB = 1e9
@@ -112,37 +113,6 @@ class RolloutPlan:
     def tokens(self, bytes_per_gpu: float) -> float:
         """Tokens per replica that ``bytes_per_gpu`` of KV cache on each of its GPUs hold."""
         return max(0.0, bytes_per_gpu) / self.kv_bytes_per_token_per_gpu
-
-
-# megatron DDP's bucket with overlapped gradient reduction (the GPU default here): max(40M, 1M x DP)
-# parameters (distributed/distributed_data_parallel.py); a save's gather receives one at a time.
-DDP_BUCKET_PARAMS, DDP_BUCKET_PARAMS_PER_DP = 40_000_000, 1_000_000
-
-
-@dataclass(frozen=True)
-class SaveHost:
-    """Host bytes of a checkpoint with the distributed optimizer (docs/checkpoints_memory.md): its
-    fully reshardable format gathers the TP x PP shard's fp32 master + Adam m, v (12 B/param)."""
-
-    dp_rank0: float  # a DP-rank-0 rank's peak during a save: the gathered shard, its slice of a bucket, a bucket
-    other: float  # any other rank's (memory_efficient_save: its slice of a bucket only; else as DP rank 0)
-    worst_node: float  # the node that holds the DP-rank-0 ranks of a pipeline stage
-    resume: float  # every rank on a resume, either setting: the whole shard's state beside a bucket's slice
-
-
-def save_host(on_rank: float, *, tp: int, dp: int, gpus_per_node: int, memory_efficient: bool) -> SaveHost:
-    """``on_rank``: parameters of the rank's TP x PP shard. Rank order is TP fastest, then DP
-    (parallel_state's tp-cp-ep-dp-pp), so a node holds min(TP, its GPUs) ranks of DP index 0."""
-    state = 12 * on_rank  # fp32 master, exp_avg, exp_avg_sq
-    bucket = 12 * min(on_rank, max(DDP_BUCKET_PARAMS, DDP_BUCKET_PARAMS_PER_DP * dp))
-    # A rank's own slices are made one bucket at a time (megatron-core 0.19.2 distrib_optimizer.py:1340,
-    # inside the loop over buckets): 1/DP of a bucket, not of the shard. The CPU measurements had one
-    # bucket, where the two are the same.
-    own = bucket / dp
-    rank0 = state + own + bucket
-    other = own if memory_efficient else rank0
-    zeros = min(tp, gpus_per_node)
-    return SaveHost(rank0, other, zeros * rank0 + (gpus_per_node - zeros) * other, state + own)
 
 
 @dataclass(frozen=True)
@@ -421,7 +391,8 @@ def plan(cfg: DAPOConfig, hf: dict, world_size: int, *, gpu: str | GPUModel = "h
     offload = cfg.actor.offload_during_rollout
     node = gpus_per_node or device.gpus_per_node
     save = (save_host(lay.shard.on_rank, tp=tp, dp=lay.dp, gpus_per_node=node,
-                      memory_efficient=cfg.checkpoint.memory_efficient_save)
+                      memory_efficient=cfg.checkpoint.memory_efficient_save,
+                      background=cfg.checkpoint.async_save, weight_bytes=lay.weight_bytes)
             if p.use_distributed_optimizer else None)
     return Plan(items, device, pp, rollout, generation, trained, generation.seconds + train_s, sleep_host,
                 copied if offload else 0.0, copied, node, offload, save, notes)

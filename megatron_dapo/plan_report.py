@@ -64,7 +64,10 @@ def _save_lines(p: Plan) -> list[str]:
             f"  {sv.dp_rank0 / GB:.2f} GB on a DP-rank-0 rank, {sv.other / GB:.2f} GB on the others; "
             f"{sv.worst_node / GB:.0f} GB on the node of a stage's DP-rank-0 ranks",
             f"  a resume, either way: {sv.resume / GB:.2f} GB per rank, "
-            f"{sv.resume * node / GB:.0f} GB per node"]
+            f"{sv.resume * node / GB:.0f} GB per node"] + (
+        [f"  async_save: a DP-rank-0 rank holds {sv.background / GB:.2f} GB (the gathered state and a host copy "
+         f"of its weights) until its background write ends, {sv.background_node / GB:.0f} GB on that node"]
+        if sv.background else [])
 
 
 def _rollout_lines(p: Plan) -> list[str]:

@@ -36,6 +36,7 @@ from megatron_dapo.rollout.engine import GenerationAborted, eval_sampling_params
 from megatron_dapo.run import Run, build_run, prepare_run
 from megatron_dapo.schedule import StepSchedule, finished
 from megatron_dapo.step_batches import StepBatches
+from megatron_dapo.step_saves import StepSaves
 from megatron_dapo.step_update import device_used, old_log_probs, update
 from megatron_dapo.time_limit import StepClock, job_end_time, write_status
 from megatron_dapo.trainer_state import TrainerState
@@ -123,16 +124,18 @@ def _train(run: Run, stop: StopRequest) -> TrainResult:
 
 class Loop:
     """The steps of one invocation (docs/DESIGN.md "One step"): ``batches`` owns which rollouts a
-    step trains on, ``schedule`` when it evaluates, saves and stops; ``run`` holds the actor and the
-    rollout placement, ``obs`` what is seen of the policy, ``log`` the records, ``progress`` how far
-    the step in flight is."""
+    step trains on, ``schedule`` when it evaluates, saves and stops, ``saves`` when a save is written
+    and published; ``run`` holds the actor and the rollout placement, ``obs`` what is seen of the
+    policy, ``log`` the records, ``progress`` how far the step in flight is."""
 
     def __init__(self, run: Run, log: MetricsLogger, obs: Observer, batches: StepBatches, schedule: StepSchedule,
                  progress: StepProgress):
         self.run, self.log, self.obs, self.batches, self.schedule = run, log, obs, batches, schedule
         self.progress = progress  # inside a step (batches reports the rollout's)
         self.final: dict[str, float] = {}  # the newest evaluation's metrics
-        self.done = self.saved = 0  # completed steps; the step the newest checkpoint holds
+        self.done = 0  # completed steps
+        self.saves = StepSaves(run.actor, str(run.ckpt_dir), schedule.clock, background=run.cfg.checkpoint.async_save,
+                               saved=0)
         # A stop's watchdog may cut the step short while it generates (cut_short, from its thread):
         # the state as of the step's start, kept while it is not saved, is what the stop then saves.
         self._phase = threading.Lock()
@@ -143,13 +146,14 @@ class Loop:
         run, batches, schedule = self.run, self.batches, self.schedule
         cfg, actor, placement = run.cfg, run.actor, run.placement
         self._begin(start)
-        self.done = self.saved = start
+        self.done = self.saves.saved = start
         ends = False  # at train.total_steps, or the generation budget spent
         for step in range(start, cfg.train.total_steps):
             if not schedule.begin(step):
                 break
             step_start, metrics, progress = time.perf_counter(), {}, self.progress
             progress.begin_step(step + 1)
+            self.saves.poll()  # a checkpoint written in the background since: published
             # what a cut (below) saves: the state before this step draws its prompts
             self._start_state = self._state(self.done) if placement.aborts and self.done > self.saved else None
             if cfg.actor.offload_during_rollout:
@@ -177,7 +181,7 @@ class Loop:
             with self.log.timer("train"):
                 metrics.update(update(run, samples, mismatch_in_update, progress))
             metrics.update(device_used("training"))
-            pending, write_s = self._write_if_due(step + 1, ends)
+            pending = self._write_if_due(step + 1, ends)
             # the engines take the new weights after what is in flight (timing_s/trainer_waited); at a
             # stop, only as long as the rest of the step and the save still end before the kill
             batches.await_in_flight(schedule.stop, reserve_s=schedule.wait_reserve_s())
@@ -195,8 +199,7 @@ class Loop:
             self.done = step + 1
             schedule.end(self.done, eval_s)
             if pending is not None:
-                self._save(self.done, pending, write_s)
-                self.saved = self.done
+                self.saves.written(*pending, self._state(self.done))
             if ends:
                 break
         return self._end(ends)
@@ -212,6 +215,11 @@ class Loop:
         token) and saving the state as of its start when it is not saved (StepClock.save_reserve,
         as in a stop's wait for the engines)."""
         return CUT_EXIT_S + (self.schedule.clock.save_reserve() if self.done > self.saved else 0.0)
+
+    @property
+    def saved(self) -> int:
+        """The step the newest published checkpoint holds (a background write counts once published)."""
+        return self.saves.saved
 
     @contextmanager
     def _generating_phase(self):
@@ -244,12 +252,13 @@ class Loop:
         """After the last step of this invocation: at a stop, the steps since the last save saved
         with what is in flight, and the watchdog stood down."""
         stop, run, done = self.schedule.stop, self.run, self.done
+        self.saves.flush()  # a background write published before the run ends
         if stop.signum is None or ends:
             return TrainResult(final_eval=self.final, step=done)
         if done > self.saved:
             run.actor.onload_after_rollout()  # an evaluation may have left the state off
             self.batches.collect_in_flight()  # kept with the checkpoint
-            self._save(done)
+            self.saves.save_now(done, self._state(done))
         return self._stopped()
 
     def _end_cut(self, step: int) -> TrainResult:
@@ -257,6 +266,7 @@ class Loop:
         steps before it are saved as they were at its start, when the last checkpoint is older."""
         stop, run = self.schedule.stop, self.run
         stop.agreed()  # a rank without a signal learns of the stop (every rank is here)
+        self.saves.flush()  # a background write published first: it may be the step before this one
         if run.rank == 0:
             print(f"megatron-dapo: {stop.name}: step {step} cut short in its generation; "
                   + (f"saving steps {self.saved + 1}-{self.done}" if self.done > self.saved else "nothing to save"),
@@ -264,7 +274,7 @@ class Loop:
         if self.done > self.saved:
             run.placement.sleep()  # the engine's memory back to the trainer's state for the save
             run.actor.onload_after_rollout()
-            self._save(self.done, state=self._start_state)
+            self.saves.save_now(self.done, self._start_state)
         return dataclasses.replace(self._stopped(), cut=step)
 
     def _stopped(self) -> TrainResult:
@@ -286,36 +296,19 @@ class Loop:
         return time.monotonic() - eval_start
 
     def _write_if_due(self, steps: int, ends: bool):
-        """(the pending checkpoint after ``steps`` steps or None when no save is due, the seconds it
-        took): a save's tensors are written after the updates, while the engine sleeps and the state
-        is on the device, and published after the step is logged."""
+        """(the pending checkpoint after ``steps`` steps, the seconds its write blocked training) or
+        None when no save is due: a save's tensors are written after the updates, while the engine
+        sleeps and the state is on the device, and published after the step is logged (StepSaves)."""
         if not self.schedule.saves(steps, ends):
-            return None, 0.0
+            return None
         self.progress.phase("writing the checkpoint", last_s=self.schedule.clock.save)
         with self.log.timer("checkpoint_write"):
-            started = time.monotonic()
-            pending = self.run.actor.write_checkpoint(str(self.run.ckpt_dir), steps)
-        return pending, time.monotonic() - started
+            return self.saves.write(steps)
 
     def _state(self, steps: int) -> TrainerState:
         """The trainer state after ``steps`` steps, as of now."""
         return self.batches.state(step=steps, clock=self.schedule.clock.state_dict(), ledger=self.obs.ledger.state(),
                                   alarms=tuple(self.obs.alarms.state()))
-
-    def _save(self, steps: int, pending=None, write_s: float = 0.0, state: TrainerState | None = None) -> None:
-        """Publishes ``pending`` (the step's tensors, written before the sync ``write_s`` ago) with the
-        trainer state (``state``, else as of now); without one (a stop between steps), saves in one go.
-        The clock records the whole save, both halves: it is what the stop path's one-phase save will
-        cost (the saving step's time holds the write too, which only makes the time-limit estimate
-        safer)."""
-        clock = self.schedule.clock
-        state = state or self._state(steps)
-        started = time.monotonic()
-        if pending is None:
-            self.run.actor.save_checkpoint(str(self.run.ckpt_dir), state.to_json())
-        else:
-            self.run.actor.publish_checkpoint(pending, state.to_json())
-        clock.record_save(write_s + time.monotonic() - started)
 
     def _log(self, step: int, metrics: dict) -> None:
         log, cfg = self.log, self.run.cfg

@@ -116,3 +116,12 @@ def demo_base(tmp_path_factory) -> Path:
     once per session; tests.helpers.demo.copy_demo_base copies it into a test's run dir, where a run
     with the default toy settings skips the warm-up (any other toy.* / seed is refused there)."""
     return make_demo_base(tmp_path_factory.mktemp("demo_base"))
+
+
+@pytest.fixture(scope="session")
+def demo_reference(demo_base, tmp_path_factory) -> Path:
+    """One uninterrupted run of tests.helpers.demo_runs' command, made once per session: the fault
+    and resume tests compare their interrupted runs' records with it."""
+    from tests.helpers.demo_runs import make_reference
+
+    return make_reference(demo_base, tmp_path_factory.mktemp("reference"))

@@ -192,21 +192,24 @@ class MegatronActor:
                                           memory_efficient=self.cfg.checkpoint.memory_efficient_save)
         return str(path)
 
-    def write_checkpoint(self, dir: str, step: int) -> checkpoint.PendingCheckpoint:
+    def write_checkpoint(self, dir: str, step: int, background: bool = False) -> checkpoint.PendingCheckpoint:
         """The heavy half of a save (collective): weights, optimizer and schedule into
-        <dir>/step_N.tmp, while the engine sleeps; nothing is visible until publish_checkpoint."""
+        <dir>/step_N.tmp, while the engine sleeps; nothing is visible until publish_checkpoint.
+        ``background``: a child process writes the files (checkpoint.async_save)."""
         self._require_on_device("a checkpoint write")
         return checkpoint.write_checkpoint(dir, step, model=self.model, optimizer=self.optimizer,
-                                           scheduler=self.scheduler,
+                                           scheduler=self.scheduler, background=background,
                                            memory_efficient=self.cfg.checkpoint.memory_efficient_save)
 
-    def publish_checkpoint(self, pending: checkpoint.PendingCheckpoint, trainer_state: dict) -> str:
-        """The other half (collective), after the step is logged: RNG states, the trainer state, the
-        rename into place, ``latest``, pruning."""
+    def publish_checkpoint(self, pending: checkpoint.PendingCheckpoint, trainer_state: dict,
+                           rng: dict | None = None) -> str:
+        """The other half (collective), after the step is logged: RNG states (``rng``: this rank's as
+        the step ended; None: as they are now), the trainer state, the rename into place, ``latest``,
+        pruning. A write in the background is finished first."""
         if trainer_state.get("step") != pending.step:
             raise ValueError(f"trainer_state is for step {trainer_state.get('step')}, the written checkpoint "
                              f"for step {pending.step}")
-        return str(checkpoint.publish_checkpoint(pending, trainer_state=trainer_state,
+        return str(checkpoint.publish_checkpoint(pending, trainer_state=trainer_state, rng=rng,
                                                  keep_last=self.cfg.checkpoint.keep_last))
 
     def load_checkpoint(self, dir: str) -> dict | None:

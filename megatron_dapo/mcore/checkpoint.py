@@ -13,6 +13,12 @@ the heavy part while the rollout engine sleeps and make it visible later, once t
 
 ``save_checkpoint`` is the two in a row.
 
+With ``background=True`` (``checkpoint.async_save``) the write's files are written by a child
+process (mcore/checkpoint_background.py): ``write_checkpoint`` returns once the tensors are staged
+on the host, ``write_finished`` tells (collectively) whether every rank's child is done, and
+``publish_checkpoint`` first finishes the write (waiting for it when it is not). The RNG states and
+the trainer state it publishes are the caller's, taken when the step ended (``rng_state``).
+
 Resharding: model and optimizer tensors are global, keyed by Megatron name, so a checkpoint
 loads at another TP / PP / DP (dist checkpointing reshards). The distributed optimizer is
 saved in megatron's ``fully_reshardable`` format (megatron-training's choice for that reason;
@@ -28,12 +34,13 @@ tensors, by default on *every* DP rank (an all_gather over the DP group, distrib
 gather over the gloo DP group to DP rank 0 only; the other DP ranks hold just their own shard. DP
 rank 0 still holds the whole gathered state. The files are the same and the load ignores the flag.
 
-No helper process: megatron's writer hands its write results back through a queue it would get
+No Manager process: megatron's writer hands its write results back through a queue it would get
 from a ``multiprocessing.Manager`` (a server process, ~270 MB, spawned on the first save), which
-only an asynchronous save needs, since there the writing runs in another process. Our saves are
-synchronous (a sync ``dist_checkpointing.save`` always writes in this process, with threads), so
-an in-process queue does the same job, and a killed trainer leaves no writer (nor the
-multiprocessing resource tracker the Manager kept alive) behind (tests/functional/test_faults.py).
+its own asynchronous save needs, since there the writing runs in another process. A one-phase save
+writes in this process (with threads), so an in-process queue does the same job; a background
+write's child leaves its results in a file (mcore/checkpoint_background.py). A killed trainer
+leaves no process behind: no Manager, no multiprocessing resource tracker, no writer
+(tests/functional/test_faults.py, test_async_save.py).
 """
 
 from __future__ import annotations
@@ -50,8 +57,10 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_dapo.errors import InputError, one_line
+from megatron_dapo.mcore import checkpoint_background as background_write
 from megatron_dapo.mcore import checkpoint_files as files
 from megatron_dapo.mcore.checkpoint_files import (
     FORMAT_VERSION, LATEST, META, SHAPE_FIELDS, TRAINER_STATE, check_model_shape, checkpoint_name, damage,
@@ -60,7 +69,8 @@ from megatron_dapo.mcore.checkpoint_files import (
 __all__ = ["FORMAT_VERSION", "LATEST", "META", "SHAPE_FIELDS", "TRAINER_STATE", "PendingCheckpoint",
            "check_model_shape", "checkpoint_name", "damage", "in_process_write_results", "is_complete",
            "latest_checkpoint", "list_checkpoints", "load_checkpoint", "model_shape", "publish_checkpoint",
-           "read_meta", "read_trainer_state", "save_checkpoint", "why_none_usable", "write_checkpoint"]
+           "read_meta", "read_trainer_state", "rng_state", "save_checkpoint", "why_none_usable", "write_checkpoint",
+           "write_finished"]
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +89,7 @@ class PendingCheckpoint:
     distributed_optimizer: bool | None  # None: no optimizer state saved
     memory_efficient: bool  # megatron's distrib_optim_fully_reshardable_mem_efficient was set
     write: int = 0  # this process's write count when it was written (publish_checkpoint's check)
+    background: background_write.BackgroundWrite | None = None  # a child writes the files; None: written
 
 
 # Writes in this process; a pending checkpoint may be published only while it is the last one
@@ -131,7 +142,8 @@ def _sharded_state_dict(model, optimizer, scheduler, *, is_loading: bool,
     return state
 
 
-def _rng_state() -> dict:
+def rng_state() -> dict:
+    """This rank's RNG states (Python, NumPy, torch, CUDA, megatron's tracker), as a publish saves them."""
     from megatron.core import tensor_parallel
     return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
             "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
@@ -175,10 +187,11 @@ def save_checkpoint(root: str | os.PathLike, step: int, *, model: list, optimize
 
 
 def write_checkpoint(root: str | os.PathLike, step: int, *, model: list, optimizer, scheduler,
-                     memory_efficient: bool = True) -> PendingCheckpoint:
+                     memory_efficient: bool = True, background: bool = False) -> PendingCheckpoint:
     """Write model, optimizer and lr schedule into ``<root>/step_N.tmp`` on every rank
     (collective); nothing is published until publish_checkpoint. ``memory_efficient``: gather
-    the distributed optimizer's state on DP rank 0 only (see the module docstring)."""
+    the distributed optimizer's state on DP rank 0 only (see the module docstring).
+    ``background``: return once the tensors are staged on the host; a child process writes them."""
     from megatron.core import dist_checkpointing
 
     root, rank = Path(root), dist.get_rank()
@@ -192,15 +205,49 @@ def write_checkpoint(root: str | os.PathLike, step: int, *, model: list, optimiz
     memory_efficient = memory_efficient and bool(dist_opt)  # the flag means nothing to other optimizers
     sharded = _sharded_state_dict(model, optimizer, scheduler, is_loading=False,
                                   memory_efficient=memory_efficient)
-    dist_checkpointing.save(sharded, str(tmp), preprocess_common_before_consistancy_check=(
-        _without_ungathered if memory_efficient else None))
+    common = _without_ungathered if memory_efficient else None
+    writing = None
+    if background:
+        request = dist_checkpointing.save(sharded, str(tmp), preprocess_common_before_consistancy_check=common,
+                                          async_sharded_save=True, async_strategy="mcore")
+        writing = background_write.start(request, tmp)
+    else:
+        dist_checkpointing.save(sharded, str(tmp), preprocess_common_before_consistancy_check=common)
     del sharded  # the gathered optimizer state (fully_reshardable): gone before the caller goes on
-    dist.barrier()  # every rank's tensors are on disk
+    if writing is None:
+        dist.barrier()  # every rank's tensors are on disk
     _WRITES["count"] += 1
     return PendingCheckpoint(root=root, step=step, tmp=tmp, final=final, layout=_layout(),
                              model_shape=model_shape(model), padded_vocab_size=_unwrap(model[0]).vocab_size,
                              distributed_optimizer=dist_opt, memory_efficient=memory_efficient,
-                             write=_WRITES["count"])
+                             write=_WRITES["count"], background=writing)
+
+
+def write_finished(pending: PendingCheckpoint) -> bool:
+    """Whether ``pending``'s files are written on every rank (collective when a child writes them):
+    a publish now would not wait."""
+    writing = pending.background
+    # every rank of a background write asks (a rank without files to write answers that it is done)
+    return writing is None or writing.request is None or background_write.all_done(writing)
+
+
+def _finish_write(pending: PendingCheckpoint) -> None:
+    """A background write's end (collective): its child joined, the metadata written."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    writing = pending.background
+    if writing is None or writing.request is None:
+        return
+    try:
+        background_write.finish(writing, filesystem_async._results_queue)
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - the latter is a BaseException
+        raise RuntimeError(f"{pending.tmp}: writing it in the background failed ({_failures(e)}); nothing was "
+                           "published, the newest checkpoint is the one before") from e
+    finally:
+        writing.request = None  # its finalize functions ran (or failed): never again
+    dist.barrier()  # every rank's tensors are on disk
+    logger.info("checkpoint step %d: written in the background in %.2f s after %.2f s of staging; the "
+                "publish waited %.2f s for it", pending.step, writing.write_s, writing.staged_s, writing.waited_s)
 
 
 def _without_ungathered(common: dict) -> dict:
@@ -212,19 +259,31 @@ def _without_ungathered(common: dict) -> dict:
     return {k: _without_ungathered(v) for k, v in common.items() if not (k == "param_state" and v is None)}
 
 
-def publish_checkpoint(pending: PendingCheckpoint, *, trainer_state: dict, keep_last: int) -> Path:
-    """Make a written checkpoint the newest one (collective): every rank's RNG states as they are
-    now, ``trainer_state``, the manifest, the rename into place, ``latest``, then prune to the
-    newest ``keep_last``. Returns the checkpoint's directory."""
+def _failures(e: BaseException) -> str:
+    """megatron's CheckpointException in one line: each failed rank's error (the coordinator knows
+    them; the other ranks learn only that a rank failed)."""
+    if not isinstance(e, CheckpointException):
+        return one_line(e)
+    return "; ".join(f"rank {rank}: {one_line(exc)}" for rank, (exc, _) in sorted(e.failures.items())) or \
+        "another rank's writer failed (rank 0's error names it)"
+
+
+def publish_checkpoint(pending: PendingCheckpoint, *, trainer_state: dict, keep_last: int,
+                       rng: dict | None = None) -> Path:
+    """Make a written checkpoint the newest one (collective): every rank's RNG states (``rng``, this
+    rank's taken by rng_state() when the step ended; None: as they are now), ``trainer_state``, the
+    manifest, the rename into place, ``latest``, then prune to the newest ``keep_last``. A write in
+    the background is finished first (waited for when it is not). Returns the checkpoint's directory."""
     trainer_json = _publish_args(trainer_state, keep_last)
     rank = dist.get_rank()
     if pending.write != _WRITES["count"] or _WRITES["published"] == pending.write:  # a later write removed it
         raise ValueError(f"{pending.tmp} holds no written checkpoint: publish a PendingCheckpoint once, "
                          "before the next write_checkpoint")
-    _WRITES["published"] = pending.write
+    _WRITES["published"] = pending.write  # consumed, also when its background write failed
+    _finish_write(pending)
     (pending.tmp / "rng").mkdir(exist_ok=True)  # after the save, which warns about a non-empty directory
     with open(pending.tmp / "rng" / f"rank_{rank:05d}.pt", "wb") as f:
-        torch.save(_rng_state(), f)
+        torch.save(rng if rng is not None else rng_state(), f)
         f.flush()
         os.fsync(f.fileno())
     dist.barrier()  # every rank's files are written

@@ -88,7 +88,7 @@ def _two_phase_worker(rank, root):
 
     root = Path(root)
     actor = _trained_actor()
-    rng = checkpoint._rng_state()
+    rng = checkpoint.rng_state()
     one = checkpoint.save_checkpoint(root / "one", 1, **_save_kwargs(actor), trainer_state=STATE, keep_last=2)
     checkpoint._set_rng_state(rng)  # the same RNG for the second save
     pending = checkpoint.write_checkpoint(root / "two", 1, **_save_kwargs(actor))

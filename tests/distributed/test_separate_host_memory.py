@@ -4,8 +4,12 @@ one engine rank running the real ``serve`` with the HF engine.
 
 The model is ~85 MB of fp32 tensors of at most 2 MiB each, sent in 4 MiB buckets (rollout.
 weight_sync_bucket_mb=4), twice. The engine rank's peak resident memory (VmHWM, reset before each
-stream through /proc/self/clear_refs) may grow by about one bucket over what it held before the
-stream: the worker receives a bucket and copies it into the model before the next arrives. Before,
+stream through /proc/self/clear_refs) may grow by a few buckets over what it held before the
+stream: the worker receives a bucket and copies it into the model before the next arrives. The bound
+is 4 buckets (16 MiB, a fifth of the model): the first stream's growth varies with the allocator
+(7.3-12.3 MiB over 8 runs on 2 cores, the same before and after the change that brought the stop's
+cut; glibc raises its mmap threshold after the first freed bucket, so later buckets reuse heap
+pages), the second's is 0-4 MiB. Before,
 the engine's main thread held the whole stream in host memory until the worker loaded it (the whole
 model per rank and version: 65.5 GB at 32B). The stream's content is checked too: after it, the
 engine generates what an HF engine holding the trainer's weights generates."""
@@ -104,6 +108,6 @@ def test_an_engine_rank_holds_about_one_bucket_of_a_weight_stream(tmp_path):
     spawn(_worker, str(tmp_path), world_size=2, init=False)
     streams_mb = [kb / 1024 for kb in json.loads((tmp_path / "engine_streams.json").read_text())]
     print(f"engine rank's peak over its resident memory, per stream: {streams_mb} MiB (model {model_mb:.1f} MiB)")
-    assert len(streams_mb) == 2 and max(streams_mb) < 2.5 * BUCKET_MB, (streams_mb, model_mb)
+    assert len(streams_mb) == 2 and max(streams_mb) < 4 * BUCKET_MB, (streams_mb, model_mb)
     got, want = json.loads((tmp_path / "generated.json").read_text())
     assert got == want

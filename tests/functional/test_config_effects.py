@@ -231,6 +231,7 @@ CASES: dict[str, Case] = {
                               TWO | {"checkpoint.save_every": "1"}),
     "checkpoint.memory_efficient_save": C("false", ckpt("memory_efficient_save"),
                                           {"parallel.use_distributed_optimizer": "true"}),
+    "checkpoint.async_save": C("true", text("logs", "written in the background")),
     "checkpoint.resume": C("never", text("out", "final evaluation"), {"_copy": "all"}),
     "checkpoint.stop_grace_s": C("0", lambda a, b: "abandoning the step" in a.err and "stopped by SIGTERM" in b.out,
                                  {"train.total_steps": "20"}, via="grace"),

@@ -1,9 +1,9 @@
 """Fault injection on the CPU job: kills at random moments and mid-save, SIGTERM / SIGUSR1 /
 SIGINT mid-step, two trainers on one directory, a damaged checkpoint, a finished run rerun.
 
-Every run is checked against one uninterrupted reference run of the same command: each metrics
-record present exactly once and bitwise equal (all values but wall times). Processes are checked
-with psutil: everything the trainer started must be gone after it is killed.
+Every run is checked against one uninterrupted reference run of the same command
+(tests/helpers/demo_runs.py). Processes are checked with psutil: everything the trainer started
+must be gone after it is killed.
 """
 
 import json
@@ -21,77 +21,16 @@ import pytest
 
 from tests.helpers.demo import copy_demo_base
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.helpers.demo_runs import (
+    ENV, ROOT, STEPS, assert_same_as_reference, finish, logged, read_records, record_values, run_train,
+    start_train, train_cmd, wait_for)
+
 pytestmark = pytest.mark.slow
-STEPS = 10
-ARGS = [f"train.total_steps={STEPS}", "checkpoint.save_every=2", "eval.every=5", "logging.tensorboard=false"]
-ENV = {k: v for k, v in os.environ.items()
-       if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "MASTER_ADDR")}
 
 
-def _cmd(run_dir: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "megatron_dapo.cli", "train", "--config", str(ROOT / "conf" / "cpu_tiny.yaml"),
-            f"logging.dir={run_dir}", *ARGS, *extra]
-
-
-def _run(run_dir: Path, *extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run(_cmd(run_dir, *extra), cwd=ROOT, capture_output=True, text=True, timeout=900, env=ENV)
-
-
-def _start(run_dir: Path, *extra: str) -> subprocess.Popen:
-    """A trainer writing to files, not pipes: a process left behind would hold a pipe open and
-    hang the reader instead of failing the test."""
-    n = len(list(run_dir.parent.glob("launch_*.out")))
-    out, err = (open(run_dir.parent / f"launch_{n}.{s}", "w+") for s in ("out", "err"))
-    proc = subprocess.Popen(_cmd(run_dir, *extra), cwd=ROOT, stdout=out, stderr=err, text=True, env=ENV)
-    proc.out, proc.err = out, err
-    return proc
-
-
-def _finish(proc: subprocess.Popen, timeout: float = 600) -> tuple[str, str]:
-    proc.wait(timeout=timeout)
-    texts = []
-    for f in (proc.out, proc.err):
-        f.seek(0)
-        texts.append(f.read())
-        f.close()
-    return texts[0], texts[1]
-
-
-def _records(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-
-def _values(records: list[dict]) -> dict[int, dict]:
-    return {r["step"]: {k: v for k, v in r.items() if k != "time" and not k.startswith("timing_s/")} for r in records}
-
-
-def _assert_same_as_reference(run_dir: Path, reference: Path) -> None:
-    got, want = _records(run_dir), _records(reference)
-    assert [r["step"] for r in got] == list(range(STEPS + 1)), "each step's record exactly once"
-    assert _values(got) == _values(want)  # bitwise: floats compared with ==
-
-
-def _wait_for(predicate, proc: subprocess.Popen, what: str, timeout: float = 300, poll: float = 0.05) -> None:
-    deadline = time.time() + timeout
-    while not predicate():
-        assert proc.poll() is None, f"the run ended before {what}: {_finish(proc)[1][-3000:]}"
-        assert time.time() < deadline, f"timed out waiting for {what}"
-        time.sleep(poll)
-
-
-def _logged(run_dir: Path, step: int):
-    return lambda: any(r["step"] >= step for r in _records(run_dir))
-
-
-@pytest.fixture(scope="module")
-def reference(demo_base, tmp_path_factory) -> Path:
-    # the session's demo base: the reference and every run copied from it skip the warm-up
-    run_dir = copy_demo_base(demo_base, tmp_path_factory.mktemp("reference"))
-    out = _run(run_dir)
-    assert out.returncode == 0, out.stderr[-5000:]
-    return run_dir
+@pytest.fixture
+def reference(demo_reference) -> Path:
+    return demo_reference
 
 
 def test_kills_at_random_moments_leave_no_process_and_resume_exactly(reference, tmp_path):
@@ -99,69 +38,69 @@ def test_kills_at_random_moments_leave_no_process_and_resume_exactly(reference, 
     rng = random.Random(0)
     kills = []
     for attempt in range(3):
-        proc = _start(run_dir)
+        proc = start_train(run_dir)
         ckpts = run_dir / "checkpoints"
         if attempt == 0:  # mid-save: as soon as a save's temporary directory appears
-            _wait_for(lambda: ckpts.is_dir() and any(p.suffix == ".tmp" for p in ckpts.iterdir()), proc,
+            wait_for(lambda: ckpts.is_dir() and any(p.suffix == ".tmp" for p in ckpts.iterdir()), proc,
                       "a checkpoint save", poll=0.001)
         else:  # a random moment after this attempt's first step
-            done = max([r["step"] for r in _records(run_dir)], default=0)
-            _wait_for(_logged(run_dir, done + 1), proc, "a step")
+            done = max([r["step"] for r in read_records(run_dir)], default=0)
+            wait_for(logged(run_dir, done + 1), proc, "a step")
             time.sleep(rng.uniform(0.0, 1.0))
         children = psutil.Process(proc.pid).children(recursive=True)
         os.kill(proc.pid, signal.SIGKILL)  # the trainer alone, not its process group
-        _finish(proc)
+        finish(proc)
         assert proc.returncode == -signal.SIGKILL, "the run finished before the kill"
         _, alive = psutil.wait_procs(children, timeout=20)
         assert not alive, f"left behind after the kill: {[p.cmdline() for p in alive]}"
         kills.append((len(children), any(p.suffix == ".tmp" for p in ckpts.iterdir()) if ckpts.is_dir() else False))
-    out = _run(run_dir)
+    out = run_train(run_dir)
     assert out.returncode == 0, out.stderr[-5000:]
     assert "which is no longer running" in out.stderr  # the dead trainer's lock file, taken over
     assert any(n > 0 for n, _ in kills), "the trainer had children to check"
-    _assert_same_as_reference(run_dir, reference)
+    assert_same_as_reference(run_dir, reference)
 
 
 def test_signals_stop_after_the_step_with_a_checkpoint_and_resume_exactly(reference, tmp_path):
     run_dir = copy_demo_base(reference, tmp_path / "run")
     for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
-        proc = _start(run_dir)
-        done = max([r["step"] for r in _records(run_dir)], default=0)
-        _wait_for(_logged(run_dir, done + 1), proc, "a step")
+        proc = start_train(run_dir)
+        done = max([r["step"] for r in read_records(run_dir)], default=0)
+        wait_for(logged(run_dir, done + 1), proc, "a step")
         proc.send_signal(sig)
-        stdout, stderr = _finish(proc)
+        stdout, stderr = finish(proc)
         assert proc.returncode == 0, stderr[-3000:]
-        step = _records(run_dir)[-1]["step"]
+        step = read_records(run_dir)[-1]["step"]
         assert step < STEPS, "the run finished before the signal"
         latest = run_dir / "checkpoints" / f"step_{step:08d}"
         assert f"stopped by {sig.name} after step {step} of {STEPS}" in stdout and str(latest) in stdout
         assert (run_dir / "checkpoints" / "latest").read_text().strip() == latest.name
         assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr
-    out = _run(run_dir)
+    out = run_train(run_dir)
     assert out.returncode == 0, out.stderr[-5000:]
-    _assert_same_as_reference(run_dir, reference)
+    assert_same_as_reference(run_dir, reference)
 
 
 def test_a_second_trainer_on_the_same_directory_is_refused(reference, tmp_path):
     run_dir = copy_demo_base(reference, tmp_path / "run")
-    first = _start(run_dir)
-    _wait_for(_logged(run_dir, 1), first, "the first trainer's first step")
+    first = start_train(run_dir)
+    wait_for(logged(run_dir, 1), first, "the first trainer's first step")
     os.kill(first.pid, signal.SIGSTOP)  # mid-run for as long as the second one needs, on any machine
     try:
-        second = _run(run_dir)
+        second = run_train(run_dir)
     finally:
         os.kill(first.pid, signal.SIGCONT)
     assert second.returncode == 2
     assert f"is in use by another trainer (pid {first.pid} on host" in second.stderr.strip().splitlines()[-1]
-    _, stderr = _finish(first)
+    _, stderr = finish(first)
     assert first.returncode == 0, stderr[-3000:]
-    _assert_same_as_reference(run_dir, reference)
+    assert_same_as_reference(run_dir, reference)
 
 
 def test_eval_reads_a_run_whose_trainer_holds_the_lock(reference):
     from megatron_dapo.run_lock import RunDirLock
 
-    cmd = _cmd(reference)
+    cmd = train_cmd(reference)
     cmd[cmd.index("train")] = "eval"
     with RunDirLock(reference):  # as a live trainer holds it
         out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=ENV)
@@ -176,11 +115,11 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_previous_one(reference, t
     latest = run_dir / "checkpoints" / f"step_{STEPS:08d}"
     victim = max(latest.glob("*.distcp"), key=lambda p: p.stat().st_size)
     victim.write_bytes(victim.read_bytes()[:100])  # truncated, as by a full disk
-    out = _run(run_dir, f"train.total_steps={STEPS}")
+    out = run_train(run_dir, f"train.total_steps={STEPS}")
     assert out.returncode == 0, out.stderr[-5000:]
     assert f"checkpoint {latest} is damaged ({victim.name} has 100 bytes" in out.stderr
     assert f"resumed from {run_dir / 'checkpoints'} at step {STEPS - 2}" in out.stderr
-    _assert_same_as_reference(run_dir, reference)
+    assert_same_as_reference(run_dir, reference)
 
 
 def test_a_checkpoint_of_another_shape_is_refused_before_building(reference, tmp_path):
@@ -188,7 +127,7 @@ def test_a_checkpoint_of_another_shape_is_refused_before_building(reference, tmp
     from megatron_dapo.toy.base import make_toy_base
 
     hf = make_toy_base(tmp_path / "hf", seed=0, cfg=ToyConfig(hidden_size=32, intermediate_size=64, warmup_steps=1))
-    out = _run(tmp_path / "run", "toy.enable=false", f"model.hf_path={hf}",
+    out = run_train(tmp_path / "run", "toy.enable=false", f"model.hf_path={hf}",
                f"data.train_files=[{reference / 'toy_data' / 'train.parquet'}]",
                f"data.val_files=[{reference / 'toy_data' / 'val.parquet'}]",
                f"checkpoint.dir={reference / 'checkpoints'}")
@@ -200,7 +139,7 @@ def test_a_checkpoint_of_another_shape_is_refused_before_building(reference, tmp
 
 def test_rerunning_a_finished_run_says_so(reference):
     before = (reference / "metrics.jsonl").read_bytes()
-    out = _run(reference)
+    out = run_train(reference)
     assert out.returncode == 0, out.stderr[-3000:]
     assert f"nothing to do: {reference} is already at step {STEPS} of train.total_steps={STEPS}" in out.stdout
     assert "eval/avg@4=" in out.stdout and "final evaluation" not in out.stdout
@@ -213,11 +152,11 @@ def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step(reference, tm
     all-reduce, both save the same step, every process exits 0; the rerun completes the run."""
     run_dir = copy_demo_base(reference, tmp_path / "run")
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-    cmd = launcher + _cmd(run_dir)[1:]
+    cmd = launcher + train_cmd(run_dir)[1:]
     with open(tmp_path / "out.txt", "w+") as out:
         agent = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, text=True, env=ENV)
         agent.out, agent.err = out, open(os.devnull)
-        _wait_for(_logged(run_dir, 1), agent, "a step")
+        wait_for(logged(run_dir, 1), agent, "a step")
         rank1 = [p for p in psutil.Process(agent.pid).children() if p.environ().get("RANK") == "1"]
         assert len(rank1) == 1
         rank1[0].send_signal(signal.SIGTERM)
@@ -225,35 +164,35 @@ def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step(reference, tm
         out.seek(0)
         text = out.read()
     assert agent.returncode == 0, text[-3000:]
-    step = _records(run_dir)[-1]["step"]
+    step = read_records(run_dir)[-1]["step"]
     assert step < STEPS and f"stopped by SIGTERM after step {step} of {STEPS}" in text
     saved = run_dir / "checkpoints" / f"step_{step:08d}"
     assert sorted(p.name for p in (saved / "rng").iterdir()) == ["rank_00000.pt", "rank_00001.pt"]
     rerun = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env=ENV)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
-    assert [r["step"] for r in _records(run_dir)] == list(range(STEPS + 1))
+    assert [r["step"] for r in read_records(run_dir)] == list(range(STEPS + 1))
 
 
 def test_a_generation_budget_ends_the_run_like_its_last_step(reference, tmp_path):
     """train.generation_budget: the run stops after the step that spends it, evaluates and saves
     there as at train.total_steps, trains exactly as the unbudgeted run up to that step, and a
     rerun has nothing to do."""
-    ref = {r["step"]: r for r in _records(reference)}
+    ref = {r["step"]: r for r in read_records(reference)}
     totals = [ref[s]["rollout/responses_generated_total"] for s in range(1, STEPS + 1)]
     counted = [sum(ref[s]["dynamic_sampling/num_groups_generated"] * 8 for s in range(1, t + 1))
                for t in range(1, STEPS + 1)]
     assert totals == counted  # every generation batch counted, kept or dropped
     budget = int(totals[2]) - 1  # spent during step 3
     run_dir = copy_demo_base(reference, tmp_path / "run")
-    out = _run(run_dir, f"train.generation_budget={budget}")
+    out = run_train(run_dir, f"train.generation_budget={budget}")
     assert out.returncode == 0, out.stderr[-3000:]
-    got = _records(run_dir)
+    got = read_records(run_dir)
     assert [r["step"] for r in got] == [0, 1, 2, 3]
     assert "eval/avg@4" in got[-1] and "final evaluation: eval/" in out.stdout
     assert (run_dir / "checkpoints" / "step_00000003").is_dir()
-    same = lambda r: {k: v for k, v in _values([r])[r["step"]].items() if not k.startswith("eval/")}  # noqa: E731
+    same = lambda r: {k: v for k, v in record_values([r])[r["step"]].items() if not k.startswith("eval/")}  # noqa: E731
     assert [same(r) for r in got] == [same(ref[r["step"]]) for r in got]
-    again = _run(run_dir, f"train.generation_budget={budget}")
+    again = run_train(run_dir, f"train.generation_budget={budget}")
     assert again.returncode == 0 and "nothing to do" in again.stdout and f"generation_budget={budget}" in again.stdout
 
 
@@ -262,19 +201,19 @@ def test_a_step_that_cannot_finish_within_the_grace_is_abandoned_with_exit_0(ref
     (what a 20-minute step under torchrun's 30 s or SLURM's KillWait gets); the saved steps stay,
     the rerun redoes the rest and ends equal to the uninterrupted run."""
     run_dir = copy_demo_base(reference, tmp_path / "run")
-    proc = _start(run_dir, "checkpoint.stop_grace_s=0")
-    _wait_for(_logged(run_dir, 3), proc, "step 3")  # a checkpoint at step 2 exists
+    proc = start_train(run_dir, "checkpoint.stop_grace_s=0")
+    wait_for(logged(run_dir, 3), proc, "step 3")  # a checkpoint at step 2 exists
     proc.send_signal(signal.SIGTERM)
     sent = time.monotonic()
-    _, stderr = _finish(proc)
+    _, stderr = finish(proc)
     assert proc.returncode == 0, stderr[-3000:]
     assert time.monotonic() - sent < 10
     latest = run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text().strip()
     assert f"abandoning the step; the last checkpoint is {latest}, rerun the same command" in stderr
     assert "Traceback" not in stderr
-    out = _run(run_dir)
+    out = run_train(run_dir)
     assert out.returncode == 0, out.stderr[-5000:]
-    _assert_same_as_reference(run_dir, reference)
+    assert_same_as_reference(run_dir, reference)
 
 
 def test_the_jobs_end_stops_the_run_before_it_with_a_checkpoint(reference, tmp_path):
@@ -289,10 +228,10 @@ def test_the_jobs_end_stops_the_run_before_it_with_a_checkpoint(reference, tmp_p
     for attempt in range(8):
         run_dir = copy_demo_base(reference, tmp_path / f"run{attempt}")
         end = int(time.time() + offset)  # whole seconds, as SLURM gives it: the run's end is exactly this one
-        out = subprocess.run(_cmd(run_dir, "checkpoint.time_limit_margin_s=0"), cwd=ROOT, capture_output=True,
+        out = subprocess.run(train_cmd(run_dir, "checkpoint.time_limit_margin_s=0"), cwd=ROOT, capture_output=True,
                              text=True, timeout=600, env={**ENV, "MEGATRON_DAPO_END_TIME": str(end)})
         assert out.returncode == 0, out.stderr[-3000:]
-        step = _records(run_dir)[-1]["step"] if _records(run_dir) else 0
+        step = read_records(run_dir)[-1]["step"] if read_records(run_dir) else 0
         if 3 <= step < STEPS:
             break
         offset += -1 if step >= STEPS else 1 if step else 3  # no step at all: start-up took the whole window
@@ -301,9 +240,9 @@ def test_the_jobs_end_stops_the_run_before_it_with_a_checkpoint(reference, tmp_p
     ckpt = run_dir / "checkpoints" / f"step_{step:08d}"
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == ckpt.name
     assert (ckpt / "checkpoint.json").stat().st_mtime <= end  # the step and its save ended before the end
-    out = _run(run_dir)
+    out = run_train(run_dir)
     assert out.returncode == 0, out.stderr[-5000:]
-    _assert_same_as_reference(run_dir, reference)
+    assert_same_as_reference(run_dir, reference)
 
 
 def test_a_run_whose_checkpoints_are_all_damaged_is_refused_and_left_as_it_is(reference, tmp_path):
@@ -317,7 +256,7 @@ def test_a_run_whose_checkpoints_are_all_damaged_is_refused_and_left_as_it_is(re
         victims.append((ckpt.name, victim.name))
     assert len(victims) == 2
     before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
-    out = _run(run_dir, f"train.total_steps={STEPS + 2}")
+    out = run_train(run_dir, f"train.total_steps={STEPS + 2}")
     assert out.returncode == 2, out.stderr[-3000:]
     line = out.stderr.strip().splitlines()[-1]
     assert line.startswith(f"megatron-dapo: error: {run_dir / 'checkpoints'}: no intact checkpoint to resume from (")
@@ -344,7 +283,7 @@ def _stalled(run_dir: Path, log: Path, *, nproc: int = 1, grace_s: int = 8) -> s
     an abort; ``nproc`` processes, under torchrun when 2 (DP=2)."""
     launcher = [sys.executable] + (["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
                                    if nproc > 1 else [])
-    cmd = launcher + ["-m", "tests.helpers.stalling_engine"] + _cmd(run_dir, "rollout.engine=stalling_hf",
+    cmd = launcher + ["-m", "tests.helpers.stalling_engine"] + train_cmd(run_dir, "rollout.engine=stalling_hf",
                                                                      f"checkpoint.stop_grace_s={grace_s}")[3:]
     out = open(log, "w+")
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, text=True,
@@ -363,13 +302,13 @@ def test_a_stop_during_generation_cuts_the_step_and_saves_the_steps_before_it(re
     run_dir = copy_demo_base(reference, tmp_path / "run")
     log = tmp_path / "stalled.log"
     proc = _stalled(run_dir, log, nproc=nproc)
-    _wait_for(lambda: log.read_text().count("call 6 stalls") == nproc, proc, "step 4's stalled batch")
-    assert _records(run_dir)[-1]["step"] == 3
+    wait_for(lambda: log.read_text().count("call 6 stalls") == nproc, proc, "step 4's stalled batch")
+    assert read_records(run_dir)[-1]["step"] == 3
     workers = psutil.Process(proc.pid).children() if nproc > 1 else [proc]
     assert len(workers) == nproc
     for worker in workers:
         worker.send_signal(signal.SIGTERM)
-    _finish(proc)
+    finish(proc)
     text = log.read_text()
     assert proc.returncode == 0, text[-3000:]
     assert text.count("call 6 stall ended by an abort") == nproc, text[-3000:]
@@ -378,15 +317,15 @@ def test_a_stop_during_generation_cuts_the_step_and_saves_the_steps_before_it(re
     assert f"stopped by SIGTERM after step 3 of {STEPS}, step 4 cut short in its generation" in text
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == latest.name and str(latest) in text
     assert "abandoning" not in text and "Traceback" not in text  # cut and saved within the 8 s grace
-    assert [r["step"] for r in _records(run_dir)] == [0, 1, 2, 3]
-    out = _run(run_dir) if nproc == 1 else subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"] + _cmd(run_dir)[1:],
+    assert [r["step"] for r in read_records(run_dir)] == [0, 1, 2, 3]
+    out = run_train(run_dir) if nproc == 1 else subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"] + train_cmd(run_dir)[1:],
         cwd=ROOT, capture_output=True, text=True, timeout=900, env=ENV)
     assert out.returncode == 0, out.stderr[-5000:]
     if nproc == 1:
-        _assert_same_as_reference(run_dir, reference)
+        assert_same_as_reference(run_dir, reference)
     else:  # DP=2 runs its own numbers (gradients reduced over two ranks): each step once
-        assert [r["step"] for r in _records(run_dir)] == list(range(STEPS + 1))
+        assert [r["step"] for r in read_records(run_dir)] == list(range(STEPS + 1))
 
 
 @pytest.mark.parametrize("launcher", ["megatron_dapo.launch",  # plain torchrun: what the launcher changes
@@ -396,16 +335,16 @@ def test_a_stop_signal_to_the_launcher_ends_it_as_the_run_ended(reference, tmp_p
     then raises SignalException (rc 1, a traceback); megatron_dapo.launch, the same agent, exits 0
     with one line naming the run's checkpoint, as the recipes launch it."""
     run_dir = copy_demo_base(reference, tmp_path / "run")
-    cmd = [sys.executable, "-m", launcher, "--standalone", "--nproc-per-node=2"] + _cmd(run_dir)[1:]
+    cmd = [sys.executable, "-m", launcher, "--standalone", "--nproc-per-node=2"] + train_cmd(run_dir)[1:]
     with open(tmp_path / "out.txt", "w+") as out:
         agent = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, text=True, env=ENV)
         agent.out, agent.err = out, open(os.devnull)
-        _wait_for(_logged(run_dir, 1), agent, "a step")
+        wait_for(logged(run_dir, 1), agent, "a step")
         agent.send_signal(signal.SIGTERM)
         agent.wait(timeout=120)
         out.seek(0)
         text = out.read()
-    step = _records(run_dir)[-1]["step"]
+    step = read_records(run_dir)[-1]["step"]
     saved = f"stopped after step {step} of {STEPS}, by SIGTERM; checkpoint {run_dir / 'checkpoints'}"
     if launcher == "torch.distributed.run":
         assert agent.returncode == 1 and "SignalException" in text and "Traceback" in text

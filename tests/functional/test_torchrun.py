@@ -39,3 +39,15 @@ def test_torchrun_from_an_empty_dir_matches_one_process(one_process, tmp_path_fa
     assert [r["step"] for r in records] == [0, 1]
     for got, want in zip(records, one_process, strict=True):
         assert_same_record(got, want, rel=1e-4)
+
+
+def test_a_config_error_under_torchrun_is_said_once(tmp_path):
+    """Every rank reads the same files and overrides, so every rank meets the same config error:
+    rank 0 says it, the others exit 2 quietly (each said it before: one line per rank)."""
+    cmd = [sys.executable, "-m", "megatron_dapo.launch", "--standalone", "--nproc-per-node=2", "-m",
+           "megatron_dapo.cli", "train", "--config", str(ROOT / "conf" / "cpu_tiny.yaml"),
+           f"logging.dir={tmp_path}", "checkpoint.save_evry=2"]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode != 0
+    said = [line for line in (out.stdout + out.stderr).splitlines() if "megatron-dapo: config error:" in line]
+    assert len(said) == 1 and "did you mean checkpoint.save_every?" in said[0], out.stderr[-3000:]

@@ -39,8 +39,8 @@ def test_every_benchmark_has_run(name):
     assert run_all.has_run(BENCH / f"{name}.py"), f"{name}.py has no top-level run(quick)"
 
 
-@pytest.mark.parametrize("name", ["async_rollout", "checkpoint_save", "fault_campaign", "losses", "reward_fuzz",
-                                  "rollout", "rollout_corrections", "table1"])
+@pytest.mark.parametrize("name", ["async_rollout", "async_save", "checkpoint_save", "fault_campaign", "losses",
+                                  "reward_fuzz", "rollout", "rollout_corrections", "table1"])
 def test_quick_is_smaller_than_full(name):
     """No size of the quick run exceeds the full run's and at least one is smaller: QUICK != FULL
     alone would pass a quick run larger than the full one. A skip_* flag counts as smaller when
@@ -74,6 +74,20 @@ def test_checkpoint_save_figures():
     one = dict(result, saves=1, manager=dict(result["manager"], times=[2.0]),
                in_process=dict(result["in_process"], times=[0.2]))
     assert len(m.figures(one)) == 1 and "| - |" in m.render_markdown(one)  # no later saves to average
+
+
+def test_async_save_figures():
+    """Means over the steps after the first; blocked time and step time against the one-phase save's."""
+    m = _load("async_save")
+    run = lambda mode, steps, blocked: dict(mode=mode, steps=steps, blocked=blocked, waited=[0.0] * len(blocked),
+                                            final_wait=0.5, mb=100.0, params=9e6)
+    result = dict(hidden=128, layers=2, steps=3, updates=3, none=run("none", [1.0, 1.0, 1.0], []),
+                  sync=run("sync", [9.0, 3.0, 5.0], [8.0, 2.0, 4.0]),
+                  background=run("background", [9.0, 2.0, 2.0], [8.0, 1.0, 0.5]))
+    figs = list(_check(dict(name="async_save", figures=m.figures(result), markdown=m.render_markdown(result)),
+                       "async_save").values())
+    assert [(f["value"], f["baseline"]) for f in figs] == [(0.75, 3.0), (2.0, 4.0)]
+    assert "3 updates of 4 x 16 tokens" in m.render_markdown(result)
 
 
 def _record(step: int, loss: float) -> dict:

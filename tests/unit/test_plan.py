@@ -29,7 +29,8 @@ from megatron_dapo.generation_model import (
     kv_bytes_per_token,
 )
 from megatron_dapo.gpu_models import GPU_MODELS
-from megatron_dapo.memory_plan import GB, count_parameters, plan, save_host
+from megatron_dapo.memory_plan import GB, count_parameters, plan
+from megatron_dapo.save_memory import save_host
 from megatron_dapo.plan_report import README_BEGIN, readme_block, readme_table
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -334,6 +335,9 @@ def test_a_saves_host_memory_by_hand_at_the_paper_layout(capsys):
     small = save_host(30e6, tp=1, dp=2, gpus_per_node=8, memory_efficient=True)
     assert (small.dp_rank0, small.other, small.resume) == pytest.approx((12 * 30e6 * 2.5, 12 * 30e6 / 2,
                                                                          12 * 30e6 * 1.5))
+    # the recipe's background write holds the gathered state and the bf16 weights' host copy until written
+    one_phase = _paper("checkpoint.async_save=false").save
+    assert (on.background, on.background_node, one_phase.background) == pytest.approx((14 * shard, 8 * 14 * shard, 0))
     off = _paper("checkpoint.memory_efficient_save=false").save
     assert off.other == off.dp_rank0 == pytest.approx(rank0)
     assert _paper("parallel.use_distributed_optimizer=false").save is None

@@ -1,0 +1,87 @@
+"""The CPU job run as a user runs it, for the fault and resume tests (tests/functional/test_faults.py,
+test_async_save.py): the command, starting and killing it with its output in files, its records, and
+the comparison with one uninterrupted reference run (the session's ``demo_reference`` fixture).
+
+Every run is checked against the reference: each metrics record present exactly once and bitwise
+equal (all values but wall times)."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tests.helpers.demo import copy_demo_base
+
+ROOT = Path(__file__).resolve().parents[2]
+STEPS = 10
+ARGS = [f"train.total_steps={STEPS}", "checkpoint.save_every=2", "eval.every=5", "logging.tensorboard=false"]
+ENV = {k: v for k, v in os.environ.items()
+       if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "MASTER_ADDR")}
+
+
+def train_cmd(run_dir: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "megatron_dapo.cli", "train", "--config", str(ROOT / "conf" / "cpu_tiny.yaml"),
+            f"logging.dir={run_dir}", *ARGS, *extra]
+
+
+def run_train(run_dir: Path, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run(train_cmd(run_dir, *extra), cwd=ROOT, capture_output=True, text=True, timeout=900, env=ENV)
+
+
+def start_train(run_dir: Path, *extra: str) -> subprocess.Popen:
+    """A trainer writing to files, not pipes: a process left behind would hold a pipe open and
+    hang the reader instead of failing the test."""
+    n = len(list(run_dir.parent.glob("launch_*.out")))
+    out, err = (open(run_dir.parent / f"launch_{n}.{s}", "w+") for s in ("out", "err"))
+    proc = subprocess.Popen(train_cmd(run_dir, *extra), cwd=ROOT, stdout=out, stderr=err, text=True, env=ENV)
+    proc.out, proc.err = out, err
+    return proc
+
+
+def finish(proc: subprocess.Popen, timeout: float = 600) -> tuple[str, str]:
+    proc.wait(timeout=timeout)
+    texts = []
+    for f in (proc.out, proc.err):
+        f.seek(0)
+        texts.append(f.read())
+        f.close()
+    return texts[0], texts[1]
+
+
+def read_records(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def record_values(records: list[dict]) -> dict[int, dict]:
+    return {r["step"]: {k: v for k, v in r.items() if k != "time" and not k.startswith("timing_s/")} for r in records}
+
+
+def assert_same_as_reference(run_dir: Path, reference: Path) -> None:
+    got, want = read_records(run_dir), read_records(reference)
+    assert [r["step"] for r in got] == list(range(STEPS + 1)), "each step's record exactly once"
+    assert record_values(got) == record_values(want)  # bitwise: floats compared with ==
+
+
+def wait_for(predicate, proc: subprocess.Popen, what: str, timeout: float = 300, poll: float = 0.05) -> None:
+    deadline = time.time() + timeout
+    while not predicate():
+        assert proc.poll() is None, f"the run ended before {what}: {finish(proc)[1][-3000:]}"
+        assert time.time() < deadline, f"timed out waiting for {what}"
+        time.sleep(poll)
+
+
+def logged(run_dir: Path, step: int):
+    return lambda: any(r["step"] >= step for r in read_records(run_dir))
+
+
+def make_reference(demo_base: Path, run_dir: Path) -> Path:
+    """The uninterrupted run (copied from the session's demo base: it skips the warm-up)."""
+    run_dir = copy_demo_base(demo_base, run_dir)
+    out = run_train(run_dir)
+    assert out.returncode == 0, out.stderr[-5000:]
+    return run_dir
+
+
