@@ -39,7 +39,7 @@ from megatron_dapo import generation_model as gm
 from megatron_dapo.config import DAPOConfig
 from megatron_dapo.errors import ConfigError
 from megatron_dapo.layout import Communicator, communicators
-from megatron_dapo.save_memory import SaveHost, save_host
+from megatron_dapo.save_memory import SaveHost, save_host, save_seconds
 from megatron_dapo.gpu_models import CUDA_CONTEXT_BYTES, GPUModel, gpu_model
 
 GB = 1e9
@@ -138,6 +138,13 @@ class Plan:
     @property
     def parts(self) -> dict[str, float]:
         return {i.key: i.bytes for i in self.items}
+
+    @property
+    def stop_lead_s(self) -> float | None:
+        """The warning a stop signal must give (SLURM's --signal=USR1@LEAD) when it comes as a step's
+        generation ends: the step's log-probs and updates and a save still fit. Earlier, the stop cuts
+        the generation short (train.py). None without the distributed optimizer (no save model)."""
+        return None if self.save is None else self.step_s - self.generation.seconds + save_seconds(self.save)
 
     @property
     def capacity_bytes(self) -> float:

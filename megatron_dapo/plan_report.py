@@ -9,6 +9,7 @@ import re
 import sys
 from pathlib import Path
 
+from megatron_dapo.save_memory import FS_WRITE_BYTES_PER_S_PER_NODE, GATHER_BYTES_PER_S_PER_NODE, save_seconds
 from megatron_dapo.memory_plan import GB, Plan
 
 SECTIONS = (
@@ -114,6 +115,13 @@ def _generation_lines(p: Plan) -> list[str]:
     rest = p.step_s - g.seconds
     lines.append(f"step: {p.tokens_per_step / 1e6:.1f}M tokens trained; ~{_minutes(p.step_s)} per step "
                  f"(generation {_minutes(g.seconds)}, log-probs and update {_minutes(rest)}; estimate)")
+    if p.save is not None:
+        sv, save_s = p.save, save_seconds(p.save)
+        lines.append(f"a stop's warning (--signal=USR1@LEAD) needs LEAD >= {p.stop_lead_s:.0f} s: after a step's "
+                     f"generation, its log-probs and updates ({rest:.0f} s) and a save ({save_s:.0f} s: "
+                     f"{sv.written_node / GB:.0f} GB written per node at {FS_WRITE_BYTES_PER_S_PER_NODE / GB:.0f} "
+                     f"GB/s, {sv.gathered_node / GB:.0f} GB gathered at {GATHER_BYTES_PER_S_PER_NODE / GB:.0f} GB/s, "
+                     "both assumed); during generation a stop cuts the step in seconds")
     return lines
 
 

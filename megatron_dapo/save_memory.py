@@ -11,6 +11,11 @@ from dataclasses import dataclass
 # megatron DDP's bucket with overlapped gradient reduction (the GPU default here): max(40M, 1M x DP)
 # parameters (distributed/distributed_data_parallel.py); a save's gather receives one at a time.
 DDP_BUCKET_PARAMS, DDP_BUCKET_PARAMS_PER_DP = 40_000_000, 1_000_000
+# Assumed, not measured (no cluster here): a parallel file system's write bandwidth per client node,
+# and what a node's DP-rank-0 ranks receive per second in the optimizer's gloo gather. They size a
+# save's time (``save_seconds``) and so the lead a stop's warning signal needs; a run measures its own.
+FS_WRITE_BYTES_PER_S_PER_NODE = 2e9
+GATHER_BYTES_PER_S_PER_NODE = 10e9
 
 
 @dataclass(frozen=True)
@@ -24,6 +29,13 @@ class SaveHost:
     resume: float  # every rank on a resume, either setting: the whole shard's state beside a bucket's slice
     background: float = 0.0  # async_save: what a DP-rank-0 rank holds until its write ends (0: one-phase saves)
     background_node: float = 0.0  # the same for the node of a stage's DP-rank-0 ranks
+    written_node: float = 0.0  # bytes a save writes from that node (its ranks hold every main replica)
+    gathered_node: float = 0.0  # bytes that node's ranks receive in the optimizer's gather
+
+
+def save_seconds(save: SaveHost) -> float:
+    """A one-phase save's time on the busiest node, at the assumed bandwidths above."""
+    return save.written_node / FS_WRITE_BYTES_PER_S_PER_NODE + save.gathered_node / GATHER_BYTES_PER_S_PER_NODE
 
 
 def save_host(on_rank: float, *, tp: int, dp: int, gpus_per_node: int, memory_efficient: bool,
@@ -43,6 +55,7 @@ def save_host(on_rank: float, *, tp: int, dp: int, gpus_per_node: int, memory_ef
     other = own if memory_efficient else rank0
     zeros = min(tp, gpus_per_node)
     held = state + weight_bytes * on_rank if background else 0.0
-    return SaveHost(rank0, other, zeros * rank0 + (gpus_per_node - zeros) * other, state + own, held, zeros * held)
+    return SaveHost(rank0, other, zeros * rank0 + (gpus_per_node - zeros) * other, state + own, held, zeros * held,
+                    written_node=zeros * (state + weight_bytes * on_rank), gathered_node=zeros * state * (dp - 1) / dp)
 
 

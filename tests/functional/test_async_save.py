@@ -6,8 +6,10 @@ written, never what a run computes or what a resume restores.
   one at a random moment after a step, then a SIGTERM after a step; every process the trainer
   started (the writer included: it dies with the trainer) is gone after each kill, the stop exits 0
   naming its checkpoint, and the run finished by a rerun has the reference's records, bitwise.
-* DP=2 under torchrun (megatron_dapo.launch, as the recipes launch it): SIGTERM to the launcher
-  after a step, then a rerun: the records equal an uninterrupted DP=2 run's with one-phase saves.
+* DP=2 under torchrun (megatron_dapo.launch, as the recipes launch it; extended tier): SIGTERM to
+  the launcher after a step, then a rerun: the records equal an uninterrupted DP=2 run's with
+  one-phase saves. In CI the 32B rehearsal (4 ranks, TP 2 x PP 2, background saves; killed and
+  resumed at another layout) stands for it.
 """
 
 import os
@@ -69,6 +71,7 @@ def _torchrun(run_dir, *extra: str) -> list[str]:
         train_cmd(run_dir, *extra)[1:]
 
 
+@pytest.mark.extended
 def test_background_saves_at_dp2_stop_and_resume_to_the_one_phase_runs_records(demo_base, tmp_path):
     want_dir, run_dir = (copy_demo_base(demo_base, tmp_path / name) for name in ("want", "run"))
     want = subprocess.run(_torchrun(want_dir), cwd=ROOT, capture_output=True, text=True, timeout=900, env=ENV)

@@ -338,6 +338,11 @@ def test_a_saves_host_memory_by_hand_at_the_paper_layout(capsys):
     # the recipe's background write holds the gathered state and the bf16 weights' host copy until written
     one_phase = _paper("checkpoint.async_save=false").save
     assert (on.background, on.background_node, one_phase.background) == pytest.approx((14 * shard, 8 * 14 * shard, 0))
+    # a stop's warning: the step's updates and a save (8 ranks' 14 B a param written at 2 GB/s, their
+    # 12 B a param gathered from 7 of 8 DP ranks at 10 GB/s)
+    paper = _paper()
+    assert paper.stop_lead_s == pytest.approx(paper.step_s - paper.generation.seconds + 8 * 14 * shard / 2e9
+                                              + 8 * 12 * shard * 7 / 8 / 10e9)
     off = _paper("checkpoint.memory_efficient_save=false").save
     assert off.other == off.dp_rank0 == pytest.approx(rank0)
     assert _paper("parallel.use_distributed_optimizer=false").save is None

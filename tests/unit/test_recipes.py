@@ -225,3 +225,21 @@ def test_a_batch_script_finds_its_checkout_from_any_directory(tmp_path):
                          env={**ENV, "DRY_RUN": "1"}, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert f"cd {ROOT} && exec" in _step(out.stdout)
+
+
+@pytest.mark.parametrize("recipe", GPU_RECIPES, ids=lambda p: p.name)
+def test_the_warning_signals_lead_holds_a_steps_updates_and_a_save_by_the_plan(recipe):
+    """--signal=USR1@LEAD reaches the trainers as late as a step's generation ends: the updates and a
+    save must still fit (earlier, the stop cuts the generation short). Each recipe's lead is its
+    plan's need at the nodes it declares, on the H100, plus 10-50% (the plan estimates)."""
+    from megatron_dapo.config_loading import load_config
+    from megatron_dapo.layout import model_shape
+    from megatron_dapo.memory_plan import plan
+
+    env = dict(re.findall(r"^(RECIPE|SHAPE)=(\S+)", (recipe / "recipe.env").read_text(), re.M))
+    sbatch = (recipe / "train.sbatch").read_text()
+    lead = int(re.search(r"^#SBATCH --signal=USR1@(\d+)$", sbatch, re.M).group(1))
+    nodes = int(re.search(r"^#SBATCH --nodes=(\d+)$", sbatch, re.M).group(1))
+    cfg = load_config(ROOT / env["RECIPE"])
+    need = plan(cfg, model_shape(cfg, env["SHAPE"])[0], nodes * 8, gpu="h100").stop_lead_s
+    assert 1.1 * need <= lead <= 1.5 * need + 300, (recipe.name, lead, need)
