@@ -45,30 +45,15 @@ class _State:
 
 
 def _child(args) -> None:
-    import dataclasses
-
-    import torch
-
     from megatron_dapo.mcore.cpu_compat import apply_cpu_compat
 
     apply_cpu_compat()  # before anything imports megatron.core
-    from megatron_dapo.batching import Sample
-    from megatron_dapo.config_loading import load_config
-    from megatron_dapo.mcore.actor import MegatronActor
+    from _ckpt_actor import trained_actor
+
     from megatron_dapo.step_saves import StepSaves
     from megatron_dapo.time_limit import StepClock
 
-    hf = dict(model_type="qwen2", vocab_size=32000, hidden_size=args.hidden, intermediate_size=3 * args.hidden,
-              num_hidden_layers=args.layers, num_attention_heads=8, num_key_value_heads=2, rms_norm_eps=1e-6,
-              rope_theta=1e6, tie_word_embeddings=False, max_position_embeddings=1024, hidden_act="silu")
-    cfg = load_config(ROOT / "conf" / "cpu_tiny.yaml")
-    cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, use_distributed_optimizer=True))
-    actor = MegatronActor(cfg, hf)
-    g = torch.Generator().manual_seed(0)
-    samples = [Sample(prompt_ids=torch.randint(0, 32000, (8,), generator=g),
-                      response_ids=torch.randint(0, 32000, (8,), generator=g), advantages=1.0 - 2 * (i % 2),
-                      old_log_probs=torch.full((8,), -10.0)) for i in range(4)]
-    actor.get_loss_and_metrics(samples)  # the Adam moments exist from here on
+    actor, samples = trained_actor(args.hidden, args.layers)
     steps, blocked, waited = [], [], []
     with tempfile.TemporaryDirectory() as d:
         saves = StepSaves(actor, d, StepClock(), background=args.mode == "background", saved=0)

@@ -47,31 +47,17 @@ def _measured(fn) -> dict:
 
 
 def _rank(args) -> None:
-    import dataclasses
-
     import torch
 
     from megatron_dapo.mcore.cpu_compat import apply_cpu_compat
 
     apply_cpu_compat()  # before anything imports megatron.core
     torch.set_num_threads(1)  # 2 ranks on 2 cores
-    from megatron_dapo.batching import Sample
-    from megatron_dapo.config_loading import load_config
-    from megatron_dapo.mcore import checkpoint, destroy_parallel
-    from megatron_dapo.mcore.actor import MegatronActor
+    from _ckpt_actor import trained_actor
 
-    hf = dict(model_type="qwen2", vocab_size=32000, hidden_size=args.hidden,
-              intermediate_size=3 * args.hidden, num_hidden_layers=args.layers, num_attention_heads=8,
-              num_key_value_heads=2, rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=False,
-              max_position_embeddings=1024, hidden_act="silu")
-    cfg = load_config(ROOT / "conf" / "cpu_tiny.yaml")
-    cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, use_distributed_optimizer=True))
-    actor = MegatronActor(cfg, hf)
-    g = torch.Generator().manual_seed(0)
-    samples = [Sample(prompt_ids=torch.randint(0, 32000, (8,), generator=g),
-                      response_ids=torch.randint(0, 32000, (8,), generator=g), advantages=1.0 - 2 * (i % 2),
-                      old_log_probs=torch.full((8,), -10.0)) for i in range(4)]
-    actor.get_loss_and_metrics(samples)  # the Adam moments exist from here on
+    from megatron_dapo.mcore import checkpoint, destroy_parallel
+
+    actor, _ = trained_actor(args.hidden, args.layers)
     rank = torch.distributed.get_rank()
     params = sum(p.numel() for c in actor.model for p in c.parameters())
     save = _measured(lambda: checkpoint.save_checkpoint(

@@ -27,6 +27,7 @@ def _child(args) -> None:
     from megatron_dapo.mcore.cpu_compat import apply_cpu_compat
 
     apply_cpu_compat()  # before anything imports megatron.core
+    from _ckpt_actor import qwen2_shape
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     from megatron_dapo.config_loading import load_config
@@ -35,9 +36,7 @@ def _child(args) -> None:
 
     if args.mode == "manager":  # megatron's own behaviour: its Manager-backed queue
         checkpoint.in_process_write_results = lambda: None
-    hf = dict(model_type="qwen2", vocab_size=32000, hidden_size=args.hidden, intermediate_size=3 * args.hidden,
-              num_hidden_layers=args.layers, num_attention_heads=8, num_key_value_heads=2, rms_norm_eps=1e-6,
-              rope_theta=1e6, tie_word_embeddings=False, max_position_embeddings=1024, hidden_act="silu")
+    hf = qwen2_shape(args.hidden, args.layers)
     cfg = load_config(ROOT / "conf" / "cpu_tiny.yaml")
     actor = MegatronActor(cfg, hf)
     times = []

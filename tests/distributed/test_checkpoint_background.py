@@ -19,8 +19,9 @@ import pytest
 import torch
 
 from tests.distributed.harness import spawn
-from tests.distributed.test_checkpoint_two_phase import STATE, _assert_equal, _save_kwargs, _state, _trained_actor
-from tests.helpers.policy import make_samples, tiny_cfg, tiny_hf_config, with_actor_log_probs
+from tests.distributed.test_checkpoint_two_phase import (
+    STATE, _assert_equal, _loaded, _save_kwargs, _state, _trained_actor)
+from tests.helpers.policy import make_samples, with_actor_log_probs
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -31,7 +32,6 @@ def _update(actor, seed: int) -> None:
 
 def _snapshot_worker(rank, root):
     from megatron_dapo.mcore import checkpoint
-    from megatron_dapo.mcore.actor import MegatronActor
 
     root = Path(root)
     actor = _trained_actor()
@@ -55,12 +55,7 @@ def _snapshot_worker(rank, root):
         assert distcp and distcp == sorted(p.name for p in bg.glob("*.distcp"))
         for name in distcp:
             assert (one / name).read_bytes() == (bg / name).read_bytes(), name
-    cfg, hf = tiny_cfg(tp=1, dist_opt=True), tiny_hf_config()
-    loaded = {}
-    for path in (one, bg):
-        fresh = MegatronActor(cfg, hf, initialize=False)
-        assert fresh.load_checkpoint(str(path)) == STATE
-        loaded[path] = _state(fresh)
+    loaded = {path: _loaded(path) for path in (one, bg)}
     _assert_equal(loaded[one], loaded[bg], "one phase vs background")
     _assert_equal(loaded[bg], saved_state, "background vs the state at the write")
     assert not all(torch.equal(a, b) for a, b in zip(after_update["params"], saved_state["params"])), \

@@ -82,9 +82,17 @@ def _trained_actor():
     return actor
 
 
+def _loaded(path: Path) -> dict:
+    """What a fresh actor holds after loading ``path`` (whose trainer state is STATE)."""
+    from megatron_dapo.mcore.actor import MegatronActor
+
+    fresh = MegatronActor(tiny_cfg(tp=1, dist_opt=True), tiny_hf_config(), initialize=False)
+    assert fresh.load_checkpoint(str(path)) == STATE
+    return _state(fresh)
+
+
 def _two_phase_worker(rank, root):
     from megatron_dapo.mcore import checkpoint
-    from megatron_dapo.mcore.actor import MegatronActor
 
     root = Path(root)
     actor = _trained_actor()
@@ -101,12 +109,7 @@ def _two_phase_worker(rank, root):
         name = f"rng/rank_{r:05d}.pt"
         a, b = (torch.load(p / name, weights_only=False) for p in (one, two))
         assert _same(a, b), name
-    cfg, hf = tiny_cfg(tp=1, dist_opt=True), tiny_hf_config()
-    loaded = {}
-    for path in (one, two):
-        fresh = MegatronActor(cfg, hf, initialize=False)
-        assert fresh.load_checkpoint(str(path)) == STATE
-        loaded[path] = _state(fresh)
+    loaded = {path: _loaded(path) for path in (one, two)}
     _assert_equal(loaded[one], loaded[two], "one phase vs two phases")
     _assert_equal(loaded[two], _state(actor), "loaded vs saved")
 
