@@ -322,9 +322,10 @@ def main(argv: list[str] | None = None) -> int:
         from megatron_dapo import ranks
 
         config = isinstance(e, ConfigError)
-        # A config error is every rank's (the same files and overrides): rank 0 says it. Other bad
-        # input may be one node's (a file missing there): each rank that meets it says so.
-        if not config or ranks.rank() == 0:
+        # A config error is every rank's on a node (the same files, overrides and machine): its first
+        # rank says it, so a machine-dependent one (TE without CUDA) still shows from each node that
+        # meets it. Other bad input may be one rank's (its shard of a file): each rank says it.
+        if not config or ranks.local_rank() == 0:
             print(f"megatron-dapo: {'config error' if config else 'error'}: {e}", file=sys.stderr)
         return 2
 

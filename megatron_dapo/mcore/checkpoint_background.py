@@ -23,6 +23,7 @@ resumed run reuses), and the completion check runs on the trainer group's own de
 from __future__ import annotations
 
 import ctypes
+import gc
 import logging
 import multiprocessing as mp
 import os
@@ -74,6 +75,9 @@ def start(request, tmp: Path) -> BackgroundWrite:
 def _write_in_child(write_fn, args: list, kwargs: dict, results: Path) -> None:
     """The child: megatron's write with a queue of its own (the trainer's stays untouched), its
     results pickled into ``results`` (written aside, then renamed: a file there is whole)."""
+    # No collection in the child: a cycle holding a device tensor would be freed from a process that
+    # must not touch the device (megatron's writer disables it for its own part too).
+    gc.disable()
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() == 1:  # the trainer died before the prctl
         os._exit(1)

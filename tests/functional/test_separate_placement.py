@@ -55,10 +55,11 @@ def test_separate_engines_at_staleness_0_reproduce_the_colocated_run(demo_base, 
            "scoring on 0" in log  # the trainers' view: the engines' replicas are theirs (above)
 
 
-def test_a_setting_the_machine_cannot_run_is_one_line_on_every_rank_before_the_split(tmp_path):
+def test_a_setting_the_machine_cannot_run_is_one_line_before_the_split(tmp_path):
     """The settings checks run on every rank before the split starts any process group: on a GPU
     the trainer's error came after the transfer group was built, and the teardown's own broadcast
-    on it hid the error (docs/gpu.md). Here: the TE spec on a CPU, 1 trainer and 1 engine rank."""
+    on it hid the error (docs/gpu.md). Here: the TE spec on a CPU, 1 trainer and 1 engine rank on one
+    node, both refusing it; the node's first rank says so (cli.main: once per node)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
            "megatron_dapo.cli", "train", "--config", str(ROOT / "conf" / "cpu_tiny.yaml"),
            f"logging.dir={tmp_path / 'run'}", "rollout.placement=separate", "rollout.num_ranks=1",
@@ -69,7 +70,8 @@ def test_a_setting_the_machine_cannot_run_is_one_line_on_every_rank_before_the_s
     assert out.returncode != 0, log[-3000:]
     line = ("megatron-dapo: config error: model.transformer_impl=transformer_engine needs CUDA; use local (or auto) "
             "on CPU")
-    assert log.count(line) == 2, log[-3000:]  # the trainer's and the engine's
+    assert log.count(line) == 1, log[-3000:]
+    assert "exitcode  : 2" in log and log.count("exitcode  : ") == 2, log[-3000:]  # both ranks refused it
     # torchrun's own report of a failed child is a traceback; none runs through our code
     assert str(ROOT / "megatron_dapo") not in log and "engine rank 0" not in log, log[-3000:]
     assert not (tmp_path / "run").exists()  # nothing written

@@ -42,8 +42,9 @@ def test_torchrun_from_an_empty_dir_matches_one_process(one_process, tmp_path_fa
 
 
 def test_a_config_error_under_torchrun_is_said_once(tmp_path):
-    """Every rank reads the same files and overrides, so every rank meets the same config error:
-    rank 0 says it, the others exit 2 quietly (each said it before: one line per rank)."""
+    """Every rank of a node reads the same files and overrides, so every rank meets the same config
+    error: the node's first rank says it, the others exit 2 quietly (each said it before: one line
+    per rank)."""
     cmd = [sys.executable, "-m", "megatron_dapo.launch", "--standalone", "--nproc-per-node=2", "-m",
            "megatron_dapo.cli", "train", "--config", str(ROOT / "conf" / "cpu_tiny.yaml"),
            f"logging.dir={tmp_path}", "checkpoint.save_evry=2"]
