@@ -189,17 +189,10 @@ class StopRequest:
     def agreed(self) -> bool:
         """True on every rank iff any rank got a signal or asked for a stop; collective when
         torch.distributed is up."""
-        import torch
-        import torch.distributed as dist
-
-        if not (dist.is_available() and dist.is_initialized()):
-            return self.signum is not None
-        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
-        flag = torch.tensor([0 if self.signum is None else self.signum], dtype=torch.int64, device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if self.signum is None and flag.item():
-            self.signum, self.received_at = int(flag.item()), time.monotonic()
-        return bool(flag.item())
+        signum = ranks.max_over_ranks(0 if self.signum is None else self.signum)
+        if self.signum is None and signum:
+            self.signum, self.received_at = signum, time.monotonic()
+        return bool(signum)
 
     def seconds_left(self) -> float | None:
         """Seconds from now to the kill this stop's grace allows, as the watchdog counts them: the

@@ -57,5 +57,3 @@ def save_host(on_rank: float, *, tp: int, dp: int, gpus_per_node: int, memory_ef
     held = state + weight_bytes * on_rank if background else 0.0
     return SaveHost(rank0, other, zeros * rank0 + (gpus_per_node - zeros) * other, state + own, held, zeros * held,
                     written_node=zeros * (state + weight_bytes * on_rank), gathered_node=zeros * state * (dp - 1) / dp)
-
-

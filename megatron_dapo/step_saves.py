@@ -13,21 +13,22 @@ A stop saves in one go (``save_now``) what is not saved yet, after publishing wh
 
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from megatron_dapo.time_limit import StepClock
 from megatron_dapo.trainer_state import TrainerState
 
-logger = logging.getLogger(__name__)
+if TYPE_CHECKING:  # the loop's modules import megatron only through the actor, at run time
+    from megatron_dapo.mcore.checkpoint import PendingCheckpoint
 
 
 @dataclass(frozen=True)
 class _Written:
     """A checkpoint whose tensors are written (or being written) and whose publish waits."""
 
-    pending: object  # mcore.checkpoint.PendingCheckpoint
+    pending: PendingCheckpoint
     state: dict  # the trainer state as the step ended (TrainerState.to_json())
     rng: dict  # this rank's RNG states as the step ended
     write_s: float  # seconds the write blocked training
@@ -49,12 +50,7 @@ class StepSaves:
         self.saved = saved
         self._written: _Written | None = None
 
-    @property
-    def in_flight(self) -> int | None:
-        """The step being written in the background, not yet published (None: none)."""
-        return self._written.pending.step if self._written is not None else None
-
-    def write(self, steps: int):
+    def write(self, steps: int) -> tuple[PendingCheckpoint, float]:
         """Writes the checkpoint after ``steps`` steps (collective) once the one before it is
         published; returns its PendingCheckpoint and the seconds the write blocked training."""
         self.flush()
@@ -62,7 +58,7 @@ class StepSaves:
         pending = self.actor.write_checkpoint(self.ckpt_dir, steps, background=self.background)
         return pending, time.monotonic() - started
 
-    def written(self, pending, write_s: float, state: TrainerState) -> None:
+    def written(self, pending: PendingCheckpoint, write_s: float, state: TrainerState) -> None:
         """The step is logged: publish ``pending`` with ``state`` (and the RNG states as of now), at
         once, or when its background write is finished."""
         from megatron_dapo.mcore.checkpoint import rng_state

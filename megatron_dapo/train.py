@@ -181,7 +181,7 @@ class Loop:
             with self.log.timer("train"):
                 metrics.update(update(run, samples, mismatch_in_update, progress))
             metrics.update(device_used("training"))
-            pending = self._write_if_due(step + 1, ends)
+            written = self._write_if_due(step + 1, ends)  # (the pending checkpoint, its blocking seconds)
             # the engines take the new weights after what is in flight (timing_s/trainer_waited); at a
             # stop, only as long as the rest of the step and the save still end before the kill
             batches.await_in_flight(schedule.stop, reserve_s=schedule.wait_reserve_s())
@@ -198,8 +198,8 @@ class Loop:
             self._log(step + 1, metrics)
             self.done = step + 1
             schedule.end(self.done, eval_s)
-            if pending is not None:
-                self.saves.written(*pending, self._state(self.done))
+            if written is not None:
+                self.saves.written(*written, self._state(self.done))
             if ends:
                 break
         return self._end(ends)

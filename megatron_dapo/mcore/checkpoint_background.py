@@ -17,27 +17,25 @@ Why not megatron's ``AsyncCallsQueue``: its forked child hands results back thro
 ``multiprocessing.Manager`` (a server process) and outlives a killed trainer, and its completion
 check reduces a CUDA tensor. Here the child leaves its results in a file, dies with the trainer
 (PR_SET_PDEATHSIG: a SIGKILLed trainer leaves no writer behind to write into the directory its
-resumed run reuses), and the completion check runs on the trainer group's own device.
+resumed run reuses), and the completion check is one all-reduce on the group's own device.
 """
 
 from __future__ import annotations
 
 import ctypes
 import gc
-import logging
 import multiprocessing as mp
 import os
 import pickle
 import queue
 import signal
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
-logger = logging.getLogger(__name__)
+from megatron_dapo import ranks
 
 _PR_SET_PDEATHSIG = 1
 
@@ -50,7 +48,6 @@ class BackgroundWrite:
     results: Path  # where the child leaves its write results (pickled), in the checkpoint's directory
     process: mp.Process | None = None  # None: this rank writes nothing (or the write is finished)
     staged_s: float = 0.0  # seconds the trainer spent copying device tensors to the host and forking
-    started: float = field(default_factory=time.monotonic)
     write_s: float = 0.0  # seconds the child wrote (set by finish)
     waited_s: float = 0.0  # seconds finish waited for the child
 
@@ -96,16 +93,9 @@ def _write_in_child(write_fn, args: list, kwargs: dict, results: Path) -> None:
     os.replace(aside, results)
 
 
-def _group_device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if (
-        torch.cuda.is_available() and dist.get_backend() == "nccl") else torch.device("cpu")
-
-
 def all_done(write: BackgroundWrite) -> bool:
     """Whether every rank's child has exited (collective: one small all-reduce)."""
-    alive = torch.tensor([int(write.process is not None and write.process.is_alive())], device=_group_device())
-    dist.all_reduce(alive, op=dist.ReduceOp.MAX)
-    return int(alive.item()) == 0
+    return ranks.max_over_ranks(int(write.process is not None and write.process.is_alive())) == 0
 
 
 def finish(write: BackgroundWrite, writer_queue) -> None:
@@ -126,12 +116,3 @@ def finish(write: BackgroundWrite, writer_queue) -> None:
     write.waited_s = time.monotonic() - began
     for finalize in write.request.finalize_fns:  # megatron raises there on every rank when one failed
         finalize()
-
-
-def abandon(write: BackgroundWrite) -> None:
-    """Kills this rank's child (the run is ending on an error); the checkpoint stays unpublished."""
-    if write.process is not None and write.process.is_alive():
-        write.process.kill()
-        write.process.join()
-    write.process = None
-    write.results.unlink(missing_ok=True)

@@ -19,13 +19,12 @@ import subprocess
 import sys
 import time
 
-import psutil
 import pytest
 
 from tests.helpers.demo import copy_demo_base
 from tests.helpers.demo_runs import (
-    ENV, ROOT, STEPS, assert_same_as_reference, finish, logged, read_records, record_values, run_train, start_train,
-    train_cmd, wait_for)
+    ENV, ROOT, STEPS, assert_same_as_reference, finish, kill_the_trainer, logged, read_records, record_values,
+    run_train, start_train, train_cmd, wait_for, wait_for_a_save, wait_for_next_step)
 
 pytestmark = pytest.mark.slow
 ASYNC = "checkpoint.async_save=true"
@@ -37,21 +36,13 @@ def test_background_saves_survive_kills_and_a_stop_and_resume_exactly(demo_refer
     for attempt in range(2):
         proc = start_train(run_dir, ASYNC)
         if attempt == 0:  # a save's directory appears: its child starts writing right after
-            wait_for(lambda: ckpts.is_dir() and any(p.suffix == ".tmp" for p in ckpts.iterdir()), proc,
-                      "a checkpoint save", poll=0.001)
+            wait_for_a_save(run_dir, proc)
         else:
-            done = max([r["step"] for r in read_records(run_dir)], default=0)
-            wait_for(logged(run_dir, done + 1), proc, "a step")
+            wait_for_next_step(run_dir, proc)
             time.sleep(rng.uniform(0.0, 1.0))
-        children = psutil.Process(proc.pid).children(recursive=True)
-        os.kill(proc.pid, signal.SIGKILL)
-        finish(proc)
-        assert proc.returncode == -signal.SIGKILL, "the run finished before the kill"
-        _, alive = psutil.wait_procs(children, timeout=20)
-        assert not alive, f"left behind after the kill: {[p.cmdline() for p in alive]}"
+        kill_the_trainer(proc)  # the writer included: nothing it started is left
     proc = start_train(run_dir, ASYNC)
-    done = max([r["step"] for r in read_records(run_dir)], default=0)
-    wait_for(logged(run_dir, done + 1), proc, "a step")
+    wait_for_next_step(run_dir, proc)
     proc.send_signal(signal.SIGTERM)
     stdout, stderr = finish(proc)
     assert proc.returncode == 0, stderr[-3000:]

@@ -20,10 +20,9 @@ import psutil
 import pytest
 
 from tests.helpers.demo import copy_demo_base
-
 from tests.helpers.demo_runs import (
-    ENV, ROOT, STEPS, assert_same_as_reference, finish, logged, read_records, record_values, run_train,
-    start_train, train_cmd, wait_for)
+    ENV, ROOT, STEPS, assert_same_as_reference, finish, kill_the_trainer, logged, read_records, record_values,
+    run_train, saving, start_train, train_cmd, wait_for, wait_for_a_save, wait_for_next_step)
 
 pytestmark = pytest.mark.slow
 
@@ -39,21 +38,12 @@ def test_kills_at_random_moments_leave_no_process_and_resume_exactly(reference, 
     kills = []
     for attempt in range(3):
         proc = start_train(run_dir)
-        ckpts = run_dir / "checkpoints"
         if attempt == 0:  # mid-save: as soon as a save's temporary directory appears
-            wait_for(lambda: ckpts.is_dir() and any(p.suffix == ".tmp" for p in ckpts.iterdir()), proc,
-                      "a checkpoint save", poll=0.001)
+            wait_for_a_save(run_dir, proc)
         else:  # a random moment after this attempt's first step
-            done = max([r["step"] for r in read_records(run_dir)], default=0)
-            wait_for(logged(run_dir, done + 1), proc, "a step")
+            wait_for_next_step(run_dir, proc)
             time.sleep(rng.uniform(0.0, 1.0))
-        children = psutil.Process(proc.pid).children(recursive=True)
-        os.kill(proc.pid, signal.SIGKILL)  # the trainer alone, not its process group
-        finish(proc)
-        assert proc.returncode == -signal.SIGKILL, "the run finished before the kill"
-        _, alive = psutil.wait_procs(children, timeout=20)
-        assert not alive, f"left behind after the kill: {[p.cmdline() for p in alive]}"
-        kills.append((len(children), any(p.suffix == ".tmp" for p in ckpts.iterdir()) if ckpts.is_dir() else False))
+        kills.append((kill_the_trainer(proc), saving(run_dir)))
     out = run_train(run_dir)
     assert out.returncode == 0, out.stderr[-5000:]
     assert "which is no longer running" in out.stderr  # the dead trainer's lock file, taken over
@@ -65,8 +55,7 @@ def test_signals_stop_after_the_step_with_a_checkpoint_and_resume_exactly(refere
     run_dir = copy_demo_base(reference, tmp_path / "run")
     for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
         proc = start_train(run_dir)
-        done = max([r["step"] for r in read_records(run_dir)], default=0)
-        wait_for(logged(run_dir, done + 1), proc, "a step")
+        wait_for_next_step(run_dir, proc)
         proc.send_signal(sig)
         stdout, stderr = finish(proc)
         assert proc.returncode == 0, stderr[-3000:]

@@ -7,6 +7,7 @@ equal (all values but wall times)."""
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -75,6 +76,37 @@ def wait_for(predicate, proc: subprocess.Popen, what: str, timeout: float = 300,
 
 def logged(run_dir: Path, step: int):
     return lambda: any(r["step"] >= step for r in read_records(run_dir))
+
+
+def saving(run_dir: Path) -> bool:
+    """Whether a save's temporary directory is there (a save is being written)."""
+    ckpts = run_dir / "checkpoints"
+    return ckpts.is_dir() and any(p.suffix == ".tmp" for p in ckpts.iterdir())
+
+
+def wait_for_a_save(run_dir: Path, proc: subprocess.Popen) -> None:
+    """Until a save's temporary directory appears: a kill now lands in the save."""
+    wait_for(lambda: saving(run_dir), proc, "a checkpoint save", poll=0.001)
+
+
+def wait_for_next_step(run_dir: Path, proc: subprocess.Popen) -> None:
+    """Until the run logs a step past the last one recorded when called."""
+    done = max([r["step"] for r in read_records(run_dir)], default=0)
+    wait_for(logged(run_dir, done + 1), proc, "a step")
+
+
+def kill_the_trainer(proc: subprocess.Popen) -> int:
+    """SIGKILL to the trainer alone (not its process group); asserts it was killed, not finished,
+    and that every process it had started is gone within 20 s. Returns how many it had."""
+    import psutil
+
+    children = psutil.Process(proc.pid).children(recursive=True)
+    os.kill(proc.pid, signal.SIGKILL)
+    finish(proc)
+    assert proc.returncode == -signal.SIGKILL, "the run finished before the kill"
+    _, alive = psutil.wait_procs(children, timeout=20)
+    assert not alive, f"left behind after the kill: {[p.cmdline() for p in alive]}"
+    return len(children)
 
 
 def make_reference(demo_base: Path, run_dir: Path) -> Path:
