@@ -12,6 +12,7 @@ back in through the constructor: one place each.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from megatron_dapo.algo import DynamicSampler
@@ -20,7 +21,7 @@ from megatron_dapo.groups import Group, rollout_metrics, version_lag
 from megatron_dapo.observe.step_progress import StepProgress
 from megatron_dapo.preemption import StopRequest
 from megatron_dapo.rollout.partial import partial_metrics
-from megatron_dapo.rollout.pipeline import RolloutPipeline
+from megatron_dapo.rollout.pipeline import GenRequest, RolloutPipeline
 from megatron_dapo.trainer_state import TrainerState
 
 
@@ -61,6 +62,7 @@ class StepBatches:
             self.pipeline.restore(list(resume.ahead))
         self.gen = GenerationBatches(run, obs, resume.carried if resume else ())
         self.generated = resume.responses_generated if resume else 0
+        self._first: GenRequest | None = None  # the step's first batch, asked for ahead (start_state)
 
     def collect(self, step: int) -> StepBatch:
         """Step ``step``'s batch (from 0): generation batches until dynamic sampling holds the step's
@@ -117,9 +119,31 @@ class StepBatches:
         """At a stop, before its save: the batches in flight, kept with the checkpoint."""
         self.gen.collect_in_flight(self.pipeline)
 
-    def state(self, *, step: int, clock: dict, ledger: dict, alarms: tuple[str, ...]) -> TrainerState:
-        """The trainer state after ``step`` steps: this object's part, and the others' as given."""
+    def start_state(self, step: int, **others) -> TrainerState:
+        """The state before step ``step`` (from 0) draws its prompts, which a stop that cuts the step
+        short saves (train.Loop; ``others`` as for ``state``). The step's first batch, asked for
+        ahead, is collected now: the last sync waited for it (rollout/pipeline.py) and the step
+        collects it first anyway. Batches of later steps stay in flight here, as requests, until
+        ``cut_state``."""
+        first = self.pipeline.ahead[0] if self.pipeline.has(step) else None
+        if first is not None and first.in_flight:
+            first.rollouts = self.run.placement.collect(first.request)[1]
+        self._first = first
+        return self.state(step=step, release=True, **others)
+
+    def cut_state(self, start: TrainerState) -> TrainerState:
+        """``start`` (``start_state``), the step cut short: the batches asked for ahead of later
+        steps collected (finished before the last sync; the cut aborted only the step's own), so the
+        resumed run trains on the very batches the uninterrupted one would have."""
+        self.collect_in_flight()
+        ahead = ([self._first.to_json()] if self._first is not None else []) + self.pipeline.to_json()
+        return dataclasses.replace(start, ahead=tuple(ahead))
+
+    def state(self, *, step: int, clock: dict, ledger: dict, alarms: tuple[str, ...],
+              release: bool = False) -> TrainerState:
+        """The trainer state after ``step`` steps: this object's part, and the others' as given.
+        ``release``: batches in flight written as requests (RolloutPipeline.to_json)."""
         return TrainerState(step=step, sampler=self.run.sampler.state_dict(), held_groups=self.dyn.held,
                             responses_generated=self.generated, clock=clock, ledger=ledger,
-                            keep_rate=self.dyn.keep_rate, alarms=alarms, ahead=tuple(self.pipeline.to_json()),
-                            carried=tuple(self.gen.carry_json()))
+                            keep_rate=self.dyn.keep_rate, alarms=alarms,
+                            ahead=tuple(self.pipeline.to_json(release=release)), carried=tuple(self.gen.carry_json()))

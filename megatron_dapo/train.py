@@ -137,7 +137,8 @@ class Loop:
         self.saves = StepSaves(run.actor, str(run.ckpt_dir), schedule.clock, background=run.cfg.checkpoint.async_save,
                                saved=0)
         # A stop's watchdog may cut the step short while it generates (cut_short, from its thread):
-        # the state as of the step's start, kept while it is not saved, is what the stop then saves.
+        # the state as of the step's start, kept while it is not saved, is what the stop then saves
+        # (with the batches asked for ahead collected: StepBatches.cut_state).
         self._phase = threading.Lock()
         self._generating = False
         self._start_state: TrainerState | None = None
@@ -154,8 +155,7 @@ class Loop:
             step_start, metrics, progress = time.perf_counter(), {}, self.progress
             progress.begin_step(step + 1)
             self.saves.poll()  # a checkpoint written in the background since: published
-            # what a cut (below) saves: the state before this step draws its prompts
-            self._start_state = self._state(self.done) if placement.aborts and self.done > self.saved else None
+            self._start_state = self._start() if placement.aborts and self.done > self.saved else None
             if cfg.actor.offload_during_rollout:
                 with self.log.timer("offload"):  # the engine generates in the trainer's grads' and optimizer's memory
                     metrics.update(actor.offload_for_rollout())
@@ -203,6 +203,12 @@ class Loop:
             if ends:
                 break
         return self._end(ends)
+
+    def _start(self) -> TrainerState:
+        """What a cut (``cut_short``) saves: the state before this step draws its prompts
+        (StepBatches.start_state; ``_end_cut`` completes it with the batches asked for ahead)."""
+        return self.batches.start_state(self.done, clock=self.schedule.clock.state_dict(),
+                                        ledger=self.obs.ledger.state(), alarms=tuple(self.obs.alarms.state()))
 
     def cut_short(self) -> bool:
         """Called by a stop's watchdog (preemption.py, its own thread): aborts the step's generation
@@ -274,7 +280,7 @@ class Loop:
         if self.done > self.saved:
             run.placement.sleep()  # the engine's memory back to the trainer's state for the save
             run.actor.onload_after_rollout()
-            self.saves.save_now(self.done, self._start_state)
+            self.saves.save_now(self.done, self.batches.cut_state(self._start_state))
         return dataclasses.replace(self._stopped(), cut=step)
 
     def _stopped(self) -> TrainResult:

@@ -79,8 +79,8 @@ class Placement(Protocol):
 
     def abort(self) -> bool:
         """Ends the generation running now (called from another thread: a stop's watchdog): its
-        ``generate`` raises GenerationAborted on every trainer rank, those without an abort too, so
-        that all leave together. False where it cannot (then nothing changes)."""
+        ``generate`` (or ``collect``) raises GenerationAborted on every trainer rank, those without
+        an abort too, so that all leave together. False where it cannot (then nothing changes)."""
 
     def clear_abort(self) -> None:
         """Undoes an ``abort`` that came after the last ``generate`` it could end."""

@@ -17,19 +17,28 @@ collective: a generation batch outlasts any collective's timeout), up to
 ``rollout.wait_timeout_minutes``; the other trainer ranks wait for rank 0 in the store too, through
 the trainers' channel (rollout/channel.py). Each result carries the engine's idle seconds, and
 trainer rank 0 measures how long it waited: the step's wait metrics.
+
+A stop cuts a generating step short (``abort``, from a stop's watchdog thread; preemption.py): the
+weights do not change while the engines generate, so the state as of the step's start is saved and
+the step redone on resume. Trainer rank 0's poll for a batch sees the cut (its own, or one another
+trainer rank asked for through the store: ``CutRequests``), cancels the batch on the engines, which
+abort it and serve on, and sends the other trainer ranks ``Cut`` where they wait for the batch's
+results; every trainer rank then raises GenerationAborted.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, NoReturn
 
 import torch
 
 from megatron_dapo.rollout.channel import WaitTimeout, gather_objects, recv_object
-from megatron_dapo.rollout.engine import EngineSpec, Rollout, SamplingParams
+from megatron_dapo.rollout.engine import EngineSpec, GenerationAborted, Rollout, SamplingParams
 from megatron_dapo.rollout.placement import replica_layout
 from megatron_dapo.rollout.protocol import Cancel, Collect, Generate, Start, Stop, Stream, Weights
 from megatron_dapo.rollout.weight_stream import send_weights
@@ -72,6 +81,36 @@ class Engines:
                 channel.close()
 
 
+@dataclass(frozen=True)
+class Cut:
+    """Trainer rank 0 to the other trainer ranks, where they wait for a batch's results: a stop cut
+    the step's generation short."""
+
+
+class CutRequests:
+    """A stop's request to cut the step's generation short, from any trainer rank to trainer rank 0
+    (a rank may get the signal alone): a counter in the store. ``ask`` never waits, so a watchdog
+    thread may call it while its main thread waits in a channel (a store client of its own:
+    worlds.split_world); rank 0 reads it at each poll for a batch, without waiting either."""
+
+    KEY = "asked"
+
+    def __init__(self, store):
+        self.store, self.seen = store, 0
+
+    def ask(self) -> None:
+        self.store.add(self.KEY, 1)
+
+    def asked(self) -> bool:
+        """Trainer rank 0: a request since the last ``forget``."""
+        return self.store.add(self.KEY, 0) > self.seen
+
+    def forget(self) -> None:
+        """Trainer rank 0, as the step's generation ends: the requests so far came too late to cut it
+        (a stop then ends the run after the step, preemption.py)."""
+        self.seen = self.store.add(self.KEY, 0)
+
+
 class SeparatePlacement:
     """The trainers' rollout placement when the engines hold ranks of their own (module doc)."""
 
@@ -82,6 +121,8 @@ class SeparatePlacement:
         self._requests = 0  # request ids, in the order asked (generation batches and weight versions)
         self._leaders: list[int] = []  # the engine ranks that answer for a replica (known at start)
         self._cancelled: list[int] = []  # their progress counters go once a later request is done
+        self._aborted = threading.Event()  # set by ``abort`` (a stop's watchdog thread), until ``clear_abort``
+        self._cuts = CutRequests(split.cuts) if split.cuts is not None else None
         self._waited = self._idle = 0.0  # since take_waits: trainer rank 0 waiting, the engines idle
         self.wait_s = split.wait_s  # trainer rank 0's limit on a wait for the engines
 
@@ -102,10 +143,13 @@ class SeparatePlacement:
         return request
 
     def collect(self, request: int) -> tuple[range, list[list[Rollout]]]:
-        """A submitted batch's rollouts on the leader, in prompt order (waits for them); elsewhere none."""
+        """A submitted batch's rollouts on the leader, in prompt order (waits for them); elsewhere none.
+        A stop's cut while the leader waits: GenerationAborted here on the leader, in the ``gather``
+        that follows on the other trainer ranks."""
         if not self.is_leader:
             return range(0), []
-        self._await(request)
+        if not self._await(request, self._cut_deadline):
+            self._cut(request)
         links = self.split.links
         links.control.send(Collect(request))
         parts = [recv_object(links.control.group, 1 + engine) for engine in self._leaders]  # replica order
@@ -188,22 +232,41 @@ class SeparatePlacement:
     def shutdown(self) -> None:
         """Nothing here: ``Engines.shutdown`` (train.py) tells the engines, once it knows how the run ended."""
 
-    aborts = False  # abort() below
+    aborts = True  # abort() below
 
     def abort(self) -> bool:
-        """Not here (``Placement.abort``): a step's own batches are waited for, and a stop's watchdog
-        abandons the step when they overrun its grace (the batches asked for ahead have a deadline
-        of their own: gen_batches.GenerationBatches.await_in_flight)."""
-        return False
+        """Cuts the step's generation short (``Placement.abort``; module doc): trainer rank 0 stops
+        waiting at its next poll for a batch; another trainer rank asks it through the store."""
+        self._aborted.set()
+        if not self.is_leader and self._cuts is not None:
+            self._cuts.ask()
+        return True
 
     def clear_abort(self) -> None:
-        """Nothing to undo."""
+        """The step's generation ended before a cut reached its polls: the step goes on."""
+        self._aborted.clear()
+        if self.is_leader and self._cuts is not None:
+            self._cuts.forget()
 
     def report_progress(self, sink) -> None:
         """Not here: the engines run in processes of their own; the trainers show which batch they
         wait for (step_batches.py)."""
 
     # ------------------------------------------------------------------ trainer rank 0's waits
+    def _cut_deadline(self) -> float | None:
+        """A deadline already passed once a cut is asked for (``_await``'s ``until``), else none."""
+        asked = self._aborted.is_set() or (self._cuts is not None and self._cuts.asked())
+        return 0.0 if asked else None
+
+    def _cut(self, request: int) -> NoReturn:
+        """Trainer rank 0, cut short while it waited for ``request``: the engines abort it, the other
+        trainer ranks learn of it where they wait, and every trainer rank leaves the step's
+        generation. ``request`` is the step's own: the batches asked for ahead in earlier steps are
+        finished (the last sync waited for them), and the cut's save collects them."""
+        self.cancel([request], "cut short at a stop")
+        self._share(Cut())
+        raise GenerationAborted("the generation batch was aborted (a stop cut the step short)")
+
     def _next(self) -> int:
         self._requests += 1
         return self._requests
@@ -249,4 +312,7 @@ class SeparatePlacement:
         if self.is_leader:
             channel.send(value)
             return value
-        return channel.receive()
+        value = channel.receive()
+        if isinstance(value, Cut):
+            raise GenerationAborted("the generation batch was aborted (a stop cut the step short)")
+        return value

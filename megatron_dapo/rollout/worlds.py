@@ -71,7 +71,10 @@ class WorldSplit:
     trainer rank 0's and the engines' (None on the other trainer ranks); ``trainers``: rank 0's
     channel to the other trainer ranks (None on engine ranks and in a world of one trainer);
     ``device``: this process's (cuda:LOCAL_RANK with NCCL); ``wait_s``: how long trainer rank 0
-    waits for the engines (rollout.wait_timeout_minutes; the channels' receivers wait twice that)."""
+    waits for the engines (rollout.wait_timeout_minutes; the channels' receivers wait twice that);
+    ``cuts``: a store client of the trainers' own where any trainer rank asks rank 0 to cut the
+    step's generation short (rollout/separate.py ``CutRequests``; None where no other trainer rank
+    could ask: on engine ranks and in a world of one trainer)."""
 
     is_trainer: bool
     rank: int
@@ -82,6 +85,7 @@ class WorldSplit:
     trainers: Channel | None = None
     device: torch.device = torch.device("cpu")
     wait_s: float = 240 * 60.0
+    cuts: object | None = None  # a store client (a dist.PrefixStore)
 
     @property
     def side_rank(self) -> int:
@@ -170,10 +174,11 @@ def split_world(num_engine_ranks: int, *, tensor_parallel_size: int = 1, backend
     def own(name: str):  # a store client of its own (a blocking wait holds its client)
         return dist.PrefixStore(f"{name}/", store.clone())
 
-    trainers = None
+    trainers = cuts = None
     if is_trainer and num_trainers > 1:
         trainers = Channel(own("trainers_channel"), gloo("trainers_gloo", rank, num_trainers),
                            wait_s=receive_s, waits_for="trainer rank 0")
+        cuts = own("trainers_cuts")  # written by a stop's watchdog thread, read by rank 0's polls
     links = None
     if rank == 0 or not is_trainer:  # trainer rank 0 and the engines; the other trainers never build them
         members, member = 1 + num_engine_ranks, 0 if rank == 0 else side_rank + 1
@@ -189,4 +194,4 @@ def split_world(num_engine_ranks: int, *, tensor_parallel_size: int = 1, backend
         progress = Progress(own("progress"), num_engine_ranks)
         links = EngineLinks(control, progress, stream, transfer, member, device)
     return WorldSplit(is_trainer, rank, world_size, num_trainers, num_engine_ranks, links, trainers, device,
-                      wait_s)
+                      wait_s, cuts)

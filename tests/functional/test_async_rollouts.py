@@ -26,8 +26,8 @@ import pytest
 
 from tests.helpers.demo import copy_demo_base
 from tests.helpers.separate_runs import (
-    ENV, ROOT, cancel_at_budget_end, command, kill_all, records, reference_run, run, stall_then_stop, start_then,
-    stop_every_rank, values,
+    ENV, ROOT, cancel_at_budget_end, command, cut_in_generation, kill_all, records, reference_run, run,
+    stall_then_stop, start_then, stop_every_rank, values,
 )
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
@@ -180,6 +180,33 @@ def test_a_stop_releases_a_batch_the_engines_cannot_finish_before_the_kill(demo_
     recs = records(run_dir)
     assert [r["step"] for r in recs] == list(range(1, 9))
     assert recs[5]["rollout/version_lag_max"] == 0  # asked for again at resume, from step 5's weights
+
+
+CUT = ["algorithm.filter_groups.enable=false", "train.total_steps=6", "checkpoint.save_every=2",
+       "checkpoint.stop_grace_s=10", "eval.every=0", "eval.before_train=false"]
+
+
+def test_a_stop_while_the_engines_generate_cuts_the_step_and_resumes_exactly(demo_base, tmp_path_factory):
+    """SIGTERM to every rank while both engine ranks stall in step 4's batch (separate placement,
+    DP=2 trainers): trainer rank 0's wait for the batch is cut short, the engines abort it and serve
+    on until the trainers stop them, step 3 is saved as it was at step 4's start (the last save was
+    step 2's), every process exits 0 within the 10-s grace, and the resumed run ends with the
+    uninterrupted run's records, value for value. Before, the stop waited for the batch and
+    abandoned the step at the grace's end: the resume went back to step 2. (With batches asked for
+    ahead the step's start collects them, finished before its sync: the staleness tests above run
+    through it, their records equal to uninterrupted runs.)"""
+    reference = reference_run(demo_base, tmp_path_factory, "cut_reference", *CUT)
+    run_dir = copy_demo_base(demo_base, tmp_path_factory.mktemp("cut") / "run")
+    status, log = cut_in_generation(run_dir, ["rollout.engine=stalling_hf", *CUT], stall=4, after_step=3,
+                                    saves=3)
+    assert status == 0, log[-5000:]
+    assert "megatron-dapo: SIGTERM: step 4 cut short in its generation; saving steps 3-3" in log, log[-3000:]
+    assert "stopped by SIGTERM after step 3 of 6, step 4 cut short in its generation" in log, log[-3000:]
+    assert log.count("call 4 stall ended by an abort") == 2 and "cut short at a stop, aborted" in log, log[-3000:]
+    assert "abandoning" not in log and "Traceback" not in log, log[-3000:]
+    assert [r["step"] for r in records(run_dir)] == [1, 2, 3]
+    run(run_dir, *CUT)
+    assert values(records(run_dir)) == values(records(reference))
 
 
 def test_a_spent_generation_budget_cancels_the_batches_asked_for_ahead(demo_base, tmp_path):

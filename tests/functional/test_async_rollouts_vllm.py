@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.demo import DEMO_DIRS, LAUNCHER_VARS
-from tests.helpers.separate_runs import cancel_at_budget_end, stall_then_stop
+from tests.helpers.separate_runs import cancel_at_budget_end, cut_in_generation, records, stall_then_stop
 
 pytest.importorskip("vllm", reason="vLLM is not installed (./install.sh vllm)")
 
@@ -129,6 +129,29 @@ def test_a_stop_aborts_the_batch_the_vllm_engines_are_generating(colocated, tmp_
     aborted = re.findall(r"engine rank (\d): generation request \d+ released at the stop, aborted", log)
     assert sorted(aborted) == ["0", "1"], log[-3000:]
     assert "cannot abort" not in log and log.count("call 6 stall ended by an abort") == 2, log[-3000:]
+
+
+@pytest.mark.extended  # the HF engine's cut is in CI (test_async_rollouts.py)
+def test_a_stop_cuts_the_step_the_vllm_engines_generate_and_resumes_to_the_colocated_run(colocated, tmp_path):
+    """SIGTERM to every rank while both vLLM replicas stall in step 3's first batch (its requests in
+    vLLM; the engines' call that follows steps 1-2's batches, counted in the colocated reference's
+    records): the trainers cut the step short and save steps 1-2 as they were at its start, each
+    engine rank aborts the batch through vLLM and serves on until stopped, all exit 0; the resumed
+    run writes the colocated run's records value for value."""
+    base, want = colocated
+    run_dir = _with_base(base, tmp_path / "run")
+    stall = 1 + sum(int(r["dynamic_sampling/num_gen_batches"]) for r in want[:2])
+    overrides = [*RUN, "train.total_steps=3", "eval.before_train=false", "checkpoint.save_every=0",
+                 "checkpoint.stop_grace_s=20"]
+    status, log = cut_in_generation(run_dir, ["rollout.engine=stalling_vllm", *overrides], stall=stall, after_step=2,
+                                    saves=2, config="cpu_tiny_vllm.yaml")
+    assert status == 0, log[-5000:]
+    assert "step 3 cut short in its generation; saving steps 1-2" in log and "abandoning" not in log, log[-3000:]
+    assert log.count(f"call {stall} stall ended by an abort") == 2, log[-3000:]
+    got = _torchrun(run_dir, 4, *SEPARATE, *overrides)
+    assert [r["step"] for r in got] == [1, 2, 3] and got == records(run_dir)
+    for a, b in zip(got, want, strict=True):
+        assert _values(a) == _values(b), {k: (a.get(k), b.get(k)) for k in _values(b) if a.get(k) != b.get(k)}
 
 
 @pytest.mark.extended  # the HF engine's cancel is in CI (test_async_rollouts.py)

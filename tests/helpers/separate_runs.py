@@ -79,27 +79,49 @@ def start_then(run_dir: Path, overrides: list[str], after_step: int, act, *, mod
     return agent.returncode, log.read_text()
 
 
-def stall_then_stop(run_dir: Path, overrides: list[str], *, config: str = "cpu_tiny.yaml") -> tuple[int, str]:
+def stall_then_stop(run_dir: Path, overrides: list[str], *, config: str = "cpu_tiny.yaml", stall: int = 6,
+                    saves: int = 5) -> tuple[int, str]:
     """Runs with the stalling engines (tests/helpers/stalling_engine.py; ``overrides`` name one, one
     generation batch a step and no evaluation, so that an engine's call k is step k's batch), step
-    6's batch, asked for in step 5, stalling until aborted (``STALL_CALL=6``); once step 4's record
-    is there (step 5's batch has started on the engines), sends SIGTERM to every rank and waits for
-    the stop's checkpoint of step 5. (the launcher's exit status, its output)
+    ``stall``'s batch stalling until aborted (``STALL_CALL``); once step ``stall - 2``'s record is
+    there (step ``stall - 1``'s batch has started on the engines), sends SIGTERM to every rank and
+    waits for the stop's checkpoint of step ``saves``. (the launcher's exit status, its output)
 
-    The stall is the engines' sixth call, not a file the test creates after step 4's record: a
-    file came too late when the engines had finished step 5's batch before the record (steps of
-    ~0.2 s) and started step 6's at once (a CI run of 8b3c50b, docs/verification.md)."""
+    The stall is an engine's call number, not a file the test creates after a record: a file came
+    too late when the engines had finished the next batch before the record (steps of ~0.2 s) and
+    started the one after it at once (a CI run of 8b3c50b, docs/verification.md)."""
     latest = run_dir / "checkpoints" / "latest"
 
     def act(agent) -> None:
         stop_every_rank(agent)
         deadline = time.time() + 300
-        while not (latest.is_file() and latest.read_text().strip() == "step_00000005"):
-            assert agent.poll() is None and time.time() < deadline, "the trainers did not save step 5"
+        while not (latest.is_file() and latest.read_text().strip() == f"step_{saves:08d}"):
+            assert agent.poll() is None and time.time() < deadline, f"the trainers did not save step {saves}"
             time.sleep(0.05)
 
-    return start_then(run_dir, overrides, 4, act, module="tests.helpers.stalling_engine",
-                      env={"STALL_CALL": "6"}, config=config)
+    return start_then(run_dir, overrides, stall - 2, act, module="tests.helpers.stalling_engine",
+                      env={"STALL_CALL": str(stall)}, config=config)
+
+
+def cut_in_generation(run_dir: Path, overrides: list[str], *, stall: int, after_step: int, saves: int,
+                      config: str = "cpu_tiny.yaml") -> tuple[int, str]:
+    """Runs with the stalling engines (``overrides`` name one), the engines' call ``stall`` stalling
+    until aborted; once step ``after_step``'s record is there and both engine ranks stall, sends
+    SIGTERM to every rank and waits for the launcher's end: the stop cuts the step short and saves
+    step ``saves`` (asserted). (the launcher's exit status, its output)"""
+    log = run_dir.parent / f"{run_dir.name}.out"
+
+    def act(agent) -> None:
+        deadline = time.time() + 300
+        while log.read_text().count(f"call {stall} stalls") < 2:
+            assert agent.poll() is None and time.time() < deadline, log.read_text()[-3000:]
+            time.sleep(0.05)
+        stop_every_rank(agent)
+
+    status, text = start_then(run_dir, overrides, after_step, act, module="tests.helpers.stalling_engine",
+                              env={"STALL_CALL": str(stall)}, config=config)
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step_{saves:08d}", text[-3000:]
+    return status, text
 
 
 def cancel_at_budget_end(run_dir: Path, engine: str, *overrides: str, config: str = "cpu_tiny.yaml") -> None:

@@ -34,7 +34,8 @@ def colocated():
 @pytest.fixture
 def separate():
     # what SeparatePlacement reads of its world split before the engines start (no links yet)
-    split = SimpleNamespace(side_rank=0, num_trainers=1, wait_s=60.0, num_engines=1, links=None, trainers=None)
+    split = SimpleNamespace(side_rank=0, num_trainers=1, wait_s=60.0, num_engines=1, links=None, trainers=None,
+                            cuts=None)
     return SeparatePlacement(Engines(split))
 
 
@@ -78,10 +79,10 @@ def test_colocated_submit_is_generate_now_collected_once(colocated):
         colocated.collect(second)  # forgotten
 
 
-def test_an_abort_ends_the_colocated_generation_until_cleared_and_the_separate_one_declines(colocated, separate):
+def test_an_abort_ends_the_colocated_generation_until_cleared_and_both_placements_abort(colocated, separate):
     """A stop's cut (train.Loop.cut_short): the colocated placement's next generate raises, also when
     the abort came after the engine's batch ended (every rank must leave together), and runs again
-    once cleared; the separate placement cannot abort and says so."""
+    once cleared; the separate placement aborts too (its wait for a batch: test_separate_waits.py)."""
     from megatron_dapo.rollout.engine import GenerationAborted
 
     params = SamplingParams(temperature=1.0, max_tokens=4, seed=0)
@@ -91,4 +92,4 @@ def test_an_abort_ends_the_colocated_generation_until_cleared_and_the_separate_o
         colocated.generate([[5, 6]], 2, params)
     colocated.clear_abort()
     assert colocated.generate([[5, 6]], 2, params)[1][0][0].response_ids == want[1][0][0].response_ids
-    assert not separate.aborts and not separate.abort()
+    assert separate.aborts and separate.abort()

@@ -6,6 +6,7 @@ ConfigError stays one line), or after rollout.wait_timeout_minutes; no wait is a
 none depends on a process group's timeout. The trainers' and engines' whole protocol runs under
 torchrun in tests/functional/test_async_rollouts.py."""
 
+import datetime
 import threading
 import time
 
@@ -13,8 +14,9 @@ import pytest
 import torch.distributed as dist
 
 from megatron_dapo.errors import ConfigError
-from megatron_dapo.rollout.channel import Channel, WaitTimeout
-from megatron_dapo.rollout.protocol import Progress
+from megatron_dapo.rollout.channel import Channel, WaitTimeout, send_object
+from megatron_dapo.rollout.engine import GenerationAborted, SamplingParams
+from megatron_dapo.rollout.protocol import Collect, Generate, Progress
 from megatron_dapo.rollout.separate import Engines, SeparatePlacement
 from megatron_dapo.rollout.worlds import EngineLinks, WorldSplit
 
@@ -87,3 +89,77 @@ def test_a_wait_past_the_timeout_names_the_key_and_the_engines_missing():
     with pytest.raises(WaitTimeout, match="request 7"):  # a limit per request would never fire
         placement.wait_for([6, 7, 8])
     assert time.monotonic() - started < 2.0
+
+
+def _linked(stalls: tuple[int, ...] = ()) -> tuple[SeparatePlacement, SeparatePlacement, list, threading.Thread]:
+    """Trainer rank 0 (its control channel to one engine rank, played by a thread that answers as
+    an engine rank's main thread does: a Generate is done at once, except the requests in
+    ``stalls``, never done; a Collect sends its rollouts, the last message) and trainer rank 1,
+    which asks rank 0 for a cut through the store. Returns (rank 0, rank 1, the messages the engine
+    got, its thread)."""
+    store, timeout = dist.HashStore(), datetime.timedelta(seconds=20)
+    groups = [None, None]
+
+    def member(m: int) -> None:
+        groups[m] = dist.ProcessGroupGloo(dist.PrefixStore("control/", store), m, 2, timeout)
+
+    joiner = threading.Thread(target=member, args=(1,))
+    joiner.start()
+    member(0)
+    joiner.join()
+    channel = lambda m: Channel(dist.PrefixStore("channel/", store), groups[m], wait_s=20,  # noqa: E731
+                                waits_for="trainer rank 0")
+    progress = Progress(dist.PrefixStore("progress/", store), 1)
+    links = EngineLinks(control=channel(0), progress=progress, stream=None, transfer=None, member=0, device=None)
+    cuts = dist.PrefixStore("cuts/", store)
+    split = dict(is_trainer=True, world_size=3, num_trainers=2, num_engines=1, wait_s=20.0, cuts=cuts)
+    leader = SeparatePlacement(Engines(WorldSplit(rank=0, links=links, **split)))
+    other = SeparatePlacement(Engines(WorldSplit(rank=1, **split)))
+    leader._leaders = [0]  # what Start sets: engine rank 0 answers for the replica
+    engine, seen = channel(1), []
+
+    def serve() -> None:
+        while True:
+            message = engine.receive()
+            seen.append(message)
+            if isinstance(message, Generate) and message.request not in stalls:
+                progress.done(message.request)
+            elif isinstance(message, Collect):
+                send_object(groups[1], ([[]], 0.0), 0)
+                return
+
+    thread = threading.Thread(target=serve)
+    thread.start()
+    return leader, other, seen, thread
+
+
+@pytest.mark.parametrize("who", ["trainer rank 0", "trainer rank 1"])
+def test_a_stop_cuts_a_wait_for_a_batch_and_the_engines_abort_it(who):
+    """A stop's watchdog cuts the step short while rank 0 waits for its batch (its own signal, or one
+    that reached rank 1 alone): the wait ends with GenerationAborted and the engines are told to
+    abort that batch, not one asked for ahead (finished: the cut's save collects it); the cut is
+    cleared as the step's generation ends, and the next batch is collected as usual."""
+    leader, other, seen, engine = _linked(stalls=(2,))
+    params = SamplingParams(max_tokens=4)
+    ahead, batch = leader.submit([[3]], 2, params), leader.submit([[1, 2]], 2, params)
+    _later(0.3, (leader if who == "trainer rank 0" else other).abort)
+    started = time.monotonic()
+    with pytest.raises(GenerationAborted, match="a stop cut the step short"):
+        leader.collect(batch)
+    assert 0.25 < time.monotonic() - started < 2.0
+    leader.clear_abort()
+    assert leader.collect(ahead) == (range(1), [[]])
+    engine.join(5)
+    assert [type(m).__name__ for m in seen] == ["Generate", "Generate", "Cancel", "Collect"]
+    assert (seen[2].requests, seen[2].why) == ((batch,), "cut short at a stop")
+
+
+def test_a_cut_asked_for_after_the_generation_ended_waits_for_nothing():
+    """A cut that reached rank 0 after the step's last batch (its generation over: clear_abort) is
+    forgotten: the next step's batch is waited for in full."""
+    leader, other, seen, engine = _linked()
+    other.abort()
+    leader.clear_abort()
+    assert leader.collect(leader.submit([[1]], 1, SamplingParams(max_tokens=4))) == (range(1), [[]])
+    engine.join(5)
+    assert [type(m).__name__ for m in seen] == ["Generate", "Collect"]
