@@ -74,7 +74,8 @@ def _add_plan_args(p: argparse.ArgumentParser) -> None:
     from megatron_dapo.gpu_models import GPU_MODELS
 
     p.add_argument("--world-size", type=_number(int, 0), help="processes (GPUs) in all; default: $WORLD_SIZE or 1")
-    p.add_argument("--shape", help="the Qwen2.5 shape (0.5B, 1.5B, 7B, 32B) when model.hf_path is not on this machine")
+    p.add_argument("--shape", help="the model's shape when model.hf_path is not on this machine: a Qwen2.5 size (0.5B, "
+                                   "1.5B, 7B, 32B) or a Qwen3 dense one (Qwen3-0.6B ... Qwen3-32B)")
     p.add_argument("--gpu", choices=sorted(GPU_MODELS), default="h100",
                    help="the GPU model: its memory as CUDA reports it, HBM bandwidth and bf16 peak "
                         "(docs/memory_plan.md)")
@@ -242,8 +243,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--defaults", action="store_true", help="print every key with its default and comment")
     p.add_argument("--world-size", type=_number(int, 0),
                    help="instead: check and print the layout at this many processes")
-    p.add_argument("--shape", help="with --world-size: the Qwen2.5 shape (0.5B, 1.5B, 7B, 32B) when "
-                                   "model.hf_path is not on this machine")
+    p.add_argument("--shape", help="with --world-size: the model's shape when model.hf_path is not on this "
+                                   "machine: a Qwen2.5 size (0.5B, 1.5B, 7B, 32B) or a Qwen3 dense one "
+                                   "(Qwen3-0.6B ... Qwen3-32B)")
     p.set_defaults(func=cmd_config)
 
     p = sub.add_parser("train", help="DAPO training; also under torchrun")

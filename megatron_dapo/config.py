@@ -229,6 +229,7 @@ class ActorConfig:
 
 
 OLD_LOG_PROBS = ("trainer", "rollout")  # train.old_log_probs
+TOY_ARCHITECTURES = ("qwen2", "qwen3")  # toy.architecture
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -367,7 +368,11 @@ class ToyConfig:
                             "with the reasoning line vary in length; 0 = every problem has num_digits")
     num_train: int = setting(2000, "training problems (unique, disjoint from validation)")
     num_val: int = setting(128, "held-out problems for evaluation")
+    architecture: str = setting("qwen2", "the base's architecture: qwen2 (Qwen2.5's layout: QKV biases) or qwen3 "
+                                "(Qwen3 dense: no biases, RMSNorm over each head's query and key)")
     hidden_size: int = setting(64, "model width")
+    head_dim: int = setting(0, "size of an attention head; 0 = hidden_size / num_attention_heads (Qwen3 sets its "
+                            "own: 0.6B has 16 heads of 128 over a width of 1024)")
     intermediate_size: int = setting(192, "SwiGLU MLP width")
     num_layers: int = setting(2, "transformer layers")
     num_attention_heads: int = setting(4, "query heads")
@@ -384,10 +389,13 @@ class ToyConfig:
         require("toy", self, num_digits=at_least(2), num_train=one, num_val=one, hidden_size=one,
                 intermediate_size=one, num_layers=one, num_attention_heads=one, num_key_value_heads=one,
                 max_position_embeddings=one, warmup_steps=at_least(0), warmup_batch_size=one,
-                 warmup_lr=above(0), reasoning_prob=((lambda v: 0 <= v <= 1), "in [0, 1]"))
-        if self.hidden_size % self.num_attention_heads or self.num_attention_heads % self.num_key_value_heads:
+                 warmup_lr=above(0), reasoning_prob=((lambda v: 0 <= v <= 1), "in [0, 1]"), head_dim=at_least(0),
+                 architecture=((lambda v: v in TOY_ARCHITECTURES), f"one of {', '.join(TOY_ARCHITECTURES)}"))
+        if (self.head_dim == 0 and self.hidden_size % self.num_attention_heads) or \
+                self.num_attention_heads % self.num_key_value_heads:
             fail(f"toy.hidden_size={self.hidden_size} must be a multiple of toy.num_attention_heads="
-                 f"{self.num_attention_heads}, and that of toy.num_key_value_heads={self.num_key_value_heads}")
+                 f"{self.num_attention_heads} (or set toy.head_dim), and that of toy.num_key_value_heads="
+                 f"{self.num_key_value_heads}")
         if self.min_digits and not 2 <= self.min_digits <= self.num_digits:
             fail(f"toy.min_digits={self.min_digits} must be in [2, toy.num_digits={self.num_digits}] (or 0 = fixed "
                  "length)")

@@ -67,14 +67,16 @@ def _read_json(file: Path, where: str) -> dict:
 
 
 def _check_architecture(config: dict, where: str) -> None:
+    from megatron_dapo.convert import supported_architectures
     from megatron_dapo.mcore.model import hf_arch
 
     try:
         hf_arch(config)
     except (KeyError, TypeError, ValueError) as e:  # ConversionError is a ValueError
         what = f"lacks {e}" if isinstance(e, KeyError) else one_line(e)
-        raise InputError(f"{where}: config.json {what}; the trainer implements Qwen2 / Qwen2.5 "
-                         f"(model_type 'qwen2'), architectures {config.get('architectures')}") from None
+        raise InputError(f"{where}: config.json {what}; the trainer implements {', '.join(supported_architectures())} "
+                         f"(this config: architectures {config.get('architectures')}, model_type "
+                         f"{config.get('model_type')!r})") from None
 
 
 def _tokenizer(path: Path, where: str) -> tuple[Any, list[int]]:

@@ -4,7 +4,7 @@
 run (recipes/) calls it: Megatron's TP x PP x CP x DP with the layers per stage and the vocabulary
 padding, the rollout replicas, and the batch arithmetic of one step. The model's shape comes from
 ``model.hf_path``'s config.json when it is on this host, else, on a machine without the weights (a
-login node, CI), from the Qwen2.5 shape named by ``shape`` (convert/synthetic.py), said as nominal.
+login node, CI), from the Qwen2.5 or Qwen3 shape named by ``shape`` (convert/synthetic.py), said as nominal.
 Every inconsistency is an InputError naming the values and the fix, as at the start of a real run.
 Memory is not planned here.
 """
@@ -22,28 +22,28 @@ from megatron_dapo.gpu_models import nccl_comm_bytes
 
 
 SHAPE_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size",
-              "vocab_size", "tie_word_embeddings")  # what the layout and the memory plan read of a model
+              "vocab_size", "tie_word_embeddings", "head_dim", "model_type")  # what the layout and the plan read
 
 
 def model_shape(cfg: DAPOConfig, shape: str | None = None) -> tuple[dict, str]:
     """(HF config dict, where it came from): model.hf_path's config.json whenever it is on this host
-    (what will run, even under a recipe that names another ``shape``), else the nominal Qwen2.5
-    ``shape``, said as such."""
-    from megatron_dapo.convert.synthetic import QWEN25_CONFIGS
+    (what will run, even under a recipe that names another ``shape``), else the nominal ``shape``
+    (a Qwen2.5 or Qwen3 size: convert/synthetic.SHAPES), said as such."""
+    from megatron_dapo.convert.synthetic import SHAPES, shape_label
 
-    if shape is not None and shape not in QWEN25_CONFIGS:
-        raise InputError(f"--shape {shape!r} is not one of {sorted(QWEN25_CONFIGS)} (Qwen2.5 sizes)")
+    if shape is not None and shape not in SHAPES:
+        raise InputError(f"--shape {shape!r} is not one of {list(SHAPES)} (Qwen2.5 and Qwen3 sizes)")
     path = Path(cfg.model.hf_path) / "config.json" if cfg.model.hf_path else None
     if path is not None and path.is_file():
         hf = json.loads(path.read_text())
-        if shape is not None and any(hf.get(k) != QWEN25_CONFIGS[shape].get(k) for k in SHAPE_KEYS):
-            return hf, f"{path} (not the Qwen2.5-{shape} shape the launch names: planned as found)"
+        if shape is not None and any(hf.get(k) != SHAPES[shape].get(k) for k in SHAPE_KEYS):
+            return hf, f"{path} (not the {shape_label(shape)} shape the launch names: planned as found)"
         return hf, str(path)
     if shape is not None:
         where = f"model.hf_path={cfg.model.hf_path} is not on this host" if cfg.model.hf_path else "no model.hf_path"
-        return QWEN25_CONFIGS[shape], f"the nominal Qwen2.5-{shape} shape ({where})"
+        return SHAPES[shape], f"the nominal {shape_label(shape)} shape ({where})"
     raise InputError(f"{path or 'model.hf_path'} not found: point model.hf_path at the HF model, or name its shape "
-                     f"with --shape ({', '.join(sorted(QWEN25_CONFIGS))})")
+                     f"with --shape ({', '.join(SHAPES)})")
 
 
 def describe_layout(cfg: DAPOConfig, world_size: int, hf_config: dict, source: str, *, on_gpu: bool = True) -> str:

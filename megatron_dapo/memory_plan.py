@@ -58,13 +58,18 @@ class Shard:
 
 
 def count_parameters(hf: dict, *, tp: int, pp: int, padded_vocab: int) -> Shard:
-    """Qwen2 parameter counts (QKV bias included) for the whole model and the most loaded rank."""
-    h, f, layers = hf["hidden_size"], hf["intermediate_size"], hf["num_hidden_layers"]
-    heads, kv = hf["num_attention_heads"], hf["num_key_value_heads"]
-    head_dim = h // heads
-    attn = h * h + 2 * h * kv * head_dim + (h + 2 * kv * head_dim) + h * h  # q, k, v (+ bias), o
+    """Parameter counts of a Qwen2 (QKV bias) or Qwen3 dense (per-head query/key norms; a head size of
+    its own) model, for the whole model and the most loaded rank."""
+    from megatron_dapo.convert.mapping import hf_sizes
+    from megatron_dapo.convert.table import architecture
+
+    sizes, found = hf_sizes(hf), architecture(hf)
+    h, f, layers = sizes["hidden_size"], sizes["ffn_hidden_size"], sizes["num_layers"]
+    head_dim = sizes["kv_channels"]
+    q, kv = sizes["num_attention_heads"] * head_dim, sizes["num_query_groups"] * head_dim
+    attn = 2 * h * q + 2 * h * kv + (q + 2 * kv if found.qkv_bias else 0)  # q and o, k and v, their biases
     mlp = 3 * h * f  # gate, up, down
-    norms = 2 * h
+    norms = 2 * h + (2 * head_dim if found.qk_layernorm else 0)  # replicated over TP
     embedding = padded_vocab * h
     tied = hf.get("tie_word_embeddings", False)
     total = layers * (attn + mlp + norms) + h + embedding * (1 if tied else 2)

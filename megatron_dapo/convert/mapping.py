@@ -70,7 +70,8 @@ class ModelDims:
     def size(self, symbol: str) -> int:
         """Resolve a symbolic dimension used by the tables' ``shape`` tuples."""
         sizes = {"hidden": self.hidden_size, "ffn": self.ffn_hidden_size, "vocab": self.vocab_size,
-                 "q": self.num_attention_heads * self.head_dim, "kv": self.num_query_groups * self.head_dim}
+                 "q": self.num_attention_heads * self.head_dim, "kv": self.num_query_groups * self.head_dim,
+                 "head": self.head_dim}
         return sizes[symbol]
 
 
@@ -171,9 +172,10 @@ class Direct(ParamMapping):
         return [full]
 
 
-def replicated(megatron: str, hf: str, *, te: str | None = None) -> Direct:
-    """A norm weight: same on every TP rank."""
-    return Direct(megatron, (hf,), None, te, shape=("hidden",))
+def replicated(megatron: str, hf: str, *, te: str | None = None, shape: tuple[str, ...] = ("hidden",)) -> Direct:
+    """A norm weight: same on every TP rank (``shape``: over the hidden size, or ("head",) for a
+    per-head query / key norm)."""
+    return Direct(megatron, (hf,), None, te, shape=shape)
 
 
 def row_parallel(megatron: str, hf: str, *, shape: tuple[str, str]) -> Direct:

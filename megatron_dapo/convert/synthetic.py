@@ -1,7 +1,11 @@
-"""Real Qwen2.5 shapes with random weights: for benchmarks, dry runs and tests (nothing downloaded).
+"""Real Qwen2.5 and Qwen3 dense shapes with random weights: for benchmarks, dry runs and tests (nothing
+downloaded).
 
-The shape fields below are those of the public Qwen2.5 base-model ``config.json`` files
-(Qwen/Qwen2.5-{0.5B,1.5B,7B,32B}; the 32B values as in docs/reference/nvidia_stack.md 4.2).
+The shape fields below are those of the public base-model ``config.json`` files: Qwen2.5
+(Qwen/Qwen2.5-{0.5B,1.5B,7B,32B}; the 32B values as in docs/reference/nvidia_stack.md 4.2) and Qwen3
+(Qwen/Qwen3-{0.6B,1.7B,4B,8B,14B,32B}: every size has 8 KV heads of 128, whatever its width; up to 4B
+the embeddings are tied). ``SHAPES`` names them all: the Qwen2.5 sizes bare ("7B", as the recipes
+have always named them), the Qwen3 ones with their family ("Qwen3-8B").
 """
 
 from __future__ import annotations
@@ -33,6 +37,34 @@ QWEN25_CONFIGS: dict[str, dict[str, Any]] = {
     "7B": _qwen25(3584, 18944, 28, 28, 4, 152064, False, max_position_embeddings=131072),
     "32B": _qwen25(5120, 27648, 64, 40, 8, 152064, False, max_position_embeddings=131072, rms_norm_eps=1e-5),
 }
+
+_QWEN3_COMMON = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_act": "silu",
+                 "max_position_embeddings": 40960, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
+                 "use_sliding_window": False, "attention_bias": False, "attention_dropout": 0.0,
+                 "head_dim": 128, "num_key_value_heads": 8, "vocab_size": 151936, "bos_token_id": 151643,
+                 "eos_token_id": 151645}
+
+
+def _qwen3(hidden, ffn, layers, heads, tied) -> dict[str, Any]:
+    return {**_QWEN3_COMMON, "hidden_size": hidden, "intermediate_size": ffn, "num_hidden_layers": layers,
+            "num_attention_heads": heads, "tie_word_embeddings": tied}
+
+
+QWEN3_CONFIGS: dict[str, dict[str, Any]] = {
+    "Qwen3-0.6B": _qwen3(1024, 3072, 28, 16, True),
+    "Qwen3-1.7B": _qwen3(2048, 6144, 28, 16, True),
+    "Qwen3-4B": _qwen3(2560, 9728, 36, 32, True),
+    "Qwen3-8B": _qwen3(4096, 12288, 36, 32, False),
+    "Qwen3-14B": _qwen3(5120, 17408, 40, 40, False),
+    "Qwen3-32B": _qwen3(5120, 25600, 64, 64, False),
+}
+SHAPES: dict[str, dict[str, Any]] = {**QWEN25_CONFIGS, **QWEN3_CONFIGS}
+
+
+def shape_label(shape: str) -> str:
+    """A ``SHAPES`` key as people say it: "Qwen2.5-7B", "Qwen3-8B"."""
+    return f"Qwen2.5-{shape}" if shape in QWEN25_CONFIGS else shape
+
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 

@@ -1,6 +1,6 @@
 """Conversion tables registered by HF architecture, and whole-state-dict conversion on top of them.
 
-A table is a function ``ModelDims -> list[ParamMapping]`` (see qwen2.py). ``conversion_table(config)``
+A table is a function ``ModelDims -> list[ParamMapping]`` (see decoder.py). ``conversion_table(config)``
 looks it up by ``config["architectures"][0]`` (or ``model_type`` when a config has no architectures)
 and resolves it for that config into a ``ConversionTable``: every concrete (layer-expanded) mapping,
 indexed by HF name and by Megatron name under both layer specs.
@@ -21,17 +21,33 @@ from megatron_dapo.convert.mapping import ConversionError, ModelDims, ParamMappi
 TableFn = Callable[[ModelDims], list[ParamMapping]]
 ConfigCheck = Callable[[dict[str, Any]], None]
 
-_TABLES: dict[str, tuple[TableFn, ConfigCheck | None]] = {}
+
+@dataclass(frozen=True)
+class Architecture:
+    """A registered HF architecture: its table, the config settings it refuses (``check``: raises
+    ConversionError), and the attention features the Megatron model must be built with to match it."""
+
+    name: str
+    model_type: str
+    table: TableFn
+    check: ConfigCheck | None
+    qkv_bias: bool  # biases on the q/k/v projections (Qwen2) or none (Qwen3)
+    qk_layernorm: bool  # RMSNorm over each head's query and key before RoPE (Qwen3)
+
+
+_ARCHITECTURES: dict[str, Architecture] = {}
 _MODEL_TYPES: dict[str, str] = {}
 
 
-def register_architecture(architecture: str, *, model_type: str, check_config: ConfigCheck | None = None):
+def register_architecture(architecture: str, *, model_type: str, check_config: ConfigCheck | None = None,
+                          qkv_bias: bool, qk_layernorm: bool):
     """Decorator registering a mapping-table function for an HF architecture (``Qwen2ForCausalLM``)."""
 
     def wrap(fn: TableFn) -> TableFn:
-        if architecture in _TABLES:
+        if architecture in _ARCHITECTURES:
             raise ValueError(f"architecture {architecture} is already registered")
-        _TABLES[architecture] = (fn, check_config)
+        _ARCHITECTURES[architecture] = Architecture(architecture, model_type, fn, check_config, qkv_bias,
+                                                    qk_layernorm)
         _MODEL_TYPES[model_type] = architecture
         return fn
 
@@ -39,7 +55,23 @@ def register_architecture(architecture: str, *, model_type: str, check_config: C
 
 
 def supported_architectures() -> list[str]:
-    return sorted(_TABLES)
+    return sorted(_ARCHITECTURES)
+
+
+def architecture(config: Any) -> Architecture:
+    """The registered architecture of an HF config (dict or PretrainedConfig), its settings checked:
+    a ConversionError names what the model does not implement."""
+    config = config_dict(config)
+    name = architecture_of(config)
+    if name not in _ARCHITECTURES:
+        raise ConversionError(f"unsupported architecture {name}; supported: {supported_architectures()}")
+    found = _ARCHITECTURES[name]
+    if config.get("model_type", found.model_type) != found.model_type:
+        raise ConversionError(f"architectures {name} with model_type {config['model_type']!r}; "
+                              f"{name} is model_type {found.model_type!r}")
+    if found.check is not None:
+        found.check(config)
+    return found
 
 
 def config_dict(config: Any) -> dict[str, Any]:
@@ -142,14 +174,9 @@ class ConversionTable:
 def conversion_table(config: Any, *, padded_vocab_size: int | None = None) -> ConversionTable:
     """Resolve the registered table for an HF config (dict or PretrainedConfig)."""
     config = config_dict(config)
-    arch = architecture_of(config)
-    if arch not in _TABLES:
-        raise ConversionError(f"unsupported architecture {arch}; supported: {supported_architectures()}")
-    fn, check = _TABLES[arch]
-    if check is not None:
-        check(config)
+    found = architecture(config)
     dims = ModelDims.from_hf_config(config, padded_vocab_size=padded_vocab_size)
-    return ConversionTable(arch, dims, fn(dims))
+    return ConversionTable(found.name, dims, found.table(dims))
 
 
 # -- whole state dicts (small models, tests) ------------------------------------------------------

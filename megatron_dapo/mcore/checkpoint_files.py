@@ -47,8 +47,9 @@ META = "checkpoint.json"
 TRAINER_STATE = "trainer_state.json"
 _NAME = re.compile(r"^step_(\d+)$")
 FORMAT_VERSION = 2  # 2: adds the manifest ("files") and "model_shape"
+# the last two tell Qwen2 from Qwen3 (checkpoints written before them lack them: check_model_shape)
 SHAPE_FIELDS = ("hidden_size", "ffn_hidden_size", "num_layers", "num_attention_heads", "num_query_groups",
-                "kv_channels")
+                "kv_channels", "add_qkv_bias", "qk_layernorm")
 
 
 def checkpoint_name(step: int) -> str:
@@ -118,9 +119,9 @@ _SHAPE_FIX = "resume with the model it was trained with, or start a new logging.
 def check_model_shape(path: Path, meta: dict, shape: dict, *, fix: str = _SHAPE_FIX) -> None:
     """InputError naming both shapes when a checkpoint was saved from another architecture."""
     saved = meta.get("model_shape")
-    if saved is not None and saved != shape:
+    if saved is not None and any(saved[k] != shape.get(k) for k in saved):  # the fields it recorded
         diff = ", ".join(f"{k} {saved.get(k)} -> {shape.get(k)}" for k in SHAPE_FIELDS
-                         if saved.get(k) != shape.get(k))
+                         if k in saved and saved.get(k) != shape.get(k))
         raise InputError(f"checkpoint {path} holds another model shape ({diff}; checkpoint -> this run's "
                          f"model): {fix}")
 

@@ -1,8 +1,10 @@
-"""A megatron-core ``GPTModel`` for a Qwen2 / Qwen2.5 architecture, built from its HF config.json.
+"""A megatron-core ``GPTModel`` for a Qwen2 / Qwen2.5 or Qwen3 dense architecture, built from its HF config.json.
 
-Qwen2 in Megatron terms: grouped-query attention (num_query_groups = num_key_value_heads), a bias
-on the QKV projection only (add_qkv_bias, no add_bias_linear), RMSNorm, SwiGLU (gated linear unit
-+ SiLU), RoPE with base ``rope_theta`` over the whole head, tied or untied embeddings.
+In Megatron terms: grouped-query attention (num_query_groups = num_key_value_heads), RMSNorm,
+SwiGLU (gated linear unit + SiLU), RoPE with base ``rope_theta`` over the whole head, tied or untied
+embeddings, no linear biases but Qwen2's on the QKV projection (add_qkv_bias); Qwen3 has no biases,
+RMSNorm over each head's query and key (qk_layernorm) and a head size of its own (kv_channels =
+head_dim). Which architecture has which: convert/qwen2.py, convert/qwen3.py.
 References: docs/reference/nvidia_stack.md 4.2 (Qwen2.5-32B flags) and megatron-core 0.19.2
 ``TransformerConfig`` / ``GPTModel``.
 
@@ -30,13 +32,14 @@ import torch.nn.functional as F
 from megatron_dapo.errors import ConfigError
 from megatron_dapo.config import ModelConfig, ParallelConfig
 from megatron_dapo.convert.mapping import hf_sizes
+from megatron_dapo.convert.table import architecture
 from megatron_dapo.mcore.cpu_compat import require_cpu_compat
 from megatron_dapo.precision import resolve_dtype
 
 
 @dataclass(frozen=True)
 class HFArch:
-    """The architecture fields of a Qwen2 config.json, named as Megatron names them."""
+    """The architecture fields of a Qwen2 / Qwen3 config.json, named as Megatron names them."""
 
     vocab_size: int
     hidden_size: int
@@ -51,22 +54,19 @@ class HFArch:
     max_position_embeddings: int
     init_std: float
     attention_dropout: float
+    add_qkv_bias: bool
+    qk_layernorm: bool
 
 
 def hf_arch(hf_config: Mapping[str, Any] | Any) -> HFArch:
-    """Read a Qwen2 config: a config.json dict, its path or directory, or a transformers config.
+    """Read a Qwen2 / Qwen3 config: a config.json dict, its path or directory, or a transformers config.
 
-    Raises ValueError for features this model does not implement (sliding window, scaled RoPE,
-    an activation other than SiLU) rather than building a model that silently differs.
+    Raises ValueError for an architecture or a feature this model does not implement (the
+    architecture's own checks, convert/table.architecture: sliding window, an activation other than
+    SiLU, ...; scaled RoPE here) rather than building a model that silently differs.
     """
     cfg = _as_dict(hf_config)
-    model_type = cfg.get("model_type", "qwen2")
-    if model_type != "qwen2":
-        raise ValueError(f"expected a Qwen2 / Qwen2.5 config (model_type 'qwen2'), got {model_type!r}")
-    if cfg.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"Qwen2 uses SwiGLU; hidden_act={cfg['hidden_act']!r} is not supported")
-    if cfg.get("use_sliding_window"):
-        raise ValueError("use_sliding_window=true is not supported (Qwen2.5 checkpoints ship false)")
+    found = architecture(cfg)  # a ConversionError (a ValueError) names what is not implemented
     # transformers >= 5 keeps RoPE settings in rope_parameters; config.json files written by 4.x
     # keep rope_theta (and an optional rope_scaling) at the top level.
     rope = dict(cfg.get("rope_parameters") or {})
@@ -83,6 +83,8 @@ def hf_arch(hf_config: Mapping[str, Any] | Any) -> HFArch:
         max_position_embeddings=cfg["max_position_embeddings"],
         init_std=cfg.get("initializer_range", 0.02),
         attention_dropout=float(cfg.get("attention_dropout", 0.0)),
+        add_qkv_bias=found.qkv_bias,
+        qk_layernorm=found.qk_layernorm,
     )
 
 
@@ -164,7 +166,7 @@ def resolve_runtime(model: ModelConfig, on_gpu: bool, *, check_installed: bool =
 
 def transformer_config_from_hf(hf_config, *, model: ModelConfig, parallel: ParallelConfig,
                                on_gpu: bool | None = None, **overrides):
-    """The megatron ``TransformerConfig`` for a Qwen2 config under the given model / parallel settings.
+    """The megatron ``TransformerConfig`` for a Qwen2 / Qwen3 config under the given model / parallel settings.
 
     ``overrides`` are set on the TransformerConfig last (e.g. calculate_per_token_loss for the
     train step, hidden_dropout for a test). The architecture part alone is ``hf_arch``.
@@ -189,9 +191,10 @@ def transformer_config_from_hf(hf_config, *, model: ModelConfig, parallel: Paral
         layernorm_epsilon=arch.norm_eps,
         gated_linear_unit=True,
         activation_func=F.silu,
-        add_qkv_bias=True,
+        add_qkv_bias=arch.add_qkv_bias,
         add_bias_linear=False,
-        hidden_dropout=0.0,  # Qwen2 has none, and RL log-probs must be deterministic
+        qk_layernorm=arch.qk_layernorm,
+        hidden_dropout=0.0,  # Qwen has none, and RL log-probs must be deterministic
         attention_dropout=arch.attention_dropout,
         init_method_std=arch.init_std,
         # With TE: megatron's fused SwiGLU and TE's fused rope (not on the CPU's local spec). Off: softmax
@@ -248,8 +251,8 @@ def layer_spec(config):
     from megatron_dapo.mcore.sdpa_attention import SDPAttention
 
     if config.transformer_impl == "transformer_engine":
-        return get_gpt_layer_with_transformer_engine_spec()
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_layernorm)
     spec.submodules.self_attention.submodules.core_attention = SDPAttention
     return spec
 

@@ -1,7 +1,8 @@
-"""The tiny base model of the CPU demo: a Qwen2 architecture that knows the format, not the task.
+"""The tiny base model of the CPU demo: a Qwen2 (or Qwen3) architecture that knows the format, not the task.
 
 ``make_toy_base`` builds a ``transformers.Qwen2ForCausalLM`` from scratch (grouped-query attention,
-QKV bias, RMSNorm, RoPE, SwiGLU: the Qwen2.5 layout at toy width) and trains it for a few seconds
+QKV bias, RMSNorm, RoPE, SwiGLU: the Qwen2.5 layout at toy width; ``toy.architecture=qwen3``: a
+``Qwen3ForCausalLM``, no biases, per-head query/key RMSNorm) and trains it for a few seconds
 by supervised warm-up on toy prompts whose responses have the right FORMAT (optional reasoning
 line, then "Answer: N", then <|im_end|>) but a uniformly RANDOM digit as the answer. Cross-entropy
 on random labels teaches the answer marginal (uniform over 0..9) and nothing about the question,
@@ -42,18 +43,23 @@ from megatron_dapo.toy import tokenizer as toy_tokenizer
 _CLI_SKIP = ("enable",)
 
 
-def qwen2_config(cfg: ToyConfig, tokenizer) -> Any:
-    from transformers import Qwen2Config
+def toy_hf_config(cfg: ToyConfig, tokenizer) -> Any:
+    """The base's transformers config: Qwen2 (toy.architecture=qwen2) or Qwen3 dense (qwen3)."""
+    from transformers import Qwen2Config, Qwen3Config
 
-    return Qwen2Config(
+    common = dict(
         vocab_size=len(tokenizer), hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
         num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_attention_heads,
         num_key_value_heads=cfg.num_key_value_heads, max_position_embeddings=cfg.max_position_embeddings,
         tie_word_embeddings=cfg.tie_word_embeddings, rms_norm_eps=1e-6, hidden_act="silu",
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, use_sliding_window=False,
         bos_token_id=None, eos_token_id=stop_token_ids(tokenizer), pad_token_id=tokenizer.pad_token_id,
-        architectures=["Qwen2ForCausalLM"],
     )
+    if cfg.head_dim:
+        common["head_dim"] = cfg.head_dim
+    if cfg.architecture == "qwen3":
+        return Qwen3Config(**common, attention_bias=False, architectures=["Qwen3ForCausalLM"])
+    return Qwen2Config(**common, architectures=["Qwen2ForCausalLM"])
 
 
 def stop_token_ids(tokenizer) -> list[int]:
@@ -153,13 +159,13 @@ def make_toy_base(out_dir: str | Path, *, seed: int, cfg: ToyConfig, eval_rows: 
     ``eval_rows`` (DAPO-schema rows, e.g. the validation split): when given, the base's format
     rate and accuracy at temperature 1 are measured and stored in warmup.json.
     """
-    from transformers import AutoTokenizer, GenerationConfig, Qwen2ForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     out_dir = Path(out_dir)
     toy_tokenizer.save_toy_tokenizer(out_dir)
     tokenizer = AutoTokenizer.from_pretrained(out_dir)  # the path the trainer takes
     torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(qwen2_config(cfg, tokenizer)).float()
+    model = AutoModelForCausalLM.from_config(toy_hf_config(cfg, tokenizer)).float()
     start = time.perf_counter()
     losses = warm_up(model, tokenizer, cfg, seed=seed, log_every=log_every)
     report: dict[str, Any] = {"seed": seed, "config": dataclasses.asdict(cfg),

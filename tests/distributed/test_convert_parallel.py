@@ -1,5 +1,5 @@
 """A checkpoint converted once at TP=1 (by the CLIs) and loaded at TP=2, PP=2, TP=2 x PP=2 (slow,
-4 processes) and PP=2 x VPP=2: weights and logits match HF (verify, tolerance 1e-5 in fp32) and
+4 processes; Qwen2, and Qwen3 dense) and PP=2 x VPP=2: weights and logits match HF (verify, tolerance 1e-5 in fp32) and
 the live export equals the offline export; tied embeddings at PP=2. Gloo processes.
 """
 
@@ -27,11 +27,12 @@ def _run(*cmd, nproc=None):
                           timeout=120)
 
 
-def _convert(root: Path, tied: bool, num_layers: int = 2, offline: bool = True):
-    """(HF dir, Megatron checkpoint, offline HF export) of a random tiny Qwen2, via the CLIs."""
+def _convert(root: Path, tied: bool, num_layers: int = 2, offline: bool = True, arch: str = "qwen2"):
+    """(HF dir, Megatron checkpoint, offline HF export) of a random tiny Qwen2 (or Qwen3: ``arch``), via
+    the CLIs."""
     from tests.helpers.convert import save_tiny_hf
 
-    hf = save_tiny_hf(root / "hf", tied=tied, num_layers=num_layers)
+    hf = save_tiny_hf(root / "hf", tied=tied, num_layers=num_layers, arch=arch)
     cmds = [["hf_to_megatron.py", "--hf-dir", hf, "--out", root / "ckpt", "--no-progress",
              "--make-vocab-size-divisible-by", DIVISIBLE_BY]]
     if offline:
@@ -96,6 +97,12 @@ def test_tied_embeddings_at_pp2(converted_tied):
 
 def test_tp2_pp2_on_four_processes(converted):
     spawn(_worker, *map(str, converted), 2, 2, world_size=4)
+
+
+def test_qwen3_at_tp2_pp2_logits_match_and_live_export_equals_offline(tmp_path):
+    """Qwen3 dense (q_norm / k_norm replicated over TP and split by layer over PP, no q/k/v biases,
+    a head size of its own), 4 layers so that each stage holds two."""
+    spawn(_worker, *map(str, _convert(tmp_path, tied=False, num_layers=4, arch="qwen3")), 2, 2, world_size=4)
 
 
 def _vpp_worker(rank, hf, ckpt):

@@ -52,6 +52,23 @@ def test_roundtrip_is_bit_exact(tmp_path, tied, dtype):
     assert loaded.dtype == dtype and loaded.config.tie_word_embeddings == tied
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_qwen3_roundtrip_is_bit_exact_and_its_logits_match(tmp_path, tied):
+    """Qwen3 dense (no q/k/v biases, q_norm / k_norm, head_dim 24 of its own): HF -> Megatron -> HF
+    gives the same tensors, transformers loads them as Qwen3, and verify's logits match."""
+    from transformers import AutoModelForCausalLM
+
+    hf = save_tiny_hf(tmp_path / "hf", tied=tied, arch="qwen3")
+    hf_to_megatron(hf, tmp_path / "ckpt", make_vocab_size_divisible_by=DIVISIBLE_BY, progress=False)
+    megatron_to_hf(tmp_path / "ckpt", tmp_path / "out", max_shard_bytes=40_000, progress=False)
+    assert_same_checkpoint(hf, tmp_path / "out")
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    assert type(loaded).__name__ == "Qwen3ForCausalLM" and loaded.config.head_dim == 24
+    report = verify(hf, tmp_path / "ckpt")
+    assert report.ok and report.max_logit_diff <= 1e-5, report.format()
+    assert len(report.weight_rows) == 2 * 11 + 2 + (not tied)  # per layer: 9 HF tensors + q_norm, k_norm
+
+
 def test_verify_tp1_logits_match_and_a_wrong_model_fails(tmp_path):
     hf = save_tiny_hf(tmp_path / "hf")
     hf_to_megatron(hf, tmp_path / "ckpt", make_vocab_size_divisible_by=DIVISIBLE_BY, progress=False)
@@ -73,7 +90,7 @@ def test_cli_refuses_non_empty_out_and_unsupported_architecture(tmp_path, capsys
     (hf / "config.json").write_text(json.dumps({**config, "architectures": ["MistralForCausalLM"]}))
     assert hf_to_megatron_cli.main(["--hf-dir", str(hf), "--out", str(tmp_path / "new")]) == 2
     err = capsys.readouterr().err
-    assert "unsupported architecture MistralForCausalLM; supported: ['Qwen2ForCausalLM']" in err
+    assert "unsupported architecture MistralForCausalLM; supported: ['Qwen2ForCausalLM', 'Qwen3ForCausalLM']" in err
 
 
 def test_misshapen_checkpoint_fails_before_writing(tmp_path):

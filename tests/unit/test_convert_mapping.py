@@ -21,6 +21,31 @@ def test_every_hf_key_mapped_exactly_once(tied):
     assert ("output_layer.weight" in megatron) == (not tied)
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_qwen3_has_per_head_norms_and_no_qkv_bias_under_both_specs(tied):
+    config, sd = hf_state_dict("qwen3", tie_word_embeddings=tied)
+    assert "model.layers.0.self_attn.q_proj.bias" not in sd
+    assert sd["model.layers.0.self_attn.q_norm.weight"].shape == (24,)
+    table = conversion_table(config, padded_vocab_size=128)
+    assert set(table.hf_names()) == set(sd)
+    for spec in ("local", "te"):
+        mc = hf_to_megatron_state_dict(table, sd, spec=spec)
+        assert torch.equal(mc["decoder.layers.1.self_attention.k_layernorm.weight"],
+                           sd["model.layers.1.self_attn.k_norm.weight"])
+        assert mc["decoder.layers.0.self_attention.linear_qkv.weight"].shape == ((4 + 2 * 2) * 24, 32)
+        assert mc["decoder.layers.0.self_attention.linear_proj.weight"].shape == (32, 4 * 24)
+        assert not any(name.endswith("linear_qkv.bias") for name in mc)
+        shards = split_tp(table, mc, 2)
+        assert torch.equal(shards[1]["decoder.layers.0.self_attention.q_layernorm.weight"],
+                           sd["model.layers.0.self_attn.q_norm.weight"])  # replicated over TP
+        back = megatron_to_hf_state_dict(table, merge_tp(table, shards))
+        assert set(back) == set(sd) and all(torch.equal(back[n], t) for n, t in sd.items())
+    with pytest.raises(ConversionError, match="Qwen3 with attention_bias=true is unsupported"):
+        conversion_table({**config, "attention_bias": True})
+    with pytest.raises(ConversionError, match="Qwen3 with use_sliding_window=true"):
+        conversion_table({**config, "layer_types": ["full_attention", "sliding_attention"]})
+
+
 @pytest.mark.parametrize("spec", ["local", "te"])
 @pytest.mark.parametrize("tied", [False, True])
 def test_tp1_names_and_tp2_split_merge_roundtrip_is_identity(spec, tied):
@@ -85,7 +110,7 @@ def test_vocab_padding_is_zero_and_truncated_on_export():
 
 
 def test_unsupported_architecture_lists_supported_ones():
-    expected = r"unsupported architecture LlamaForCausalLM; supported: \['Qwen2ForCausalLM'\]"
+    expected = r"unsupported architecture LlamaForCausalLM; supported: \['Qwen2ForCausalLM', 'Qwen3ForCausalLM'\]"
     with pytest.raises(ConversionError, match=expected):
         conversion_table({**TINY, "architectures": ["LlamaForCausalLM"]})
     assert "Qwen2ForCausalLM" in supported_architectures()

@@ -20,7 +20,7 @@ import pytest
 
 from megatron_dapo import cli
 from megatron_dapo.config_loading import load_config
-from megatron_dapo.convert.synthetic import QWEN25_CONFIGS
+from megatron_dapo.convert.synthetic import QWEN3_CONFIGS, QWEN25_CONFIGS
 from megatron_dapo.generation_model import (
     DecodeEstimate,
     GenerationTime,
@@ -50,6 +50,24 @@ def test_parameter_counts_equal_transformers_and_the_published_sizes():
     published = {"0.5B": 494_032_768, "1.5B": 1_543_714_304, "7B": 7_615_616_512, "32B": 32_763_876_352}
     assert {k: count_parameters(c, tp=1, pp=1, padded_vocab=c["vocab_size"]).total
             for k, c in QWEN25_CONFIGS.items()} == published
+
+
+def test_qwen3_parameter_counts_equal_transformers_and_the_model_cards():
+    """Qwen3 dense: no biases, per-head query/key norms, 128-wide heads whatever the width (Qwen3-32B:
+    64 x 128 = 8192 query rows over 5120). The model cards' sizes, total and non-embedding, in billions."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    tiny = {**TINY, "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "head_dim": 24}
+    model = Qwen3ForCausalLM(Qwen3Config(**{k: v for k, v in tiny.items() if k != "model_type"}))
+    assert count_parameters(tiny, tp=1, pp=1, padded_vocab=128).total == sum(p.numel() for p in model.parameters())
+    cards = {"Qwen3-0.6B": (0.6, 0.44), "Qwen3-1.7B": (1.7, 1.4), "Qwen3-4B": (4.0, 3.6), "Qwen3-8B": (8.2, 6.95),
+             "Qwen3-14B": (14.8, 13.2), "Qwen3-32B": (32.8, 31.2)}
+    for name, (total, non_embedding) in cards.items():
+        c = QWEN3_CONFIGS[name]
+        count = count_parameters(c, tp=1, pp=1, padded_vocab=c["vocab_size"]).total
+        embedding = c["vocab_size"] * c["hidden_size"] * (1 if c["tie_word_embeddings"] else 2)
+        digits = len(str(non_embedding).split(".")[1])
+        assert (round(count / 1e9, 1), round((count - embedding) / 1e9, digits)) == (total, non_embedding), name
 
 
 def _megatron_formula():

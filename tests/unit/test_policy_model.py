@@ -39,7 +39,7 @@ def test_hf_arch_reads_every_config_form(tmp_path):
     ({"use_sliding_window": True}, "sliding"),
     ({"rope_parameters": {"rope_theta": 1e6, "rope_type": "yarn", "factor": 4.0}}, "yarn"),
     ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "linear"),
-    ({"model_type": "llama"}, "qwen2"),
+    ({"model_type": "llama"}, "unsupported architecture <model_type 'llama'>"),
 ])
 def test_hf_arch_rejects_what_it_does_not_build(change, match):
     with pytest.raises(ValueError, match=match):
@@ -173,6 +173,36 @@ def test_logits_match_transformers_qwen2(world_of_one, tied):
     torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-6)  # measured: bit-identical
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_logits_match_transformers_qwen3(world_of_one, tied):
+    """Qwen3 dense: no q/k/v biases, RMSNorm over each head's query and key (random weights, so a
+    norm skipped or applied after RoPE shows), a head size of 32 over a width of 64 with 4 heads."""
+    hf = tiny_hf_config(model_type="qwen3", architectures=["Qwen3ForCausalLM"], head_dim=32,
+                        tie_word_embeddings=tied)
+    world_of_one(hf)
+    torch.manual_seed(0)
+    kwargs = {k: v for k, v in hf.items() if k not in ("model_type", "rope_parameters")}
+    ref = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**kwargs, rope_theta=1e6,
+                                                                 attn_implementation="eager")).eval()
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                p.copy_(1.0 + 0.5 * torch.randn_like(p))
+    (model,) = build_model(hf, model=MODEL, parallel=ONE)
+    missing = model.load_state_dict(hf_to_megatron_by_hand(ref.state_dict(), hf_arch(hf)), strict=True)
+    assert not missing.missing_keys and not missing.unexpected_keys
+    assert model.decoder.layers[0].self_attention.linear_qkv.bias is None
+    ids = torch.randint(0, 120, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours = model(ids, torch.arange(16).expand(2, 16), None)
+        theirs = ref(ids).logits
+        for layer in model.decoder.layers:  # without the per-head norms the logits differ
+            layer.self_attention.q_layernorm.weight.fill_(1.0)
+        unnormed = model(ids, torch.arange(16).expand(2, 16), None)
+    assert (unnormed - theirs).abs().max() > 0.05
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5)
+
+
 def test_a_layout_whose_resume_megatron_corrupts_is_refused():
     """tests/distributed/test_upstream_tied_embedding_ckpt.py shows why; the neighbours are fine."""
     import dataclasses
@@ -185,3 +215,23 @@ def test_a_layout_whose_resume_megatron_corrupts_is_refused():
     check_training_layout({"tie_word_embeddings": False}, bad)
     check_training_layout({"tie_word_embeddings": True}, dataclasses.replace(bad, use_distributed_optimizer=False))
     check_training_layout({"tie_word_embeddings": True}, dataclasses.replace(bad, pipeline_model_parallel_size=1))
+
+
+def test_a_qwen2_checkpoint_is_refused_under_a_qwen3_model_and_an_older_one_still_loads(tmp_path):
+    """The checkpoint's model shape records the attention features (add_qkv_bias, qk_layernorm): a
+    Qwen2 checkpoint under a Qwen3 base of the same sizes is refused in one line naming them; a
+    checkpoint written before they were recorded is checked on the fields it has."""
+    from megatron_dapo.errors import InputError
+    from megatron_dapo.mcore.checkpoint import check_model_shape
+    from megatron_dapo.run import _shape
+
+    qwen2 = tiny_hf_config()
+    qwen3 = tiny_hf_config(model_type="qwen3", architectures=["Qwen3ForCausalLM"])
+    saved = {"model_shape": _shape(qwen2)}
+    with pytest.raises(InputError, match=r"another model shape \(add_qkv_bias True -> False, qk_layernorm False -> "
+                                         r"True; checkpoint -> this run's model\)"):
+        check_model_shape(tmp_path, saved, _shape(qwen3))
+    older = {"model_shape": {k: v for k, v in _shape(qwen2).items() if k not in ("add_qkv_bias", "qk_layernorm")}}
+    check_model_shape(tmp_path, older, _shape(qwen2))
+    with pytest.raises(InputError, match=r"kv_channels 16 -> 32"):
+        check_model_shape(tmp_path, older, _shape(tiny_hf_config(head_dim=32)))
