@@ -14,7 +14,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPES = sorted(p for p in (ROOT / "recipes").iterdir() if (p / "recipe.env").is_file())
-GPU_RECIPES = [p for p in RECIPES if p.name.startswith("qwen2.5-")]
+GPU_RECIPES = [p for p in RECIPES if p.name.startswith(("qwen2.5-", "qwen3-"))]
 SCRIPTS = sorted([*ROOT.glob("recipes/*/*.sh"), *ROOT.glob("recipes/*/*.sbatch"), ROOT / "recipes/lib/launch.sh"])
 # the interpreter running the tests is the one the launchers call (as `python` in the container)
 ENV = {**{k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "CONTAINER_", "DATA_DIR"))},
@@ -38,7 +38,8 @@ def _dry(script: Path, *args: str, dry: bool = True, **env: str) -> subprocess.C
 
 
 def test_there_is_a_recipe_per_model_size_and_the_cpu_rehearsal():
-    assert [p.name for p in RECIPES] == ["cpu-tiny", "qwen2.5-1.5b", "qwen2.5-32b", "qwen2.5-7b"]
+    assert [p.name for p in RECIPES] == ["cpu-tiny", "qwen2.5-1.5b", "qwen2.5-32b", "qwen2.5-7b", "qwen3-32b",
+                                         "qwen3-8b"]
     for p in RECIPES:
         assert {x.name for x in p.iterdir()} >= {"recipe.env", "run.sh", "train.sbatch"}
 
@@ -141,7 +142,7 @@ def test_the_cpu_rehearsal_recipe_dry_runs_without_data_or_gpus():
 @pytest.mark.parametrize("recipe", GPU_RECIPES, ids=lambda p: p.name)
 def test_single_node_train_eval_and_convert_dry_runs(recipe, data_dir):
     d = {"DATA_DIR": str(data_dir)}
-    if recipe.name == "qwen2.5-32b":  # TP 8 x PP 1 x DP 1: the plan refuses training on one node
+    if recipe.name.endswith("-32b"):  # TP 8 x PP 1 x DP 1: the plan refuses training on one node
         refused = _dry(recipe / "run.sh", "train", **d)
         assert refused.returncode == 2 and "GB per GPU while generating" in refused.stderr, refused.stderr
         evaluation = _dry(recipe / "run.sh", "eval", **d)
@@ -157,7 +158,7 @@ def test_single_node_train_eval_and_convert_dry_runs(recipe, data_dir):
         and f"data.val_files=\\[{data_dir}/eval.parquet\\]" in evaluation.stdout
     convert = _dry(recipe / "run.sh", "convert")
     assert convert.returncode == 0 \
-        and "tools/convert_ckpt/hf_to_megatron.py --hf-dir /models/Qwen2.5-" in convert.stdout
+        and "tools/convert_ckpt/hf_to_megatron.py --hf-dir /models/Qwen" in convert.stdout
 
 
 def test_a_layout_that_cannot_run_fails_the_dry_run_with_the_reason(data_dir):
