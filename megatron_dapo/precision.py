@@ -1,5 +1,5 @@
 """The one home of the training dtype rule, shared by the trainer (mcore/model.py) and the rollout
-engine (rollout/vllm_engine.py); a leaf module, so the engine does not import the config schema."""
+engine (rollout/vllm_translation.py); a leaf module, so the engine does not import the config schema."""
 
 from typing import Literal
 

@@ -1,7 +1,7 @@
 """The one packing rule: consecutive items, greedily grouped by bytes.
 
 Used for output shards (safetensors_io), for export buckets (export.py), for the checkpoint
-regions megatron_to_hf reads per step (mcore/hf_conversion.py) and for the buckets a weight sync
+regions megatron_to_hf reads per step (mcore/mcore_to_hf.py) and for the buckets a weight sync
 hands the rollout engine (rollout/weight_sync.py), so that every one of them agrees with the others
 on where a group ends.
 """

@@ -58,11 +58,12 @@ def export_run(cfg: DAPOConfig, out_dir: str | os.PathLike, *, step: int | None 
     import torch.distributed as dist
 
     from megatron_dapo.convert.safetensors_io import read_hf_config
-    from megatron_dapo.mcore.hf_conversion import DTYPES, _check_out, _prepare_out, write_hf_checkpoint
+    from megatron_dapo.mcore.converted_checkpoint import DTYPES, check_out_dir, prepare_out_dir
+    from megatron_dapo.mcore.mcore_to_hf import write_hf_checkpoint
 
     out_dir = Path(out_dir)
     ckpt, src = run_checkpoint(cfg, step), hf_source(cfg)
-    _check_out(out_dir, force)
+    check_out_dir(out_dir, force)
     apply_cpu_compat()  # an entry point: before megatron.core is imported
     from megatron.core import parallel_state as ps
 
@@ -78,7 +79,7 @@ def export_run(cfg: DAPOConfig, out_dir: str | os.PathLike, *, step: int | None 
     state = load_checkpoint(ckpt, model=chunks, load_rng=False)
     table = conversion_table_for(hf_config, model=cfg.model, tp=cfg.parallel.tensor_model_parallel_size)
     p = cfg.parallel
-    _prepare_out(out_dir, force)
+    prepare_out_dir(out_dir, force)
     write_hf_checkpoint(chunks, table, out_dir, hf_config=hf_config, side_files_from=src,
                         tp_group=ps.get_tensor_model_parallel_group() if p.tensor_model_parallel_size > 1 else None,
                         pp_group=ps.get_pipeline_model_parallel_group() if p.pipeline_model_parallel_size > 1 else None,

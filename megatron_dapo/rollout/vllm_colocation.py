@@ -67,8 +67,14 @@ def finish_reload(worker: Any) -> None:
 
 @contextlib.contextmanager
 def restore_process_state(active: bool) -> Iterator[None]:
-    """Put back what building an in-process vLLM engine changes in the trainer's process (see the
-    module docstring). No thread binding happens in process (vLLM binds OpenMP threads only in its
+    """Put back what building an in-process vLLM engine changes in the trainer's process.
+
+    vLLM replaces ``torch.set_num_threads`` by a no-op and drops torch to 1 thread, reseeds
+    the global RNGs (python, numpy, torch) with its seed, and sets ``LD_PRELOAD`` / ``LOCAL_WORLD_SIZE``
+    (CPU platform); all of these are put back after the engine is built. Left as vLLM sets them:
+    ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (vLLM itself sets it for external_launcher) and a few vLLM /
+    inductor variables (NUMEXPR_MAX_THREADS, TORCHINDUCTOR_COMPILE_THREADS, VLLM_WORKER_MULTIPROC_METHOD).
+    No thread binding happens in process (vLLM binds OpenMP threads only in its
     multiprocessing workers), so restoring torch.set_num_threads is safe."""
     if not active:
         yield

