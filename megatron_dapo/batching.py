@@ -106,7 +106,7 @@ FP8_ALIGN = 16
 """Transformer Engine's FP8 GEMMs need the token rows of each GEMM (the product of all dimensions
 but the last) divisible by 8 and megatron-core aligns them to 16 (fp8_utils.get_fp8_align_size; 32
 only for MXFP8, which is not offered here). Hidden and FFN sizes are the other GEMM dimension and
-are multiples of 16 in every Qwen2.5 shape."""
+are multiples of 16 in every Qwen2.5 and Qwen3 shape."""
 
 
 def pad_multiple(*, tensor_parallel: int = 1, sequence_parallel: bool = False, context_parallel: int = 1,

@@ -331,9 +331,10 @@ class AlarmsConfig:
                             "eval.reward_fn, or dapo_math when that is reward.fn; none = off")
     scorer_disagreement: float = setting(0.1, "fraction of responses the two scorers judge differently")
     repeated_answer_label: float = setting(0.05, "fraction of responses whose answer line repeats 'Answer' "
-                                           "(Answer: Answer: 5)")
+                                           "(Answer: Answer: 5) and that the reward accepts")
     no_answer_line: float = setting(0.5, "fraction of responses with no 'Answer:' line")
-    identical_groups: float = setting(0.5, "fraction of prompt groups whose responses are all the same text")
+    identical_groups: float = setting(0.5, "fraction of prompt groups whose responses are all the same wrong text "
+                                      "(the same right one is a solved prompt)")
     entropy_min: float = setting(0.02, "actor/entropy below this: entropy collapse")
     mismatch_max: float = setting(1.05, "rollout/logprob_mismatch above this (mean exp|engine - trainer log-prob|; 1 = "
                                   "equal)")
@@ -371,8 +372,8 @@ class ToyConfig:
     architecture: str = setting("qwen2", "the base's architecture: qwen2 (Qwen2.5's layout: QKV biases) or qwen3 "
                                 "(Qwen3 dense: no biases, RMSNorm over each head's query and key)")
     hidden_size: int = setting(64, "model width")
-    head_dim: int = setting(0, "size of an attention head; 0 = hidden_size / num_attention_heads (Qwen3 sets its "
-                            "own: 0.6B has 16 heads of 128 over a width of 1024)")
+    head_dim: int = setting(0, "with architecture=qwen3: size of an attention head; 0 = hidden_size / "
+                            "num_attention_heads (Qwen3 sets its own: 0.6B has 16 heads of 128 over a width of 1024)")
     intermediate_size: int = setting(192, "SwiGLU MLP width")
     num_layers: int = setting(2, "transformer layers")
     num_attention_heads: int = setting(4, "query heads")
@@ -391,6 +392,9 @@ class ToyConfig:
                 max_position_embeddings=one, warmup_steps=at_least(0), warmup_batch_size=one,
                  warmup_lr=above(0), reasoning_prob=((lambda v: 0 <= v <= 1), "in [0, 1]"), head_dim=at_least(0),
                  architecture=((lambda v: v in TOY_ARCHITECTURES), f"one of {', '.join(TOY_ARCHITECTURES)}"))
+        if self.head_dim and self.architecture != "qwen3":
+            fail(f"toy.head_dim={self.head_dim} needs toy.architecture=qwen3: Qwen2's head size is toy.hidden_size / "
+                 "toy.num_attention_heads (vLLM's Qwen2 reads no head_dim)")
         if (self.head_dim == 0 and self.hidden_size % self.num_attention_heads) or \
                 self.num_attention_heads % self.num_key_value_heads:
             fail(f"toy.hidden_size={self.hidden_size} must be a multiple of toy.num_attention_heads="

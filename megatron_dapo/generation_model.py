@@ -29,15 +29,18 @@ DECODE_BANDWIDTH_EFFICIENCY = 0.6
 def kv_bytes_per_token(hf: dict, *, dtype_bytes: int = 2) -> int:
     """KV cache bytes of one token for the whole model: 2 (K and V) x layers x KV heads x head_dim x
     dtype bytes (vLLM's kv_cache_dtype "auto" is the model's dtype: bf16, 2 B)."""
-    head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
-    kv_heads = hf.get("num_key_value_heads") or hf["num_attention_heads"]
-    return 2 * hf["num_hidden_layers"] * kv_heads * head_dim * dtype_bytes
+    from megatron_dapo.convert.mapping import hf_sizes
+
+    sizes = hf_sizes(hf)  # the one reader of head_dim and the KV heads
+    return 2 * sizes["num_layers"] * sizes["num_query_groups"] * sizes["kv_channels"] * dtype_bytes
 
 
 def kv_bytes_per_token_per_gpu(hf: dict, tensor_parallel: int, *, dtype_bytes: int = 2) -> float:
     """The share of kv_bytes_per_token one GPU of a replica holds: its KV heads. Below one head per
     GPU vLLM replicates a head on each GPU, so the share never drops below one head."""
-    kv_heads = hf.get("num_key_value_heads") or hf["num_attention_heads"]
+    from megatron_dapo.convert.mapping import hf_sizes
+
+    kv_heads = hf_sizes(hf)["num_query_groups"]
     return kv_bytes_per_token(hf, dtype_bytes=dtype_bytes) * max(1.0, kv_heads / tensor_parallel) / kv_heads
 
 

@@ -123,13 +123,12 @@ class StepBatches:
         """The state before step ``step`` (from 0) draws its prompts, which a stop that cuts the step
         short saves (train.Loop; ``others`` as for ``state``). The step's first batch, asked for
         ahead, is collected now: the last sync waited for it (rollout/pipeline.py) and the step
-        collects it first anyway. Batches of later steps stay in flight here, as requests, until
-        ``cut_state``."""
+        collects it first anyway. The batches asked for ahead are ``cut_state``'s to add."""
         first = self.pipeline.ahead[0] if self.pipeline.has(step) else None
         if first is not None and first.in_flight:
             first.rollouts = self.run.placement.collect(first.request)[1]
         self._first = first
-        return self.state(step=step, release=True, **others)
+        return self.state(step=step, with_ahead=False, **others)
 
     def cut_state(self, start: TrainerState) -> TrainerState:
         """``start`` (``start_state``), the step cut short: the batches asked for ahead of later
@@ -140,10 +139,11 @@ class StepBatches:
         return dataclasses.replace(start, ahead=tuple(ahead))
 
     def state(self, *, step: int, clock: dict, ledger: dict, alarms: tuple[str, ...],
-              release: bool = False) -> TrainerState:
+              with_ahead: bool = True) -> TrainerState:
         """The trainer state after ``step`` steps: this object's part, and the others' as given.
-        ``release``: batches in flight written as requests (RolloutPipeline.to_json)."""
+        ``with_ahead=False``: without the batches asked for ahead (``start_state``: ``cut_state`` adds them)."""
         return TrainerState(step=step, sampler=self.run.sampler.state_dict(), held_groups=self.dyn.held,
                             responses_generated=self.generated, clock=clock, ledger=ledger,
                             keep_rate=self.dyn.keep_rate, alarms=alarms,
-                            ahead=tuple(self.pipeline.to_json(release=release)), carried=tuple(self.gen.carry_json()))
+                            ahead=tuple(self.pipeline.to_json()) if with_ahead else (),
+                            carried=tuple(self.gen.carry_json()))

@@ -155,12 +155,12 @@ class Loop:
             step_start, metrics, progress = time.perf_counter(), {}, self.progress
             progress.begin_step(step + 1)
             self.saves.poll()  # a checkpoint written in the background since: published
-            self._start_state = self._start() if placement.aborts and self.done > self.saved else None
             if cfg.actor.offload_during_rollout:
                 with self.log.timer("offload"):  # the engine generates in the trainer's grads' and optimizer's memory
                     metrics.update(actor.offload_for_rollout())
             try:
                 with self._generating_phase(), self.log.timer("rollout"):
+                    self._start_state = self._start() if placement.aborts and self.done > self.saved else None
                     batch = batches.collect(step)
             except GenerationAborted:  # a stop cut the step short (every rank leaves it here)
                 return self._end_cut(step + 1)
@@ -232,6 +232,7 @@ class Loop:
         """The step's rollout, the part of a step that a stop can cut short (``cut_short``)."""
         with self._phase:
             self._generating = True
+            self.run.placement.arm_abort()
         try:
             yield
         finally:

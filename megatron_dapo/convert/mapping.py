@@ -80,7 +80,7 @@ _HF_SIZE_KEYS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "int
 
 def hf_sizes(config: dict[str, Any]) -> dict[str, Any]:
     """The sizes in a Llama-like HF config dict, under Megatron's names: the package's one reader of
-    them (ModelDims here; mcore.model.hf_arch adds the Qwen2 checks and the rest of the model)."""
+    them (ModelDims here; mcore.model.hf_arch adds the architecture's checks and the rest of the model)."""
     missing = [k for k in _HF_SIZE_KEYS if config.get(k) is None]
     if missing:
         raise ConversionError(f"HF config lacks {missing}, needed for {config.get('architectures')}")

@@ -14,6 +14,9 @@ from megatron_dapo.convert.table import register_architecture
 
 def check_qwen3_config(config: dict[str, Any]) -> None:
     check_dense_config("Qwen3", config)
+    if not config.get("head_dim"):  # transformers would take 128; hidden_size / heads is what we would read
+        raise ConversionError("Qwen3 config.json without head_dim: its size is not hidden_size / num_attention_heads "
+                              "(the released ones say 128); add it to config.json")
     if config.get("attention_bias"):  # transformers' Qwen3Attention then puts biases on q/k/v and o
         raise ConversionError("Qwen3 with attention_bias=true is unsupported (the released checkpoints have none)")
 

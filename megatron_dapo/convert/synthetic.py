@@ -4,8 +4,8 @@ downloaded).
 The shape fields below are those of the public base-model ``config.json`` files: Qwen2.5
 (Qwen/Qwen2.5-{0.5B,1.5B,7B,32B}; the 32B values as in docs/reference/nvidia_stack.md 4.2) and Qwen3
 (Qwen/Qwen3-{0.6B,1.7B,4B,8B,14B,32B}: every size has 8 KV heads of 128, whatever its width; up to 4B
-the embeddings are tied). ``SHAPES`` names them all: the Qwen2.5 sizes bare ("7B", as the recipes
-have always named them), the Qwen3 ones with their family ("Qwen3-8B").
+the embeddings are tied). ``SHAPES`` names them all: the Qwen2.5 sizes bare ("7B", the recipes'
+SHAPE), the Qwen3 ones with their family ("Qwen3-8B").
 """
 
 from __future__ import annotations

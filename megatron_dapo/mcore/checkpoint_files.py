@@ -47,7 +47,7 @@ META = "checkpoint.json"
 TRAINER_STATE = "trainer_state.json"
 _NAME = re.compile(r"^step_(\d+)$")
 FORMAT_VERSION = 2  # 2: adds the manifest ("files") and "model_shape"
-# the last two tell Qwen2 from Qwen3 (checkpoints written before them lack them: check_model_shape)
+# the last two tell Qwen2 from Qwen3 (check_model_shape compares a checkpoint without them on the rest)
 SHAPE_FIELDS = ("hidden_size", "ffn_hidden_size", "num_layers", "num_attention_heads", "num_query_groups",
                 "kv_channels", "add_qkv_bias", "qk_layernorm")
 

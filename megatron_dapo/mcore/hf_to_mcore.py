@@ -40,7 +40,7 @@ from megatron_dapo.mcore.cpu_compat import apply_cpu_compat
 def hf_to_megatron(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: str | None = None,
                    tp: int = 1, pp: int = 1, make_vocab_size_divisible_by: int | None = None,
                    force: bool = False, progress: bool = True) -> dict[str, Any]:
-    """Convert an HF Qwen2-family dir into a Megatron dist checkpoint; returns convert.json's contents.
+    """Convert an HF Qwen2 / Qwen3 dense dir into a Megatron dist checkpoint; returns convert.json's contents.
 
     ``dtype``: "bf16" or "fp32"; None keeps the checkpoint's own dtype. TP / PP only decide how the
     work is split across the launched processes; the checkpoint itself is layout-free.

@@ -2,8 +2,16 @@
 
 Two degenerate formats were once learned by the tiny policy and accepted by a scorer: a repeated
 label (``Answer: Answer: 5``, ``AnswerAnswerAnswer: 3``) and, in collapse, every response of a group
-the same text. Each response gets a set of flags; a group's counts travel from the replica that
-scored it (groups.py), so the alarms see every generated response, kept by dynamic sampling or not.
+the same text. Each counts only where it means trouble, so that a healthy run raises no alarm:
+
+- a repeated label only where the reward pays for it (acc): one it rejects is a sampled typo the
+  update pushes away, one it accepts is a format the policy is rewarded into (reward hacking);
+- a group of one repeated text only where it is wrong: one right answer given every time is what a
+  solved prompt looks like (the healthy CPU demo had half its groups so at step 40), one wrong answer
+  given every time is a policy that stopped exploring where it fails.
+
+Each response gets a set of flags; a group's counts travel from the replica that scored it
+(groups.py), so the alarms see every generated response, kept by dynamic sampling or not.
 
 Only the tail of a response is read for the answer line (the scorers read at most 1000
 characters), so checking costs the same at 20k-token responses as at 16.
@@ -32,12 +40,13 @@ def answer_line(text: str) -> str | None:
     return lines[-1] if lines else None
 
 
-def format_flags(text: str) -> list[str]:
-    """The flags of one response text by itself: no answer line, or one that repeats the label."""
+def format_flags(text: str, rewarded: bool) -> list[str]:
+    """The flags of one response text by itself: no answer line, or one that repeats the label and
+    that the reward accepts (``rewarded``: the reward's acc; module doc)."""
     line = answer_line(text)
     if line is None:
         return [NO_ANSWER_LINE]
-    return [REPEATED_LABEL] if len(_LABEL.findall(line)) > 1 else []
+    return [REPEATED_LABEL] if rewarded and len(_LABEL.findall(line)) > 1 else []
 
 
 @dataclass(frozen=True)
@@ -47,7 +56,7 @@ class GroupAudit:
     num_responses: int
     repeated_label: int
     no_answer_line: int
-    identical: bool  # every response the same text (G >= 2)
+    identical: bool  # every response the same wrong text (G >= 2; module doc)
     disagree: int  # responses the audit scorer judges otherwise than the reward's (0 without one)
 
     def to_json(self) -> dict:
@@ -62,8 +71,8 @@ class GroupAudit:
 def audit_group(texts: list[str], acc: list[bool], audit_acc: list[bool] | None) -> tuple[GroupAudit, list[list[str]]]:
     """A group's counts and each response's flags (in order). ``audit_acc``: the second scorer's
     verdicts (None: no second scorer, no disagreement counted)."""
-    flags = [format_flags(t) for t in texts]
-    identical = len(texts) >= 2 and len(set(texts)) == 1
+    flags = [format_flags(t, bool(a)) for t, a in zip(texts, acc, strict=True)]
+    identical = len(texts) >= 2 and len(set(texts)) == 1 and not any(acc)
     if identical:
         flags = [f + [IDENTICAL_GROUP] for f in flags]
     disagree = 0

@@ -160,11 +160,10 @@ class RolloutPipeline:
         if self.ahead:
             self._last = self.ahead[-1].step
 
-    def to_json(self, *, release: bool = False) -> list[dict]:
+    def to_json(self) -> list[dict]:
         """The batches in flight, collected or released (a stop's save); [] at a periodic save (none
-        in flight). ``release``: those still in flight written as released (a step's start state,
-        which a cut completes: step_batches.StepBatches.cut_state)."""
+        in flight)."""
         missing = [a.step for a in self.ahead if a.in_flight]
-        if missing and not release:
+        if missing:
             raise RuntimeError(f"batches of steps {missing} are still in flight: collect them before saving")
         return [a.to_json() for a in self.ahead]

@@ -223,6 +223,10 @@ class RolloutPlacement:
         if hasattr(self.engine, "on_progress"):
             self.engine.on_progress = sink
 
+    def arm_abort(self) -> None:
+        """Nothing to arm (``Placement.arm_abort``): ``abort`` is called only while a step generates
+        (train.Loop.cut_short checks under its lock), on each rank for itself."""
+
     def clear_abort(self) -> None:
         """The next ``generate`` runs (``Placement.clear_abort``)."""
         if self._aborted.is_set():

@@ -82,6 +82,10 @@ class Placement(Protocol):
         ``generate`` (or ``collect``) raises GenerationAborted on every trainer rank, those without
         an abort too, so that all leave together. False where it cannot (then nothing changes)."""
 
+    def arm_abort(self) -> None:
+        """A step's generation begins: from here until ``clear_abort`` a stop may cut it short
+        (``abort``), and only here (the evaluation after it is never cut)."""
+
     def clear_abort(self) -> None:
         """Undoes an ``abort`` that came after the last ``generate`` it could end."""
 

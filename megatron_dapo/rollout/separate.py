@@ -45,6 +45,7 @@ from megatron_dapo.rollout.weight_stream import send_weights
 from megatron_dapo.rollout.worlds import WorldSplit
 
 logger = logging.getLogger(__name__)
+CUT_SHORT = "the generation batch was aborted (a stop cut the step short)"
 POLL_S = (0.001, 0.05)  # trainer rank 0's polls of the progress counters: the first pause, the longest
 
 
@@ -106,8 +107,8 @@ class CutRequests:
         return self.store.add(self.KEY, 0) > self.seen
 
     def forget(self) -> None:
-        """Trainer rank 0, as the step's generation ends: the requests so far came too late to cut it
-        (a stop then ends the run after the step, preemption.py)."""
+        """Trainer rank 0, as a step's generation begins: the requests so far came too late to cut
+        the last one (a stop then ends the run after its step, preemption.py)."""
         self.seen = self.store.add(self.KEY, 0)
 
 
@@ -123,6 +124,7 @@ class SeparatePlacement:
         self._cancelled: list[int] = []  # their progress counters go once a later request is done
         self._aborted = threading.Event()  # set by ``abort`` (a stop's watchdog thread), until ``clear_abort``
         self._cuts = CutRequests(split.cuts) if split.cuts is not None else None
+        self._armed = False  # trainer rank 0: a step's generation runs (arm_abort .. clear_abort)
         self._waited = self._idle = 0.0  # since take_waits: trainer rank 0 waiting, the engines idle
         self.wait_s = split.wait_s  # trainer rank 0's limit on a wait for the engines
 
@@ -236,17 +238,32 @@ class SeparatePlacement:
 
     def abort(self) -> bool:
         """Cuts the step's generation short (``Placement.abort``; module doc): trainer rank 0 stops
-        waiting at its next poll for a batch; another trainer rank asks it through the store."""
-        self._aborted.set()
+        waiting at its next poll for a batch; another trainer rank asks it through the store (False
+        when the store cannot be reached: the stop's watchdog then treats the step as uncuttable)."""
         if not self.is_leader and self._cuts is not None:
-            self._cuts.ask()
+            try:
+                self._cuts.ask()
+            except Exception:  # noqa: BLE001 -- a stop's watchdog thread must live on to abandon the step
+                logger.exception("could not ask trainer rank 0 to cut the step short")
+                return False
+        self._aborted.set()
         return True
 
+    def arm_abort(self) -> None:
+        """A step's generation begins (``Placement.arm_abort``): trainer rank 0 reads the cut
+        requests from here on, those asked for before (a stop that came too late for the last
+        step's generation, which then ended the run after it) forgotten."""
+        if self.is_leader:
+            if self._cuts is not None:
+                self._cuts.forget()
+            self._armed = True
+
     def clear_abort(self) -> None:
-        """The step's generation ended before a cut reached its polls: the step goes on."""
+        """The step's generation ended before a cut reached its polls: the step goes on, and a
+        request that comes later (another rank's signal, just after) cuts nothing, the evaluation
+        included."""
         self._aborted.clear()
-        if self.is_leader and self._cuts is not None:
-            self._cuts.forget()
+        self._armed = False
 
     def report_progress(self, sink) -> None:
         """Not here: the engines run in processes of their own; the trainers show which batch they
@@ -255,7 +272,7 @@ class SeparatePlacement:
     # ------------------------------------------------------------------ trainer rank 0's waits
     def _cut_deadline(self) -> float | None:
         """A deadline already passed once a cut is asked for (``_await``'s ``until``), else none."""
-        asked = self._aborted.is_set() or (self._cuts is not None and self._cuts.asked())
+        asked = self._aborted.is_set() or (self._armed and self._cuts is not None and self._cuts.asked())
         return 0.0 if asked else None
 
     def _cut(self, request: int) -> NoReturn:
@@ -265,7 +282,7 @@ class SeparatePlacement:
         finished (the last sync waited for them), and the cut's save collects them."""
         self.cancel([request], "cut short at a stop")
         self._share(Cut())
-        raise GenerationAborted("the generation batch was aborted (a stop cut the step short)")
+        raise GenerationAborted(CUT_SHORT)
 
     def _next(self) -> int:
         self._requests += 1
@@ -314,5 +331,5 @@ class SeparatePlacement:
             return value
         value = channel.receive()
         if isinstance(value, Cut):
-            raise GenerationAborted("the generation batch was aborted (a stop cut the step short)")
+            raise GenerationAborted(CUT_SHORT)
         return value

@@ -85,7 +85,7 @@ class WorldSplit:
     trainers: Channel | None = None
     device: torch.device = torch.device("cpu")
     wait_s: float = 240 * 60.0
-    cuts: object | None = None  # a store client (a dist.PrefixStore)
+    cuts: dist.Store | None = None
 
     @property
     def side_rank(self) -> int:

@@ -55,10 +55,9 @@ def toy_hf_config(cfg: ToyConfig, tokenizer) -> Any:
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, use_sliding_window=False,
         bos_token_id=None, eos_token_id=stop_token_ids(tokenizer), pad_token_id=tokenizer.pad_token_id,
     )
-    if cfg.head_dim:
-        common["head_dim"] = cfg.head_dim
-    if cfg.architecture == "qwen3":
-        return Qwen3Config(**common, attention_bias=False, architectures=["Qwen3ForCausalLM"])
+    if cfg.architecture == "qwen3":  # its config's own default head size is 128, whatever the width
+        head_dim = cfg.head_dim or cfg.hidden_size // cfg.num_attention_heads
+        return Qwen3Config(**common, head_dim=head_dim, attention_bias=False, architectures=["Qwen3ForCausalLM"])
     return Qwen2Config(**common, architectures=["Qwen2ForCausalLM"])
 
 

@@ -266,7 +266,7 @@ CASES: dict[str, Case] = {
     "toy.num_val": C("4", text("logs", "val.parquet: 4 prompts"), TOY),
     "toy.architecture": C("qwen3", ckpt("model_shape", "qk_layernorm"), TOY),
     "toy.hidden_size": C("32", ckpt("model_shape", "hidden_size"), TOY),
-    "toy.head_dim": C("16", ckpt("model_shape", "kv_channels"), TOY),  # the base: 2 heads over 64
+    "toy.head_dim": C("16", ckpt("model_shape", "kv_channels"), {**TOY, "toy.architecture": "qwen3"}),  # 0: 64 / 2
     "toy.intermediate_size": C("96", ckpt("model_shape", "ffn_hidden_size"), TOY),
     "toy.num_layers": C("1", ckpt("model_shape", "num_layers"), TOY),
     "toy.num_attention_heads": C("4", ckpt("model_shape", "num_attention_heads"), TOY),

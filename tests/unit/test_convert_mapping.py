@@ -42,6 +42,8 @@ def test_qwen3_has_per_head_norms_and_no_qkv_bias_under_both_specs(tied):
         assert set(back) == set(sd) and all(torch.equal(back[n], t) for n, t in sd.items())
     with pytest.raises(ConversionError, match="Qwen3 with attention_bias=true is unsupported"):
         conversion_table({**config, "attention_bias": True})
+    with pytest.raises(ConversionError, match="Qwen3 config.json without head_dim: its size is not hidden_size"):
+        conversion_table({k: v for k, v in config.items() if k != "head_dim"})
     with pytest.raises(ConversionError, match="Qwen3 with use_sliding_window=true"):
         conversion_table({**config, "layer_types": ["full_attention", "sliding_attention"]})
 

@@ -31,23 +31,27 @@ from megatron_dapo.trainer_state import TrainerState
     ("Answer: 3\nso the final Answer: 4", []),  # the last answer line counts, and it has one label
 ])
 def test_format_flags(text, flags):
-    assert audit.format_flags(text) == flags
+    assert audit.format_flags(text, rewarded=True) == flags
+    # a repeated label the reward rejects is a sampled typo, not a format the policy is paid for
+    assert audit.format_flags(text, rewarded=False) == [f for f in flags if f != audit.REPEATED_LABEL]
 
 
 def test_only_the_tail_is_read_for_the_answer_line():
-    assert audit.format_flags("Answer: 5" + "x" * audit.TAIL_CHARS) == [audit.NO_ANSWER_LINE]
+    assert audit.format_flags("Answer: 5" + "x" * audit.TAIL_CHARS, rewarded=True) == [audit.NO_ANSWER_LINE]
 
 
 def test_audit_group_counts_and_flags():
-    texts = ["Answer: 5", "Answer: Answer: 5", "nothing", "Answer: 5"]
-    group, flags = audit.audit_group(texts, [True, True, False, True], [True, False, False, False])
-    assert group == audit.GroupAudit(num_responses=4, repeated_label=1, no_answer_line=1, identical=False, disagree=2)
-    assert flags == [[], [audit.REPEATED_LABEL, audit.DISAGREE], [audit.NO_ANSWER_LINE], [audit.DISAGREE]]
-    same, flags = audit.audit_group(["Answer: 5"] * 3, [True] * 3, None)
-    assert same.identical and same.disagree == 0 and flags == [[audit.IDENTICAL_GROUP]] * 3
-    assert audit.audit_metrics([group, same]) == {
-        "alarm/repeated_answer_label": 1 / 7, "alarm/no_answer_line": 1 / 7, "alarm/identical_groups": 1 / 2,
-        "alarm/scorer_disagreement": 2 / 7}
+    texts = ["Answer: 5", "Answer: Answer: 5", "nothing", "Answer: 5", "Answer: Answer: 7"]
+    group, flags = audit.audit_group(texts, [True, True, False, True, False], [True, False, False, False, False])
+    assert group == audit.GroupAudit(num_responses=5, repeated_label=1, no_answer_line=1, identical=False, disagree=2)
+    assert flags == [[], [audit.REPEATED_LABEL, audit.DISAGREE], [audit.NO_ANSWER_LINE], [audit.DISAGREE], []]
+    wrong, flags = audit.audit_group(["Answer: 5"] * 3, [False] * 3, None)
+    assert wrong.identical and wrong.disagree == 0 and flags == [[audit.IDENTICAL_GROUP]] * 3
+    solved, flags = audit.audit_group(["Answer: 5"] * 3, [True] * 3, None)  # a solved prompt: no collapse
+    assert not solved.identical and flags == [[]] * 3
+    assert audit.audit_metrics([group, wrong, solved]) == {
+        "alarm/repeated_answer_label": 1 / 11, "alarm/no_answer_line": 1 / 11, "alarm/identical_groups": 1 / 3,
+        "alarm/scorer_disagreement": 2 / 11}
 
 
 def test_an_alarm_is_raised_once_and_clears(tmp_path, caplog):

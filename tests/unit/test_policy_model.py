@@ -226,7 +226,7 @@ def test_a_qwen2_checkpoint_is_refused_under_a_qwen3_model_and_an_older_one_stil
     from megatron_dapo.run import _shape
 
     qwen2 = tiny_hf_config()
-    qwen3 = tiny_hf_config(model_type="qwen3", architectures=["Qwen3ForCausalLM"])
+    qwen3 = tiny_hf_config(model_type="qwen3", architectures=["Qwen3ForCausalLM"], head_dim=16)
     saved = {"model_shape": _shape(qwen2)}
     with pytest.raises(InputError, match=r"another model shape \(add_qkv_bias True -> False, qk_layernorm False -> "
                                          r"True; checkpoint -> this run's model\)"):

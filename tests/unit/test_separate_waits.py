@@ -141,6 +141,7 @@ def test_a_stop_cuts_a_wait_for_a_batch_and_the_engines_abort_it(who):
     cleared as the step's generation ends, and the next batch is collected as usual."""
     leader, other, seen, engine = _linked(stalls=(2,))
     params = SamplingParams(max_tokens=4)
+    leader.arm_abort()  # the step's generation begins
     ahead, batch = leader.submit([[3]], 2, params), leader.submit([[1, 2]], 2, params)
     _later(0.3, (leader if who == "trainer rank 0" else other).abort)
     started = time.monotonic()
@@ -154,12 +155,20 @@ def test_a_stop_cuts_a_wait_for_a_batch_and_the_engines_abort_it(who):
     assert (seen[2].requests, seen[2].why) == ((batch,), "cut short at a stop")
 
 
-def test_a_cut_asked_for_after_the_generation_ended_waits_for_nothing():
-    """A cut that reached rank 0 after the step's last batch (its generation over: clear_abort) is
-    forgotten: the next step's batch is waited for in full."""
-    leader, other, seen, engine = _linked()
+def test_a_cut_asked_for_outside_a_steps_generation_cuts_nothing():
+    """Rank 1's request that comes after rank 0's generation ended (its signal, a moment later) is
+    not read until the next step's generation, which forgets it (the stop then ends the run after
+    the step): the evaluation's batch that follows, still generating, is waited for in full, and so
+    is the next step's."""
+    leader, other, seen, engine = _linked(stalls=(1,))
+    params = SamplingParams(max_tokens=4)
+    leader.arm_abort()
+    leader.clear_abort()  # the step's generation ended
     other.abort()
-    leader.clear_abort()
-    assert leader.collect(leader.submit([[1]], 1, SamplingParams(max_tokens=4))) == (range(1), [[]])
+    stalled = leader.submit([[1]], 1, params)  # the evaluation's batch, done 0.3 s later
+    _later(0.3, lambda: leader.split.links.progress.done(stalled))
+    assert leader.collect(stalled) == (range(1), [[]])
     engine.join(5)
     assert [type(m).__name__ for m in seen] == ["Generate", "Collect"]
+    leader.arm_abort()  # the next step's generation: the old request is forgotten
+    assert leader._cut_deadline() is None
