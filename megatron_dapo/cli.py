@@ -1,6 +1,8 @@
 """The ``megatron-dapo`` command: one entry point, a subcommand per job."""
 
 import argparse
+import os
+import signal
 import sys
 
 from megatron_dapo import ranks
@@ -236,7 +238,10 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from importlib.metadata import version
+
     parser = argparse.ArgumentParser(prog="megatron-dapo", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"megatron-dapo {version('megatron-dapo')}")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("config", help="validate and print the resolved configuration")
     _add_config_args(p)
@@ -320,6 +325,9 @@ def main(argv: list[str] | None = None) -> int:
     args.process_entry = argv is None  # the console script and ``python -m`` pass none; callers do
     try:
         return args.func(args)
+    except BrokenPipeError:  # `megatron-dapo samples RUN | head`: the reader has all it wants
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing more to flush at exit
+        return 128 + signal.SIGPIPE  # what a shell reports for a command that SIGPIPE ended (141)
     except InputError as e:  # bad input is one line, not a traceback (errors.py)
         from megatron_dapo import ranks
 

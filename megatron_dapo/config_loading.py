@@ -35,7 +35,8 @@ def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] 
     for item in overrides:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
-            raise ConfigError(f"override {item!r} is not of the form key.path=value")
+            hint = f"; a config file goes after --config (--config {item})" if item.endswith((".yaml", ".yml")) else ""
+            raise ConfigError(f"override {item!r} is not of the form key.path=value{hint}")
         try:
             parsed = yaml.safe_load(value) if value.strip() else ""
         except yaml.YAMLError as e:

@@ -194,3 +194,32 @@ def test_cli_report(tmp_path, capsys, monkeypatch):
     assert cli.main(["report", str(tmp_path / "missing")]) == 2
     (tmp_path / "unwritable").mkdir()
     assert cli.main(["report", str(tmp_path / "unwritable")]) == 1  # write_report's None
+
+
+def test_a_reader_that_stops_early_ends_the_listing_quietly(tmp_path):
+    """`megatron-dapo samples RUN | head`: once the reader is gone, exit 141 (SIGPIPE's, as a shell
+    reports it) without a BrokenPipeError traceback. The listing is far over a pipe's buffer."""
+    import subprocess
+    import sys
+
+    many = ROWS * 200
+    write_rows(step_file(tmp_path, 5), many)
+    proc = subprocess.Popen([sys.executable, "-m", "megatron_dapo.cli", "samples", str(tmp_path), "--n",
+                             str(len(many))], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout.readline().startswith(b"step 5 train")
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 141 and "Traceback" not in err and err == "", err
+
+
+def test_a_config_file_given_as_an_override_says_where_it_goes(capsys):
+    assert cli.main(["train", "conf/cpu_tiny.yaml"]) == 2
+    err = capsys.readouterr().err
+    assert err == ("megatron-dapo: config error: override 'conf/cpu_tiny.yaml' is not of the form key.path=value; "
+                   "a config file goes after --config (--config conf/cpu_tiny.yaml)\n")
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as done:
+        cli.main(["--version"])
+    assert done.value.code == 0 and capsys.readouterr().out == "megatron-dapo 0.1.0\n"
