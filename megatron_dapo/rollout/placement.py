@@ -34,6 +34,8 @@ from megatron_dapo.errors import ConfigError
 from megatron_dapo.rollout.engine import GenerationAborted, Rollout, RolloutEngine, SamplingParams
 from megatron_dapo.rollout.weight_sync import sync_weights
 
+CUT_SHORT = "the generation batch was aborted (a stop cut the step short)"  # both placements' message
+
 
 def replica_layout(rank: int, world_size: int, tensor_parallel_size: int) -> tuple[int, int, bool]:
     """(replica index, number of replicas, is the replica's leader) of ``rank``.
@@ -131,7 +133,7 @@ class RolloutPlacement:
         if self.world_size > 1:
             aborted = any(self.gather_all(aborted))
         if aborted:
-            raise GenerationAborted("the generation batch was aborted (a stop cut the step short)")
+            raise GenerationAborted(CUT_SHORT)
         return share, with_version(outputs, self.version)
 
     # ------------------------------------------------------------------ asked for ahead

@@ -39,13 +39,12 @@ import torch
 
 from megatron_dapo.rollout.channel import WaitTimeout, gather_objects, recv_object
 from megatron_dapo.rollout.engine import EngineSpec, GenerationAborted, Rollout, SamplingParams
-from megatron_dapo.rollout.placement import replica_layout
+from megatron_dapo.rollout.placement import CUT_SHORT, replica_layout
 from megatron_dapo.rollout.protocol import Cancel, Collect, Generate, Start, Stop, Stream, Weights
 from megatron_dapo.rollout.weight_stream import send_weights
 from megatron_dapo.rollout.worlds import WorldSplit
 
 logger = logging.getLogger(__name__)
-CUT_SHORT = "the generation batch was aborted (a stop cut the step short)"
 POLL_S = (0.001, 0.05)  # trainer rank 0's polls of the progress counters: the first pause, the longest
 
 
