@@ -3,7 +3,13 @@
 A YAML file may start with ``defaults: other.yaml`` (or a list), resolved relative to the file and
 merged first; the file's own keys win. Command-line overrides (``loss.clip_ratio_high=0.3``) are
 parsed as YAML scalars and applied last. Unknown keys, wrong types and inconsistent values raise a
-``ConfigError`` naming the key, where it came from and the fix, before any heavy work starts.
+``ConfigError`` naming the key, where it came from and the fix, before any heavy work starts; a key of
+verl's names ours (verl_keys.py).
+
+Of Hydra's override syntax, what a fixed schema can mean: ``++key=value`` sets the key (as
+``key=value``), ``~key`` drops what the files and earlier overrides set, so the key (or a whole
+section) takes its default. ``+key=value`` adds a key the config lacks, and every key here already
+exists, so it is refused with the plain spelling; so is ``~key=value`` (delete if equal), with ``~key``.
 """
 
 import dataclasses
@@ -17,7 +23,10 @@ import yaml
 
 from megatron_dapo.config import DAPOConfig, field_help
 from megatron_dapo.errors import ConfigError
+from megatron_dapo.verl_keys import verl_hint
 
+
+_SECTIONS = frozenset(f.name for f in dataclasses.fields(DAPOConfig))  # our top-level keys
 
 # Keys that moved, with where to: an old config names the new spelling instead of "unknown key".
 MOVED = {
@@ -33,17 +42,67 @@ def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] 
     if path is not None:
         raw = _load_yaml_chain(Path(path), seen=())
     for item in overrides:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            hint = f"; a config file goes after --config (--config {item})" if item.endswith((".yaml", ".yml")) else ""
-            raise ConfigError(f"override {item!r} is not of the form key.path=value{hint}")
-        try:
-            parsed = yaml.safe_load(value) if value.strip() else ""
-        except yaml.YAMLError as e:
-            raise ConfigError(f"override {item!r}: the value is not valid YAML ({_yaml_problem(e)}); quote it, "
-                              "or write lists as [a, b]") from None
-        _set_dotted(raw, key.strip(), parsed)
+        _apply_override(raw, item)
+    for key in _leaf_keys(raw, ""):  # verl's keys first: their error names ours, not a near spelling
+        if _schema_error(key) is not None and (hint := verl_hint(key, _SECTIONS)):
+            raise ConfigError(hint)
     return build(DAPOConfig, raw, where="")
+
+
+def override_key(item: str) -> str:
+    """The dotted key a command-line override sets or resets (``key=value``, ``++key=value``, ``~key``)."""
+    return item.lstrip("+~").partition("=")[0].strip()
+
+
+def _apply_override(raw: dict[str, Any], item: str) -> None:
+    """One command-line override into ``raw``: ``key=value``, or Hydra's ``++key=value`` / ``~key``."""
+    if item.startswith("~"):
+        return _reset(raw, item)
+    text = item[2:] if item.startswith("++") else item
+    if text.startswith("+"):
+        _refuse_append(item)
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        hint = f"; a config file goes after --config (--config {item})" if item.endswith((".yaml", ".yml")) else ""
+        raise ConfigError(f"override {item!r} is not of the form key.path=value{hint}")
+    try:
+        parsed = yaml.safe_load(value) if value.strip() else ""
+    except yaml.YAMLError as e:
+        raise ConfigError(f"override {item!r}: the value is not valid YAML ({_yaml_problem(e)}); quote it, "
+                          "or write lists as [a, b]") from None
+    _set_dotted(raw, key.strip(), parsed)
+
+
+def _refuse_append(item: str) -> None:
+    """Hydra's ``+key=value`` appends a key the config lacks; every key of a fixed schema exists already."""
+    key = item[1:].partition("=")[0].strip()
+    _require_known(key, item)
+    raise ConfigError(f"override {item!r}: Hydra's + adds a key the config lacks, and every key here exists "
+                      f"already (unknown keys are errors); write {item[1:]}")
+
+
+def _reset(raw: dict[str, Any], item: str) -> None:
+    """Hydra's ``~key``: forget what the files and earlier overrides set, so the schema's default applies."""
+    key, sep, _ = item[1:].partition("=")
+    key = key.strip()
+    if sep:
+        raise ConfigError(f"override {item!r}: Hydra's ~key=value (delete if equal) is not supported; write ~{key}, "
+                          "which resets it to its default")
+    _require_known(key, item)
+    node = raw
+    parts = key.split(".")
+    for part in parts[:-1]:
+        node = node.get(part)
+        if not isinstance(node, dict):
+            return
+    node.pop(parts[-1], None)
+
+
+def _require_known(key: str, item: str) -> None:
+    if not key:
+        raise ConfigError(f"override {item!r} names no key")
+    if (error := _schema_error(key)) is not None:
+        raise ConfigError(verl_hint(key, _SECTIONS) or error)
 
 
 def build(cls: type, raw: dict[str, Any], where: str) -> Any:
@@ -57,10 +116,7 @@ def build(cls: type, raw: dict[str, Any], where: str) -> Any:
         if moved:
             raise ConfigError(f"{where}{key}={raw[key]!r}: {moved[0]}")
     if unknown:
-        key = unknown[0]
-        close = difflib.get_close_matches(str(key), list(known), n=3)
-        hint = f"; did you mean {', '.join(where + c for c in close)}?" if close else ""
-        raise ConfigError(f"unknown config key {where}{key}{hint} (valid keys here: {', '.join(known)})")
+        raise ConfigError(_unknown_key(where, unknown[0], list(known)))
     kwargs = {}
     hints = typing.get_type_hints(cls)
     for name, value in raw.items():
@@ -69,6 +125,35 @@ def build(cls: type, raw: dict[str, Any], where: str) -> Any:
         return cls(**kwargs)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+
+
+def _unknown_key(where: str, key: Any, known: list[str]) -> str:
+    close = difflib.get_close_matches(str(key), known, n=3)
+    hint = f"; did you mean {', '.join(where + c for c in close)}?" if close else ""
+    return f"unknown config key {where}{key}{hint} (valid keys here: {', '.join(known)})"
+
+
+def _schema_error(key: str) -> str | None:
+    """None when the dotted ``key`` names a setting or a section of the schema, else why not."""
+    cls, where = DAPOConfig, ""
+    for part in key.split("."):
+        if cls is None:
+            return f"{where.rstrip('.')} is a value, not a section"
+        hints = typing.get_type_hints(cls)
+        if part not in hints:
+            return _unknown_key(where, part, [f.name for f in dataclasses.fields(cls)])
+        cls = hints[part] if dataclasses.is_dataclass(hints[part]) else None
+        where += part + "."
+    return None
+
+
+def _leaf_keys(raw: dict[str, Any], prefix: str) -> typing.Iterator[str]:
+    """The dotted keys of the values in nested ``raw`` (an empty mapping counts as a value)."""
+    for k, v in raw.items():
+        if isinstance(v, dict) and v:
+            yield from _leaf_keys(v, f"{prefix}{k}.")
+        else:
+            yield f"{prefix}{k}"
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:
