@@ -408,6 +408,13 @@ def cli_cases(fx: Fixtures) -> list[Case]:
         "export: --out not empty": (("export", *run, f"logging.dir={fx.run}", "--out", str(fx.hf)), str(fx.hf)),
         "export: a run dir without checkpoints": (("export", *run, f"logging.dir={fx.root / 'nothing'}", "--out",
                                                    str(out)), "nothing"),
+        "eval: --step not saved, the run named by its directory": (("eval", str(fx.run), "--step", "7"), "7"),
+        "eval: a run directory and --config": (("eval", str(fx.run), "--config", CONFIG), "--config"),
+        "eval: an HF dir given as the run directory": (("eval", str(fx.hf)), str(fx.hf)),
+        "export: a run directory and --config": (("export", str(fx.run), "--config", CONFIG, "--out", str(out)),
+                                                 "--config"),
+        "train: data.train_files empty": (fx.train_args(fx.fresh("no train files"), "data.train_files=[]"),
+                                          "data.train_files"),
         "prepare-data: --train missing": (("prepare-data", "--out", str(out)), "--train"),
         "prepare-data: --train absent": (("prepare-data", "--train", str(fx.root / "absent.parquet"), "--out",
                                           str(out)), "absent.parquet"),
@@ -419,6 +426,9 @@ def cli_cases(fx: Fixtures) -> list[Case]:
     cases.append(Case("cli", "eval: a run dir without checkpoints", ("eval", *run, f"logging.dir={fx.root / 'fresh'}"),
                       "", guard=(str(fx.hf),), valid="evaluates the starting weights (model.hf_path), as "
                       "`megatron-dapo eval` documents: how a base model is scored"))
+    cases.append(Case("cli", "eval: a base model without training data", ("eval", *run, "data.train_files=[]",
+                                                                         f"logging.dir={fx.root / 'base_eval'}"),
+                      "", guard=(str(fx.hf),), valid="a model is scored on held-out data alone"))
     return cases
 
 

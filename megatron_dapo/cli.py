@@ -15,6 +15,15 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("overrides", nargs="*", metavar="key.path=value", help="dotted overrides, applied last")
 
 
+def _add_run_args(p: argparse.ArgumentParser) -> None:
+    """A job that reads a run: the run's directory (its config.yaml) or --config, then overrides."""
+    p.add_argument("--config", help="YAML file naming the run (logging.dir); instead of a run directory")
+    p.add_argument("overrides", nargs="*", metavar="[RUN_DIR] key.path=value",
+                   help="the run's directory (its logging.dir: the run's own config.yaml is read, the layout fitted "
+                        "to this job), then dotted overrides, applied last")
+    p.add_argument("--step", type=_number(int, 0), help="the checkpoint of this step; default: the newest intact one")
+
+
 def cmd_config(args: argparse.Namespace) -> int:
     """Prints the resolved configuration (or, with --defaults, conf/base.yaml; with --world-size, the
     checked layout at that many processes)."""
@@ -45,7 +54,8 @@ def cmd_score(args: argparse.Namespace) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     """The checked layout and the per-GPU memory plan (memory_plan.py); exit 2 when it does not fit."""
     from megatron_dapo.layout import describe_layout, model_shape
-    from megatron_dapo.memory_plan import check_fits, check_waits, plan
+    from megatron_dapo.memory_plan import plan
+    from megatron_dapo.plan_checks import check_fits, check_waits
     from megatron_dapo.plan_report import format_plan
 
     cfg = load_config(args.config, args.overrides)
@@ -157,11 +167,12 @@ def _serve_or_join(cfg, stop):
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    """Evaluates the run's latest checkpoint (logging.dir / checkpoint.dir) on data.val_files."""
+    """Evaluates a run's checkpoint (the newest, or --step's) on data.val_files; no training data read."""
+    from megatron_dapo.run_config import load_job_config
     from megatron_dapo.train import evaluate_run, setup_logging
 
     setup_logging()
-    evaluate_run(load_config(args.config, args.overrides))
+    evaluate_run(load_job_config(args.config, args.overrides, world_size=ranks.world_size()), step=args.step)
     _end_megatron(args)
     return 0
 
@@ -182,9 +193,13 @@ def cmd_export(args: argparse.Namespace) -> int:
     """A training checkpoint of the run -> an HF dir (mcore/run_export.py); also under torchrun."""
     from megatron_dapo.convert import ConversionError
     from megatron_dapo.mcore.run_export import export_run
+    from megatron_dapo.run_config import load_job_config
+    from megatron_dapo.train import setup_logging
 
+    setup_logging()  # the settings fitted to this job, each in one line
+    cfg = load_job_config(args.config, args.overrides, world_size=ranks.world_size())
     try:
-        ckpt = export_run(load_config(args.config, args.overrides), args.out, step=args.step, dtype=args.dtype,
+        ckpt = export_run(cfg, args.out, step=args.step, dtype=args.dtype,
                           force=args.force, progress=not args.no_progress)
     except ConversionError as e:
         raise InputError(str(e)) from None
@@ -207,8 +222,10 @@ def cmd_example(args: argparse.Namespace) -> int:
 def cmd_prepare_data(args: argparse.Namespace) -> int:
     """Downloaded DAPO-Math-17K / AIME files -> deduplicated train / eval files (data/prepare.py)."""
     from megatron_dapo.data.prepare import format_report, prepare_data
+    from megatron_dapo.reward.math_dapo import integer_ground_truth
 
-    report = prepare_data(args.out, train=args.train, eval=args.eval, on_bad_row=args.on_bad_row, force=args.force,
+    report = prepare_data(args.out, train=args.train, integer=integer_ground_truth, eval=args.eval,
+                          on_bad_row=args.on_bad_row, force=args.force,
                           say=lambda line: print(line, file=sys.stderr, flush=True))
     print(format_report(report, args.out), flush=True)
     return 0
@@ -264,14 +281,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_plan_args(p)
     p.set_defaults(func=cmd_plan)
 
-    p = sub.add_parser("eval", help="avg@n / pass@k / cons@n of a run's latest checkpoint; also under torchrun")
-    _add_config_args(p)
+    p = sub.add_parser("eval", help="avg@n / pass@n / cons@n of a run's checkpoint on data.val_files; also under "
+                                    "torchrun")
+    _add_run_args(p)
     p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser("export", help="a run's training checkpoint -> an HF dir (any TP/PP; also under torchrun)")
-    _add_config_args(p)
+    _add_run_args(p)
     p.add_argument("--out", required=True, help="output HF model dir (must be empty unless --force)")
-    p.add_argument("--step", type=int, help="the checkpoint of this step; default: the newest intact one")
     p.add_argument("--dtype", choices=["bf16", "fp32"], help="output dtype; default: the trained weights' own")
     p.add_argument("--force", action="store_true", help="overwrite a non-empty --out")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -317,11 +334,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The command line, overrides also after a flag (`eval RUN --step 3 eval.n=8`: argparse alone
+    stops taking positionals at the flag and refuses the rest)."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and hasattr(args, "overrides") and not any(e.startswith("-") for e in extra):
+        args.overrides += extra
+    elif extra:
+        parser.parse_args(argv)  # argparse's own one-line error for what it does not know
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     from megatron_dapo.quiet import quiet_start_up
 
     quiet_start_up()
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     args.process_entry = argv is None  # the console script and ``python -m`` pass none; callers do
     try:
         return args.func(args)

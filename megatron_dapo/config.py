@@ -228,7 +228,7 @@ class ActorConfig:
             fail("actor.offload_weights=true needs actor.offload_during_rollout=true (weights go with the rest)")
 
 
-OLD_LOG_PROBS = ("trainer", "rollout")  # train.old_log_probs
+OLD_LOG_PROBS = ("trainer", "rollout", "auto")  # train.old_log_probs
 TOY_ARCHITECTURES = ("qwen2", "qwen3")  # toy.architecture
 
 
@@ -252,7 +252,9 @@ class TrainConfig:
                             "step's batch before its updates; rollout = the engine's own log-probs of the sampled "
                             "tokens, no pass (exact only where the engine computes at the trainer's precision from the "
                             "same weights, as the HF engine in fp32; verl's bypass mode); the engine/trainer mismatch "
-                            "is then measured in the first update's forward")
+                            "is then measured in the first update's forward; auto = rollout where that is exact "
+                            "(the HF engine at fp32, no stale or partial rollouts, no rollout correction), else "
+                            "trainer")
 
     def __post_init__(self):
         one, zero = at_least(1), at_least(0)
@@ -339,6 +341,8 @@ class AlarmsConfig:
     mismatch_max: float = setting(1.05, "rollout/logprob_mismatch above this (mean exp|engine - trainer log-prob|; 1 = "
                                   "equal)")
     all_correct: float = setting(0.9, "fraction of generated groups all correct (dynamic sampling saturates)")
+    all_correct_steps: int = setting(5, "steps in a row above alarms.all_correct before that alarm is raised: a "
+                                     "solved data set stays solved, one lucky draw of prompts does not")
     shortcut_fallbacks: float = setting(0.0, "output-layer gradient shortcuts that fell back to recompute, per step")
     max_samples: int = setting(16, "offending responses written per raised alarm and step (samples/alarm_*.jsonl)")
 
@@ -346,7 +350,7 @@ class AlarmsConfig:
         frac = ((lambda v: 0 <= v <= 1), "in [0, 1]")
         require("alarms", self, scorer_disagreement=frac, repeated_answer_label=frac, no_answer_line=frac,
                 identical_groups=frac, all_correct=frac, entropy_min=at_least(0), mismatch_max=at_least(1),
-                 shortcut_fallbacks=at_least(0), max_samples=at_least(0))
+                 shortcut_fallbacks=at_least(0), max_samples=at_least(0), all_correct_steps=at_least(1))
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -7,9 +7,10 @@ Two kinds:
   partial rollouts' piece and surplus, the adaptive batch cap, the async correction, the audit
   scorer): the resolved config holds the value, so the run's config.yaml records what ran;
 * decided by the machine (model.dtype and model.transformer_impl: bf16 and Transformer Engine on a
-  GPU, fp32 and the local spec on a CPU): the config keeps "auto", so that one config.yaml runs on
-  either (an export on a CPU node of a GPU run), and config.yaml records what this launch chose as
-  comments (``comments``).
+  GPU, fp32 and the local spec on a CPU; train.old_log_probs where the dtype decides it): the config
+  keeps "auto", so that one config.yaml runs on either (an export on a CPU node of a GPU run), and
+  config.yaml records what this launch chose as comments (``comments``); the code that uses one
+  resolves it with the same function (``resolve_dtype``, ``pi_old_source``).
 
 Sentinels that are values, not defaults, stay: null dual clip (off), 0 = never / unbounded / off,
 and train.logprob_chunk_tokens=0 (sized against memory when the pass runs, mcore/logprobs.py).
@@ -79,6 +80,13 @@ def derive(cfg: DAPOConfig, *, on_gpu: bool) -> tuple[DAPOConfig, list[Derived]]
             out.append(Derived("algorithm.rollout_correction.rollout_is_threshold", corr.rollout_is_threshold,
                                ASYNC_TIS_CAP, "verl's decoupled_token_is cap"))
         corr = dataclasses.replace(corr, rollout_is="token", rollout_is_threshold=ASYNC_TIS_CAP)
+    t = cfg.train
+    if t.old_log_probs == AUTO:
+        _, why = exact_rollout_log_probs(cfg, on_gpu=on_gpu)
+        by_machine = pi_old_source(cfg, on_gpu=False) != pi_old_source(cfg, on_gpu=True)
+        out.append(Derived("train.old_log_probs", AUTO, pi_old_source(cfg, on_gpu=on_gpu), why, kept=by_machine))
+        if not by_machine:
+            t = dataclasses.replace(t, old_log_probs=pi_old_source(cfg, on_gpu=on_gpu))
     alarms = cfg.alarms
     if alarms.audit_fn == AUTO:
         from megatron_dapo.observe.observer import audit_fn_name
@@ -94,8 +102,32 @@ def derive(cfg: DAPOConfig, *, on_gpu: bool) -> tuple[DAPOConfig, list[Derived]]
         out.append(Derived("model.transformer_impl", AUTO, "transformer_engine" if on_gpu else "local",
                            _machine(on_gpu), kept=True))
     algorithm = dataclasses.replace(cfg.algorithm, filter_groups=fg, rollout_correction=corr)
-    resolved = dataclasses.replace(cfg, loss=loss, eval=ev, rollout=r, algorithm=algorithm, alarms=alarms)
+    resolved = dataclasses.replace(cfg, loss=loss, eval=ev, rollout=r, algorithm=algorithm, alarms=alarms, train=t)
     return resolved, out
+
+
+def pi_old_source(cfg: DAPOConfig, *, on_gpu: bool) -> str:
+    """train.old_log_probs with "auto" resolved: "rollout" where the engine's log-probs are the step's
+    pi_old exactly (``exact_rollout_log_probs``), else "trainer"."""
+    if cfg.train.old_log_probs != AUTO:
+        return cfg.train.old_log_probs
+    return "rollout" if exact_rollout_log_probs(cfg, on_gpu=on_gpu)[0] else "trainer"
+
+
+def exact_rollout_log_probs(cfg: DAPOConfig, *, on_gpu: bool) -> tuple[bool, str]:
+    """(whether the engine's log-probs of a step's responses are that step's pi_old, why): only the HF
+    engine computes with the trainer's weights at fp32 (vLLM's kernels, and any bf16 pass, differ from
+    the trainer's), and only for responses of the step's own weights, uncorrected."""
+    r = cfg.rollout
+    dtype = resolve_dtype(cfg.model.dtype, on_gpu)
+    for stands, why in ((r.engine != "hf", f"rollout.engine={r.engine} computes with kernels of its own"),
+                        (dtype != "fp32", f"the model runs in {dtype}"),
+                        (r.max_staleness > 0, f"rollout.max_staleness={r.max_staleness}: older weights' responses"),
+                        (r.partial, "rollout.partial=true: responses begun by older weights"),
+                        (cfg.algorithm.rollout_correction.active, "a rollout correction compares the two")):
+        if stands:
+            return False, f"recomputed by the trainer: {why}"
+    return True, "the HF engine's own, at fp32 from the step's weights: no recompute pass"
 
 
 def comments(derived: list[Derived]) -> str:

@@ -21,3 +21,10 @@ def one_line(err: BaseException) -> str:
     """The first line of an exception's message, for wrapping third-party errors."""
     text = str(err).strip() or type(err).__name__
     return text.splitlines()[0][:300]
+
+
+def shown(value: object, limit: int = 60) -> str:
+    """A user's value quoted inside a one-line message: as written (LaTeX keeps single backslashes,
+    unlike repr), whitespace collapsed so that it stays one line, cut at ``limit`` characters."""
+    text = " ".join(str(value).split())
+    return f"'{text[:limit]}...'" if len(text) > limit else f"'{text}'"

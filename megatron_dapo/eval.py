@@ -1,4 +1,4 @@
-"""Evaluation: n samples per problem, scored, reported as avg@n, pass@k, cons@n.
+"""Evaluation: n samples per problem, scored, reported as avg@n, pass@n, cons@n.
 
 DAPO's AIME protocol (docs/reference/dapo.md 1.4): the 30 problems, 32 samples each, temperature 1.0,
 top-p 0.7, metric avg@32 (mean accuracy over the samples). The AIME file ships each problem 32
@@ -30,10 +30,10 @@ _INTEGER = re.compile(r"-?\d+")
 def evaluate(placement: Placement, prompt_ids: list[list[int]], ground_truths: list[str], *, tokenizer,
              params: SamplingParams, n: int, pool, prefix: str = "eval/", reward_fn: str | None = None,
              value_fn: str | None = None) -> dict[str, float]:
-    """Generates ``n`` responses per prompt and returns {prefix + avg@n (the mean accuracy), pass@1,
+    """Generates ``n`` responses per prompt and returns {prefix + avg@n (the mean accuracy over all n),
     pass@n, cons@n, format_rate (the scorer read an integer answer), response_length_mean,
     truncation_rate, num_timeouts}, on every rank, scored by
-    the pool's fn ``reward_fn`` (None: its default). With ``value_fn``, also avg@n, pass@.. and
+    the pool's fn ``reward_fn`` (None: its default). With ``value_fn``, also avg@n, pass@n and
     cons@n scored by that fn, each key with the suffix "_value", and scorer_disagreement (the
     fraction of responses the two judge differently)."""
     return evaluate_with_rows(placement, prompt_ids, ground_truths, tokenizer=tokenizer, params=params, n=n, pool=pool,

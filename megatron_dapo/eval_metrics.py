@@ -2,7 +2,9 @@
 
 The DAPO paper reports AIME-2024 avg@32 (Fig. 1 also pass@32 and cons@32): 32 samples per
 problem at temperature 1.0, top-p 0.7 (docs/reference/dapo.md 1.4). Each sample is scored by the reward
-function into (acc, pred): correctness and the extracted answer string.
+function into (acc, pred): correctness and the extracted answer string. A run logs the paper's three
+at k = n (``eval_metrics``' default): avg@n is verl's mean@n and the unbiased pass@1, cons@n verl's
+maj@n (docs/reward.md, "What the evaluation numbers mean").
 
 - avg@k: mean accuracy of the first k samples (avg@n is "pass@1 averaged over n samples",
   DAPO#5).
@@ -91,7 +93,8 @@ def eval_metrics(problems: Sequence[Sequence[Sample]], ks: Sequence[int] | None 
     Args:
         problems: one list of (acc, pred) per problem; every problem needs the same number n of
             samples (the "@n" in the names would be meaningless otherwise).
-        ks: the k values to report; None = (1, n) without duplicates.
+        ks: the k values to report; None = (n,): every number over all n samples (avg@1 would be
+            the first sample alone, pass@1 the same value as avg@n).
 
     Returns:
         ({"avg@k": .., "pass@k": .., "cons@k": .. for each k}, [ProblemMetrics per problem]).
@@ -102,7 +105,7 @@ def eval_metrics(problems: Sequence[Sequence[Sample]], ks: Sequence[int] | None 
     if len(sizes) != 1:
         raise ValueError(f"every problem needs the same number of samples, got sizes {sizes}")
     n = sizes[0]
-    ks = sorted(set(ks)) if ks is not None else sorted({1, n})
+    ks = sorted(set(ks)) if ks is not None else [n]
     per_problem = [problem_metrics(p, ks) for p in problems]
     summary: dict[str, float] = {}
     for k in ks:

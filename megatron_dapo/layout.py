@@ -61,7 +61,7 @@ def describe_layout(cfg: DAPOConfig, world_size: int, hf_config: dict, source: s
         if trainers != world_size:  # the checks below see the trainers' world alone
             where += f" (its first {trainers} ranks training; rollout.num_ranks={engines} hold the engines)"
         sizes = validate_parallel(hf_config, parallel=p, model=cfg.model, world_size=trainers, on_gpu=on_gpu,
-                                  check_installed=False)
+                                  check_installed=False, responses_per_update=t.mini_batch_prompts * cfg.rollout.n)
         check_training_layout(hf_config, p)
         _, replicas, _ = replica_layout(0, engines, cfg.rollout.tensor_parallel_size)
     except ConfigError as e:  # the checks' own errors; anything else is a bug and keeps its traceback

@@ -26,6 +26,11 @@ The colocated vLLM engine takes rollout.gpu_memory_utilization x the total CUDA 
 rollout TP, its profile's activation peak, the KV cache) while it generates; asleep it leaves a
 residue. With actor.offload_during_rollout the gradients, master weights and m, v leave the device
 while it generates (actor.offload_weights: the weights too). A layout must fit both phases.
+
+``plan_checks.check_fits`` names the fix: a smaller vLLM share only while one still holds the engine's weights,
+its activations and the KV cache of one sequence (``Plan.engine_floor``; below that vLLM refuses to
+start), else what would make room for those: the offload, a trainer spread over more GPUs, a larger
+rollout TP.
 """
 
 from __future__ import annotations
@@ -37,7 +42,6 @@ from typing import Literal
 
 from megatron_dapo import generation_model as gm
 from megatron_dapo.config import DAPOConfig
-from megatron_dapo.errors import ConfigError
 from megatron_dapo.layout import Communicator, communicators
 from megatron_dapo.save_memory import SaveHost, save_host, save_seconds
 from megatron_dapo.gpu_models import CUDA_CONTEXT_BYTES, GPUModel, gpu_model
@@ -199,6 +203,28 @@ class Plan:
         """Free bytes beyond vLLM's request at its start-up check, on a fresh run."""
         share = self.rollout.share if self.rollout else 0.0
         return self.capacity_bytes - self.resident_at_build(resume=False) - share
+
+    @property
+    def engine_floor(self) -> float:
+        """The least vLLM's share can be per GPU (bytes): its weights, its profile's activations and the
+        KV cache of one sequence of data.max_prompt_length + rollout.max_response_length, below which
+        vLLM refuses to start. Needs the colocated vLLM engine (``rollout``)."""
+        r = self.rollout
+        return r.weights + r.activations + r.max_sequence * r.kv_bytes_per_token_per_gpu
+
+    @property
+    def least_utilization(self) -> float:
+        """The smallest rollout.gpu_memory_utilization that holds ``engine_floor`` (two decimals, up)."""
+        return math.ceil(100 * self.engine_floor / self.capacity_bytes) / 100
+
+    def beside_engine(self, *, offload: bool, offload_weights: bool) -> float:
+        """Bytes the trainer keeps on each GPU while vLLM generates under these offload settings,
+        whatever the configuration says: the context, the communicators and the state not moved."""
+        parts = self.parts
+        fixed = sum(parts.get(k, 0.0) for k in ("context", "nccl_trainer", "nccl_vllm"))
+        moved_with_offload = parts["gradients"] + parts.get("master", 0.0) + parts["adam"]
+        return (fixed + (0.0 if offload and offload_weights else parts["weights"])
+                + (0.0 if offload else moved_with_offload))
 
     def max_utilization(self, offload: bool) -> float:
         """The largest rollout.gpu_memory_utilization that fits while generating (two decimals, down),
@@ -408,64 +434,3 @@ def plan(cfg: DAPOConfig, hf: dict, world_size: int, *, gpu: str | GPUModel = "h
             if p.use_distributed_optimizer else None)
     return Plan(items, device, pp, rollout, generation, trained, generation.seconds + train_s, sleep_host,
                 copied if offload else 0.0, copied, node, offload, save, notes)
-
-
-def check_fits(result: Plan, cfg: DAPOConfig) -> None:
-    """ConfigError naming the knob when either phase exceeds the reported capacity, then when vLLM's
-    share leaves no KV cache for one sequence of data.max_prompt_length + rollout.max_response_length."""
-    r, cap = result.rollout, result.capacity_gb
-    knob = _kv_knob(cfg)
-    worst = max(result.generating_gb, result.training_gb)
-    if worst > cap:
-        raise ConfigError(_over_capacity(result, cfg, worst))
-    if r is not None and r.tokens(r.kv) < r.max_sequence:
-        raise ConfigError(
-            f"vLLM's KV cache would hold {r.tokens(r.kv):,.0f} tokens per replica, less than one "
-            f"{r.max_sequence}-token sequence (vLLM refuses to start): raise {knob} or "
-            f"rollout.tensor_parallel_size={cfg.rollout.tensor_parallel_size}")
-
-
-def check_waits(result: Plan, cfg: DAPOConfig) -> None:
-    """Separate placement: a ConfigError naming rollout.wait_timeout_minutes when it is less than
-    twice the planned step (the longest a rank waits for the other side is a generation batch or a
-    training phase, each within a step; twice, since the plan's estimates are not measurements)."""
-    limit = cfg.rollout.wait_timeout_minutes
-    if cfg.rollout.placement == "separate" and 2 * result.step_s / 60 > limit:
-        raise ConfigError(f"rollout.wait_timeout_minutes={limit:g} is less than twice the planned step "
-                          f"(~{result.step_s / 60:.0f} min): a rank waiting for the other side's generation or "
-                          f"training would give up; raise it to >= {math.ceil(2 * result.step_s / 60)}")
-
-
-def _kv_knob(cfg: DAPOConfig) -> str:
-    """The setting that sizes vLLM's KV cache, with its value."""
-    r = cfg.rollout
-    return (f"rollout.kv_cache_memory_mb={r.kv_cache_memory_mb}" if r.kv_cache_memory_mb
-            else f"rollout.gpu_memory_utilization={r.gpu_memory_utilization}")
-
-
-def _over_capacity(result: Plan, cfg: DAPOConfig, worst: float) -> str:
-    """The message for a phase over capacity, with the knob that fixes it."""
-    r, parts, util = result.rollout, result.parts, cfg.rollout.gpu_memory_utilization
-    generating = result.generating_gb >= result.training_gb
-    if generating:
-        most = result.max_utilization(cfg.actor.offload_during_rollout)
-        kept = "what the offload leaves" if cfg.actor.offload_during_rollout else "the trainer's state"
-        fix = (f"lower rollout.gpu_memory_utilization={util} to <= {most:.2f} ({kept} stays resident while "
-               "vLLM generates)")
-        if cfg.rollout.kv_cache_memory_mb:  # that one sizes vLLM's share instead
-            fix = f"lower {_kv_knob(cfg)} ({kept} stays resident while vLLM generates)"
-        if r is not None and not cfg.actor.offload_during_rollout:
-            fix += (f", or set actor.offload_during_rollout=true (moves {r.offload / GB:.1f} GB off the GPU "
-                    f"while generating; then up to {result.max_utilization(True):.2f})")
-        elif r is not None and not cfg.actor.offload_weights:
-            fix += f", or set actor.offload_weights=true (another {parts['weights'] / GB:.1f} GB)"
-    elif parts["activations"] >= max(parts["weights"], parts.get("master", 0.0) + parts["adam"]):
-        fix = ("set model.recompute=full or lower train.max_tokens_per_micro_batch" if cfg.model.recompute != "full"
-               else "lower train.max_tokens_per_micro_batch")
-    elif not cfg.parallel.use_distributed_optimizer:
-        fix = "set parallel.use_distributed_optimizer=true"
-    else:
-        fix = "raise parallel.tensor_model_parallel_size or parallel.pipeline_model_parallel_size"
-    phase = "generating" if generating else "training"
-    return (f"the layout needs {worst:.1f} GB per GPU while {phase}, over the {result.capacity_gb:.1f} GB "
-            f"{result.gpu.name} reports: {fix}")

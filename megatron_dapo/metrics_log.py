@@ -49,7 +49,8 @@ PROGRESS_KEYS: tuple[tuple[str, str], ...] = (
     ("actor/entropy", "ent"),
     ("actor/pg_clipfrac_high", "clip_hi"),
     ("dynamic_sampling/num_gen_batches", "gen"),
-    ("rollout/logprob_mismatch", "mismatch"),
+    # mean exp|engine - trainer log-prob|: 1 when the two agree, so it must not read as a share
+    ("rollout/logprob_mismatch", "eng/trn"),
     ("rollout_corr/is_frac_high", "is_high"),  # only with algorithm.rollout_correction.rollout_is
     ("timing_s/step", "s"),
 )

@@ -71,6 +71,14 @@ def _save_lines(p: Plan) -> list[str]:
         if sv.background else [])
 
 
+def _utilization(p: Plan, offload: bool) -> str:
+    """The largest utilization that fits, said as too small when it cannot hold the engine's weights and
+    one sequence (Plan.engine_floor)."""
+    most = p.max_utilization(offload)
+    return f"{most:.2f}" + (f", under the {p.least_utilization:.2f} the engine needs" if most < p.least_utilization
+                            else "")
+
+
 def _rollout_lines(p: Plan) -> list[str]:
     r, adam = p.rollout, p.parts.get("adam", 0.0)
     spare = p.startup_spare_bytes
@@ -87,8 +95,8 @@ def _rollout_lines(p: Plan) -> list[str]:
         f"{r.kv_bytes_per_token_per_gpu:,.0f} B per GPU):",
         f"  at the configured utilization: {r.tokens(r.kv):,.0f} tokens ({r.kv / GB:.2f} GB per GPU)",
         f"  room the plan leaves: {r.tokens(r.room):,.0f} tokens without offload (utilization up to "
-        f"{p.max_utilization(False):.2f}), "
-        f"{r.tokens(r.room + r.offload):,.0f} with (up to {p.max_utilization(True):.2f})",
+        f"{_utilization(p, False)}), "
+        f"{r.tokens(r.room + r.offload):,.0f} with (up to {_utilization(p, True)})",
         f"  KV cache gained by offload: {r.offload / GB:.2f} GB = {r.tokens(r.offload):,.0f} tokens per "
         "replica",
     ]

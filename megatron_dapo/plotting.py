@@ -42,7 +42,7 @@ def globs(*patterns: str, limit: int | None = MAX_LINES) -> Selector:
 
 def held_out(series: Series) -> list[str]:
     """avg@n by both scorers and pass@n at the largest n logged: the number to set beside the
-    paper's, its check by the second scorer, and the ceiling. Smaller k and cons@k repeat them."""
+    paper's, its check by the second scorer, and the ceiling (cons@n stays in metrics.jsonl)."""
     ns = [int(m.group(1)) for m in map(_AVG_AT.match, series) if m]
     if not ns:
         return select(series, ("val*/acc*",))[:MAX_LINES]

@@ -38,13 +38,22 @@ class Inputs:
     """What a run reads from the user's files, checked before anything is built."""
 
     hf_config: dict  # model.hf_path's config.json
-    resume_from: Path | None  # the latest intact checkpoint of the run (checkpoint.resume=auto)
+    resume_from: Path | None  # the latest intact checkpoint of the run (checkpoint.resume=auto), or eval's step
     tokenizer: Any
     stops: list[int]
     train_ids: list[list[int]]
     train_truths: list[str]
     val_ids: list[list[int]]
     val_truths: list[str]
+
+
+@dataclass(frozen=True)
+class EvalOnly:
+    """A job that evaluates the run (``megatron-dapo eval``): it reads no training data, takes no
+    lock (a live run may be read) and evaluates the checkpoint of ``step`` (None: the newest intact
+    one, else the starting weights)."""
+
+    step: int | None = None
 
 
 @dataclass
@@ -58,10 +67,11 @@ class Prepared:
     dir: Path
     ckpt_dir: Path
     inputs: Inputs
-    resume: TrainerState | None  # the state of the checkpoint the run resumes from, None for a fresh start
+    resume: TrainerState | None  # the state of the checkpoint resumed from (or evaluated); None: a fresh start
     lock: Any = None  # run_lock.RunDirLock on rank 0 of a trainer
     engines: Any = None  # rollout.separate.Engines with rollout.placement=separate, else None
     derived: tuple[Derived, ...] = ()  # the settings set-up derived (config_derived.py), in order
+    eval_only: EvalOnly | None = None  # an evaluation job, not a training run
 
     def release(self) -> None:
         if self.lock is not None:
@@ -91,13 +101,15 @@ class Run(Prepared):
             self.release()
 
 
-def prepare_run(cfg: DAPOConfig, *, lock: bool = True, engines=None) -> Prepared:
+def prepare_run(cfg: DAPOConfig, *, lock: bool = True, engines=None, eval_only: EvalOnly | None = None) -> Prepared:
     """Steps (1) to (3) of the module docstring, and the resume point's trainer state. ``lock``:
-    take the run directory (training); evaluation reads a live run without it. ``engines``: the
-    remote engines of a separate placement (this process is then a trainer of its own world)."""
+    take the run directory (training); a worked example reads a live run without it. ``engines``:
+    the remote engines of a separate placement (this process is then a trainer of its own world).
+    ``eval_only``: an evaluation job (no lock, no training data, the checkpoint it names)."""
     import torch
 
     rank, world = ranks.rank(), ranks.world_size()
+    lock = lock and eval_only is None
     cfg, derived = derive(cfg, on_gpu=torch.cuda.is_available())  # every derived setting, resolved once
     if rank == 0:
         for d in derived:
@@ -113,10 +125,10 @@ def prepare_run(cfg: DAPOConfig, *, lock: bool = True, engines=None) -> Prepared
         from megatron_dapo.toy import bootstrap as toy
 
         toy.check(cfg, run_dir)
-    if cfg.checkpoint.resume == "auto":
+    if cfg.checkpoint.resume == "auto" and not (eval_only and eval_only.step is not None):
         check_checkpoints(ckpt_dir)
     # the demo's model is made below; its layout is checked then. Training saves, evaluation does not.
-    inputs = None if cfg.toy.enable else _load_inputs(cfg, ckpt_dir, world, saves=lock)
+    inputs = None if cfg.toy.enable else _load_inputs(cfg, ckpt_dir, world, saves=lock, eval_only=eval_only)
     run_lock = None
     if lock and rank == 0:
         from megatron_dapo.run_lock import RunDirLock
@@ -126,7 +138,7 @@ def prepare_run(cfg: DAPOConfig, *, lock: bool = True, engines=None) -> Prepared
         if cfg.toy.enable:
             cfg = toy.materialise(cfg, run_dir, rank)
         if inputs is None:
-            inputs = _load_inputs(cfg, ckpt_dir, world, saves=lock)
+            inputs = _load_inputs(cfg, ckpt_dir, world, saves=lock, eval_only=eval_only)
         resume = None
         if inputs.resume_from is not None:
             from megatron_dapo.mcore.checkpoint import TRAINER_STATE, read_trainer_state
@@ -138,7 +150,7 @@ def prepare_run(cfg: DAPOConfig, *, lock: bool = True, engines=None) -> Prepared
             run_lock.release()
         raise
     return Prepared(cfg=cfg, rank=rank, world_size=world, dir=run_dir, ckpt_dir=ckpt_dir, inputs=inputs,
-                    resume=resume, lock=run_lock, engines=engines, derived=tuple(derived))
+                    resume=resume, lock=run_lock, engines=engines, derived=tuple(derived), eval_only=eval_only)
 
 
 def build_run(prep: Prepared) -> Run:
@@ -172,10 +184,12 @@ def _log_replicas(cfg: DAPOConfig, placement) -> None:
                 "; ".join(parts))
 
 
-def _load_inputs(cfg: DAPOConfig, ckpt_dir: Path, world: int, *, saves: bool) -> Inputs:
+def _load_inputs(cfg: DAPOConfig, ckpt_dir: Path, world: int, *, saves: bool,
+                 eval_only: EvalOnly | None = None) -> Inputs:
     """Everything read from the user's files, checked; InputError on the first problem. The layout
     (``world`` ranks) and, when the run ``saves``, the disk are checked against the model's config
-    before any data is read: a launch that cannot run fails in seconds, not after tokenizing."""
+    before any data is read: a launch that cannot run fails in seconds, not after tokenizing. An
+    evaluation job reads no training data, and the checkpoint of its step when it names one."""
     from megatron_dapo.hf_dir import check_weights, read_hf_dir
     from megatron_dapo.rollout.engine import get_engine_cls
 
@@ -186,11 +200,20 @@ def _load_inputs(cfg: DAPOConfig, ckpt_dir: Path, world: int, *, saves: bool) ->
     check_layout(cfg, hf.config, world)
     if saves:
         check_disk(cfg, hf.config)
-    train_ids, train_truths = _prompts("data.train_files", cfg.data.train_files, hf.tokenizer, cfg,
-                                       dedup=cfg.data.dedup)
+    if eval_only is not None and eval_only.step is not None:
+        from megatron_dapo.mcore.checkpoint_files import checkpoint_of_step, read_meta
+
+        resume_from = checkpoint_of_step(ckpt_dir, eval_only.step, use="evaluate")
+        _check_shape(resume_from, read_meta(resume_from), hf.config, "evaluate it with the model it was "
+                     "trained with (model.hf_path)")
+    else:
+        resume_from = _resume_point(ckpt_dir, hf.config) if cfg.checkpoint.resume == "auto" else None
+    train_ids, train_truths = [], []
+    if eval_only is None:
+        train_ids, train_truths = _prompts("data.train_files", cfg.data.train_files, hf.tokenizer, cfg,
+                                           dedup=cfg.data.dedup)
     # Always merged: eval.n draws the samples, and copies would skew pass@n and cons@n.
     val_ids, val_truths = _prompts("data.val_files", cfg.data.val_files, hf.tokenizer, cfg, dedup=True)
-    resume_from = _resume_point(ckpt_dir, hf.config) if cfg.checkpoint.resume == "auto" else None
     if cfg.model.checkpoint and resume_from is None:
         _check_start_checkpoint(Path(cfg.model.checkpoint), hf.config)
     if (resume_from is None and not cfg.model.checkpoint) or get_engine_cls(cfg.rollout.engine).reads_hf_weights:
@@ -269,7 +292,10 @@ def _build(prep: Prepared) -> Run:
     actor = MegatronActor(cfg, inputs.hf_config)
     if inputs.resume_from is not None:  # its trainer state was read by prepare_run
         actor.load_checkpoint(str(inputs.resume_from))
-        logger.info("resumed from %s at step %d", prep.ckpt_dir, prep.resume.step)
+        if prep.eval_only is None:
+            logger.info("resumed from %s at step %d", prep.ckpt_dir, prep.resume.step)
+        else:
+            logger.info("evaluating the checkpoint of step %d (%s)", prep.resume.step, inputs.resume_from)
     elif cfg.model.checkpoint:
         actor.load_checkpoint(cfg.model.checkpoint)
         logger.info("starting weights from %s", cfg.model.checkpoint)
@@ -281,7 +307,7 @@ def _build(prep: Prepared) -> Run:
                 loss.clip_ratio_high, loss.clip_ratio_c, loss.loss_agg_mode,
                 f" / {loss.loss_scale_factor:g}" if loss.loss_scale_factor else "")
 
-    sampler = PromptSampler(len(inputs.train_ids), seed=cfg.seed, shuffle=cfg.data.shuffle)
+    sampler = None if prep.eval_only else PromptSampler(len(inputs.train_ids), seed=cfg.seed, shuffle=cfg.data.shuffle)
     # Every rank builds its engine at the same point: vLLM's external launcher forms its groups
     # over the whole world. Weights arrive with the loop's first sync.
     # The engine's own checks of the settings (memory, head size) raise ConfigError before it
@@ -406,16 +432,17 @@ def make_reward_pool(cfg: DAPOConfig):
 
 
 def _prompts(key: str, files, tokenizer, cfg: DAPOConfig, *, dedup: bool) -> tuple[list[list[int]], list[str]]:
-    from megatron_dapo.data import apply_chat_template, filter_by_prompt_length, load_prompts
+    from megatron_dapo.data import apply_chat_template, filter_by_prompt_length, load_prompts, no_prompts_message
+    from megatron_dapo.data.schema import DAPO_FILE
 
+    if not files:
+        raise InputError(f"{key} is empty: give it {DAPO_FILE} (megatron-dapo prepare-data makes them), or set "
+                         "toy.enable=true for the CPU demo's task")
     loaded = load_prompts(list(files), dedup=dedup, on_bad_row=cfg.data.on_bad_row)
-    ids = [apply_chat_template(tokenizer, r.chat()) for r in loaded.records]
-    records, ids, dropped = filter_by_prompt_length(loaded.records, ids, cfg.data.max_prompt_length)
+    all_ids = [apply_chat_template(tokenizer, r.chat()) for r in loaded.records]
+    records, ids, dropped = filter_by_prompt_length(loaded.records, all_ids, cfg.data.max_prompt_length)
     logger.info("%s: %d prompts (%d rows, %d duplicates, %d too long)", ",".join(files), len(records),
                 loaded.num_rows, loaded.num_duplicates, dropped)
     if not records:
-        why = (f"{loaded.num_rows} rows" + (f", {loaded.num_skipped} skipped as bad" if loaded.num_skipped else "")
-               + (f", {dropped} longer than data.max_prompt_length={cfg.data.max_prompt_length}" if dropped else ""))
-        raise InputError(f"{key}={','.join(map(str, files))}: no usable prompts ({why}); point {key} at a "
-                         "DAPO-format parquet or JSONL file with rows")
+        raise InputError(no_prompts_message(key, files, loaded, [len(i) for i in all_ids], cfg.data.max_prompt_length))
     return ids, [r.ground_truth for r in records]

@@ -138,12 +138,12 @@ class StepBatches:
         ahead = ([self._first.to_json()] if self._first is not None else []) + self.pipeline.to_json()
         return dataclasses.replace(start, ahead=tuple(ahead))
 
-    def state(self, *, step: int, clock: dict, ledger: dict, alarms: tuple[str, ...],
+    def state(self, *, step: int, clock: dict, ledger: dict, alarms: tuple[str, ...], alarm_streaks: dict,
               with_ahead: bool = True) -> TrainerState:
         """The trainer state after ``step`` steps: this object's part, and the others' as given.
         ``with_ahead=False``: without the batches asked for ahead (``start_state``: ``cut_state`` adds them)."""
         return TrainerState(step=step, sampler=self.run.sampler.state_dict(), held_groups=self.dyn.held,
                             responses_generated=self.generated, clock=clock, ledger=ledger,
-                            keep_rate=self.dyn.keep_rate, alarms=alarms,
+                            keep_rate=self.dyn.keep_rate, alarms=alarms, alarm_streaks=alarm_streaks,
                             ahead=tuple(self.pipeline.to_json()) if with_ahead else (),
                             carried=tuple(self.gen.carry_json()))

@@ -7,6 +7,7 @@ import dataclasses
 
 import torch
 
+from megatron_dapo.config_derived import pi_old_source
 from megatron_dapo.metrics_log import MetricsLogger
 from megatron_dapo.observe.step_progress import StepProgress
 from megatron_dapo.off_policy import correct_samples
@@ -73,7 +74,7 @@ def old_log_probs(run: Run, log: MetricsLogger, samples: list, metrics: dict, gr
     mismatch), and rollout correction applied (off_policy.py)."""
     cfg, actor = run.cfg, run.actor
     check = cfg.rollout.check_logprob_mismatch
-    if cfg.train.old_log_probs == "rollout":
+    if pi_old_source(cfg, on_gpu=torch.cuda.is_available()) == "rollout":
         missing = [i for i, s in enumerate(samples) if s.rollout_log_probs is None]
         if missing:
             raise ValueError(f"train.old_log_probs=rollout, but samples {missing[:8]} came without the engine's "

@@ -33,7 +33,7 @@ from megatron_dapo.observe.step_progress import StepProgress
 from megatron_dapo.preemption import StopRequest, Watch
 from megatron_dapo.reward import VALUE_REWARD_FN
 from megatron_dapo.rollout.engine import GenerationAborted, eval_sampling_params
-from megatron_dapo.run import Run, build_run, prepare_run
+from megatron_dapo.run import EvalOnly, Run, build_run, prepare_run
 from megatron_dapo.schedule import StepSchedule, finished
 from megatron_dapo.step_batches import StepBatches
 from megatron_dapo.step_saves import StepSaves
@@ -208,7 +208,8 @@ class Loop:
         """What a cut (``cut_short``) saves: the state before this step draws its prompts
         (StepBatches.start_state; ``_end_cut`` completes it with the batches asked for ahead)."""
         return self.batches.start_state(self.done, clock=self.schedule.clock.state_dict(),
-                                        ledger=self.obs.ledger.state(), alarms=tuple(self.obs.alarms.state()))
+                                        ledger=self.obs.ledger.state(), alarms=tuple(self.obs.alarms.state()),
+                                        alarm_streaks=self.obs.alarms.streaks())
 
     def cut_short(self) -> bool:
         """Called by a stop's watchdog (preemption.py, its own thread): aborts the step's generation
@@ -315,7 +316,7 @@ class Loop:
     def _state(self, steps: int) -> TrainerState:
         """The trainer state after ``steps`` steps, as of now."""
         return self.batches.state(step=steps, clock=self.schedule.clock.state_dict(), ledger=self.obs.ledger.state(),
-                                  alarms=tuple(self.obs.alarms.state()))
+                                  alarms=tuple(self.obs.alarms.state()), alarm_streaks=self.obs.alarms.streaks())
 
     def _log(self, step: int, metrics: dict) -> None:
         log, cfg = self.log, self.run.cfg
@@ -382,11 +383,11 @@ def _evaluate(run: Run, obs: Observer | None = None) -> dict[str, float]:
     return metrics
 
 
-def evaluate_run(cfg: DAPOConfig) -> dict[str, float]:
-    """``megatron-dapo eval``: the run's latest checkpoint (or its starting weights) on data.val_files,
-    with the eval settings; writes <logging.dir>/eval.json on rank 0. Reads a live run: it does
-    not take the run directory's lock."""
-    run = build_run(prepare_run(cfg, lock=False))
+def evaluate_run(cfg: DAPOConfig, step: int | None = None) -> dict[str, float]:
+    """``megatron-dapo eval``: the run's checkpoint of ``step`` (default: its latest, else its starting
+    weights) on data.val_files, with the eval settings; writes <logging.dir>/eval.json on rank 0.
+    Reads no training data, and a live run: it does not take the run directory's lock."""
+    run = build_run(prepare_run(cfg, eval_only=EvalOnly(step)))
     try:
         _sync(run)
         result = {"step": run.resume.step if run.resume else 0, **_evaluate(run)}
@@ -395,7 +396,8 @@ def evaluate_run(cfg: DAPOConfig) -> dict[str, float]:
     if run.rank == 0:
         run.dir.mkdir(parents=True, exist_ok=True)  # evaluating an HF dir: a fresh logging.dir
         (run.dir / "eval.json").write_text(json.dumps(result, indent=2) + "\n")
-        print("evaluation: " + _fmt(result), flush=True)
+        print(f"evaluation of step {result['step']}: " + _fmt({k: v for k, v in result.items() if k != "step"}),
+              flush=True)
     return result
 
 

@@ -30,6 +30,9 @@ class TrainerState:
     """``PassRateLedger.state()``: every drawn prompt's attempts, correct responses and solved streak."""
     alarms: tuple[str, ...] = ()
     """The alarms raised at this step (observe/alarms.py): a resumed run warns where the first would."""
+    alarm_streaks: dict[str, int] = field(default_factory=dict)
+    """{alarm: steps in a row its metric has been across its threshold}, for the alarms raised only
+    when that lasts (observe/alarms.py), of those not raised yet."""
     keep_rate: float | None = None
     """Dynamic sampling's keep rate measured so far (algorithm.filter_groups.adaptive sizes batches by it)."""
     ahead: tuple[dict, ...] = ()
@@ -42,18 +45,19 @@ class TrainerState:
     def to_json(self) -> dict:
         return {"step": self.step, "sampler": self.sampler, "held_groups": [g.to_json() for g in self.held_groups],
                 "responses_generated": self.responses_generated, "clock": self.clock, "ledger": self.ledger,
-                "alarms": list(self.alarms), "keep_rate": self.keep_rate, "ahead": list(self.ahead),
-                "carried": list(self.carried)}
+                "alarms": list(self.alarms), "alarm_streaks": self.alarm_streaks, "keep_rate": self.keep_rate,
+                "ahead": list(self.ahead), "carried": list(self.carried)}
 
     @classmethod
     def from_json(cls, data: dict, where: str) -> "TrainerState":
         """The state ``to_json`` wrote; InputError naming ``where`` (the file) when a key is missing
         or unknown (a checkpoint of another version of this code). ``ledger`` and ``alarms`` came later:
-        a checkpoint without them resumes with an empty ledger and no alarm raised; ``keep_rate``
-        ``ahead`` and ``carried`` too (nothing measured, asked for ahead or carried)."""
+        a checkpoint without them resumes with an empty ledger and no alarm raised; ``alarm_streaks``,
+        ``keep_rate``, ``ahead`` and ``carried`` too (no streak, nothing measured, asked for ahead or
+        carried)."""
         keys = {"step", "sampler", "held_groups", "responses_generated", "clock"}
         if not isinstance(data, dict) or not keys <= set(data) <= keys | {"ledger", "alarms", "keep_rate",
-                                                                          "ahead", "carried"}:
+                                                                          "ahead", "carried", "alarm_streaks"}:
             got = sorted(data) if isinstance(data, dict) else type(data).__name__
             raise InputError(f"{where}: trainer state with keys {got}, expected {sorted(keys)}: a checkpoint of "
                              "another version of megatron-dapo; resume it with that version, or start a new "
@@ -62,5 +66,6 @@ class TrainerState:
                    held_groups=tuple(Group.from_json(g) for g in data["held_groups"]),
                    responses_generated=int(data["responses_generated"]), clock=data["clock"],
                    ledger=data.get("ledger", {}), alarms=tuple(data.get("alarms", ())),
+                   alarm_streaks=dict(data.get("alarm_streaks", {})),
                    keep_rate=data.get("keep_rate"), ahead=tuple(data.get("ahead", ())),
                    carried=tuple(data.get("carried", ())))

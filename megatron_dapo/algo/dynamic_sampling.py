@@ -1,9 +1,10 @@
 """Dynamic sampling (DAPO section 3.2): keep only prompt groups whose answers are mixed.
 
-A group whose responses are all correct or all wrong has zero advantage everywhere and so no
-gradient; DAPO drops it and keeps drawing generation batches until ``prompts_per_step`` useful
-groups are held (Eq. 11: 0 < #correct < G). The filter reads correctness (``acc``), not the
-length-shaped score, as the verl recipe does with ``filter_groups.metric=acc``.
+A group whose responses are all correct or all wrong has no correctness signal (a zero advantage
+everywhere, unless overlong shaping sets its responses' lengths apart); DAPO drops it and keeps
+drawing generation batches until ``prompts_per_step`` useful groups are held (Eq. 11: 0 < #correct
+< G). The filter reads correctness (``acc``), not the length-shaped score, as the verl recipe does
+with ``filter_groups.metric=acc``.
 
 Usage, one training step::
 
@@ -15,8 +16,8 @@ Usage, one training step::
 
 When ``max_num_gen_batches`` batches do not fill the step (verl raises then: its most reported DAPO
 failure), ``on_exhausted="fill"`` fills the rest with groups of the last batch whose answers all
-agree, logged and counted (``dynamic_sampling/num_filled``): they have zero advantage, so the step
-trains on the mixed groups it found, its gradient scaled down by the token-level normalisation over
+agree, logged and counted (``dynamic_sampling/num_filled``): they carry no correctness signal, so the
+step learns correctness from the mixed groups it found, its gradient scaled down by the token-level normalisation over
 the filled groups' tokens. The last batch's dropped groups must then travel (``carries_all``).
 """
 
@@ -177,14 +178,28 @@ class DynamicSampler:
             self.keep_rate = rate if self.keep_rate is None else (self.keep_rate + rate) / 2
 
         if not self.is_full and 0 < self.max_num_gen_batches <= c.num_gen_batches:
-            spare = [g for g, k in zip(groups, keep.tolist()) if not k and g is not None]
+            spare = [(g, k) for g, kept, k in zip(groups, keep.tolist(), num_correct.tolist())
+                     if not kept and g is not None]
             missing = self.prompts_per_step - len(self._held)
-            if self.on_exhausted == "error" or len(spare) < missing:
+            if self.on_exhausted == "error":
                 raise DynamicSamplingExhausted(self._exhausted_message())
-            self._held.extend(spare[:missing])
+            if len(spare) < missing:
+                raise DynamicSamplingExhausted(self._exhausted_message(
+                    f" algorithm.filter_groups.on_exhausted=fill cannot complete the batch: the last generation batch "
+                    f"has {len(spare)} other groups for its {missing} empty slots."))
+            fill = [k for _, k in spare[:missing]]
+            num_fill_correct = sum(k == self.group_size for k in fill)
+            # Measured before the fill: the message must count only the mixed groups, which alone
+            # carry a correctness signal.
+            message = self._exhausted_message(
+                f" Filled the other {missing} slots (algorithm.filter_groups.on_exhausted=fill) with groups of the "
+                f"last batch whose answers all agree ({num_fill_correct} all correct, {missing - num_fill_correct} "
+                f"all wrong), which carry no correctness signal (only the overlong penalty's, where their lengths "
+                f"differ): " + (f"this step learns correctness only from its {len(self._held)} mixed groups."
+                                if self._held else "this step learns nothing about correctness."))
+            self._held.extend(g for g, _ in spare[:missing])
             c.num_filled += missing
-            logger.warning("%s Filled instead (algorithm.filter_groups.on_exhausted=fill): %d groups whose answers "
-                           "all agree (zero advantage) complete the batch.", self._exhausted_message(), missing)
+            logger.warning("%s", message)
         return keep
 
     def pop(self) -> tuple[list[Any], dict[str, float]]:
@@ -230,14 +245,22 @@ class DynamicSampler:
         self._held = list(groups)
         self.keep_rate = keep_rate
 
-    def _exhausted_message(self) -> str:
+    def _exhausted_message(self, outcome: str = "") -> str:
+        """Why the step is short, then ``outcome`` (what was done about it), then what to change."""
         c = self._counts
         hist = ", ".join(f"{k}/{self.group_size} correct: {n}" for k, n in enumerate(c.pass_histogram) if n)
+        carried = f" ({self._carried_in} carried over from the last step)" if self._carried_in else ""
+        if c.num_all_correct > c.num_all_wrong:
+            verdict = "too easy"
+        elif c.num_all_wrong > c.num_all_correct:
+            verdict = "too hard"
+        else:
+            verdict = "too easy or too hard"
         return (
-            f"dynamic sampling collected {len(self._held)} of {self.prompts_per_step} mixed prompt groups "
+            f"dynamic sampling collected {len(self._held)} of {self.prompts_per_step} mixed prompt groups{carried} "
             f"after {c.num_gen_batches} generation batches (max_num_gen_batches={self.max_num_gen_batches}); "
             f"{c.num_all_correct} groups were all correct and {c.num_all_wrong} all wrong. "
-            f"Pass-rate histogram over {c.num_groups} groups: {hist}. The data is too easy or too hard "
+            f"Pass-rate histogram over {c.num_groups} groups: {hist}.{outcome} The data is {verdict} "
             f"for this model: raise algorithm.filter_groups.max_num_gen_batches (0 = unbounded), "
             f"raise data.gen_prompts_per_batch (or set algorithm.filter_groups.adaptive=true: batches sized by "
             f"the keep rate), or use data matched to the model."

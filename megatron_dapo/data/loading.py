@@ -53,6 +53,8 @@ _COLUMNS = ("prompt", "reward_model", "data_source", "ability", "extra_info", "p
             "ground_truth")
 _NUM_EXAMPLES_LOGGED = 5
 ROWS_REPORTED = 10_000  # load_prompts' on_rows: how often
+# How a run turns skipping on, quoted in a bad row's error; prepare-data passes its own flag instead.
+SKIP_ADVICE = "set data.on_bad_row=skip"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,7 +85,7 @@ class _BadRow(Exception):
 
 def load_prompts(paths: str | os.PathLike | Sequence[str | os.PathLike], *, dedup: bool = True,
                  on_bad_row: str = "error", batch_size: int = 8192,
-                 on_rows: Callable[[int], None] | None = None) -> LoadResult:
+                 on_rows: Callable[[int], None] | None = None, skip_advice: str = SKIP_ADVICE) -> LoadResult:
     """Read prompt files (.parquet or .jsonl) and merge identical prompts.
 
     Args:
@@ -93,6 +95,8 @@ def load_prompts(paths: str | os.PathLike | Sequence[str | os.PathLike], *, dedu
         on_bad_row: "error" raises ValueError at the first bad row; "skip" counts and drops it.
         batch_size: parquet rows decoded at a time; bounds the transient memory of a read.
         on_rows: told the rows read so far, every ``ROWS_REPORTED`` rows (progress of a long read).
+        skip_advice: how the caller's user switches to "skip", named in a bad row's error (the
+            config key for a run, a flag for a command that has one).
     """
     if on_bad_row not in ON_BAD_ROW_CHOICES:
         raise ValueError(f"on_bad_row must be one of {ON_BAD_ROW_CHOICES}, got {on_bad_row!r}")
@@ -115,7 +119,7 @@ def load_prompts(paths: str | os.PathLike | Sequence[str | os.PathLike], *, dedu
 
     def skip(reason: str, message: str) -> None:
         if on_bad_row == "error":
-            raise InputError(message + " (fix the row, or set data.on_bad_row=skip to count and drop bad rows)")
+            raise InputError(f"{message} (fix the row, or {skip_advice} to count and drop bad rows)")
         skipped[reason] += 1
         if len(examples) < _NUM_EXAMPLES_LOGGED:
             examples.append(message)

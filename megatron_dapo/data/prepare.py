@@ -11,6 +11,11 @@ writes ``<out>/train.parquet``, ``<out>/eval.parquet`` (DAPO/verl schema, as dat
 data.val_files expect) and ``<out>/prepare.json`` (the counts printed). A bad row stops the job
 with its file, row and field (``--on-bad-row skip`` counts and drops bad rows instead, reported
 by reason). Nothing is written unless every input loads.
+
+A ground truth that is not an integer (``\\frac{1}{2}``, ``0.5``) is kept, counted and warned
+about, not treated as a bad row: the reward scores it (reward/math_dapo.py, and the paper's rule),
+but by exact match of the normalised strings, not by value, so a right answer in another form
+(``1/2`` against ``\\frac{1}{2}``) scores wrong. DAPO-Math-17K's and AIME's answers are all integers.
 """
 
 from __future__ import annotations
@@ -27,10 +32,11 @@ import pyarrow.parquet as pq
 
 from megatron_dapo.data.loading import LoadResult, load_prompts
 from megatron_dapo.data.schema import PromptRecord
-from megatron_dapo.errors import InputError
+from megatron_dapo.errors import InputError, shown
 
 REPORT = "prepare.json"
 PROGRESS_EVERY_S = 5.0  # between two progress lines of a long read
+NUM_EXAMPLES = 3  # non-integer ground truths quoted in the warning
 
 
 def to_row(record: PromptRecord) -> dict[str, Any]:
@@ -50,17 +56,43 @@ def _write(records: tuple[PromptRecord, ...], path: Path) -> None:
     os.replace(tmp, path)  # a crash never leaves a half-written file under the final name
 
 
-def _counts(name: str, files: list[str], loaded: LoadResult) -> dict[str, Any]:
+IntegerReader = Callable[[str], int | None]  # a ground truth -> its integer, None when it is not one
+
+
+def non_integer_ground_truths(records: tuple[PromptRecord, ...], integer: IntegerReader) -> list[str]:
+    """The ground truths of ``records`` that ``integer`` cannot read as an integer, in order."""
+    return [r.ground_truth for r in records if integer(r.ground_truth) is None]
+
+
+def _counts(name: str, files: list[str], loaded: LoadResult, non_integer: int) -> dict[str, Any]:
     return {"split": name, "files": files, "rows": loaded.num_rows, "unique_prompts": len(loaded.records),
-            "duplicate_rows": loaded.num_duplicates, "skipped_rows": loaded.skipped}
+            "duplicate_rows": loaded.num_duplicates, "skipped_rows": loaded.skipped,
+            "non_integer_ground_truths": non_integer}
 
 
-def prepare_data(out_dir: str | os.PathLike, *, train: list[str], eval: list[str] | None = None,
-                 on_bad_row: str = "error", force: bool = False,
+def quoted(ground_truths: list[str]) -> str:
+    """The first few distinct values of ``ground_truths``, quoted as written (for a message)."""
+    return ", ".join(shown(gt) for gt in list(dict.fromkeys(ground_truths))[:NUM_EXAMPLES])
+
+
+def _non_integer_warning(name: str, records: tuple[PromptRecord, ...], found: list[str]) -> str | None:
+    if not found:
+        return None
+    examples = quoted(found)
+    return (f"prepare-data: warning: --{name}: {len(found):,} of {len(records):,} prompts have a ground truth that is "
+            f"not an integer ({examples}); the reward matches those as normalised strings, not by value, so a right "
+            f"answer in another form (1/2 for \\frac{{1}}{{2}}) scores wrong: DAPO-Math-17K's and AIME's answers are "
+            f"all integers, so check that this is the file you meant, or drop those prompts")
+
+
+def prepare_data(out_dir: str | os.PathLike, *, train: list[str], integer: IntegerReader,
+                 eval: list[str] | None = None, on_bad_row: str = "error", force: bool = False,
                  say: Callable[[str], None] = lambda line: None) -> list[dict[str, Any]]:
     """Loads every input (deduplicated), then writes train.parquet / eval.parquet and the report.
-    Returns the per-split counts. ``say``: progress lines (a read of DAPO-Math-17K's 1.79M rows
-    takes ~40 s), at most one every ``PROGRESS_EVERY_S``."""
+    Returns the per-split counts. ``integer``: the reward's reading of a ground truth as an integer
+    (the reward's own definition, given by the caller: the data layer does not import the reward);
+    the ground truths it cannot read are counted and warned about. ``say``: progress lines (a read of
+    DAPO-Math-17K's 1.79M rows takes ~40 s), at most one every ``PROGRESS_EVERY_S``."""
     out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
         raise InputError(f"--out {out_dir} is a file; give a directory (it is made if missing)")
@@ -68,7 +100,8 @@ def prepare_data(out_dir: str | os.PathLike, *, train: list[str], eval: list[str
     targets = [out_dir / f"{name}.parquet" for name, files in splits if files]
     if not force and any(p.exists() for p in targets):
         raise InputError(f"{', '.join(str(p) for p in targets if p.exists())} exists; pass --force to replace it")
-    loaded = {name: load_prompts(files, dedup=True, on_bad_row=on_bad_row, on_rows=_reporter(name, say))
+    loaded = {name: load_prompts(files, dedup=True, on_bad_row=on_bad_row, on_rows=_reporter(name, say),
+                                 skip_advice="pass --on-bad-row skip")
               for name, files in splits if files}
     for name, result in loaded.items():
         if not result.records:
@@ -80,9 +113,12 @@ def prepare_data(out_dir: str | os.PathLike, *, train: list[str], eval: list[str
         raise InputError(f"--out {out_dir}: cannot create it ({e.strerror})") from None
     report = []
     for name, result in loaded.items():
+        non_integer = non_integer_ground_truths(result.records, integer)
+        if warning := _non_integer_warning(name, result.records, non_integer):
+            say(warning)
         say(f"prepare-data: writing {out_dir / f'{name}.parquet'} ({len(result.records):,} prompts)")
         _write(result.records, out_dir / f"{name}.parquet")
-        report.append(_counts(name, [str(f) for f in dict(splits)[name]], result))
+        report.append(_counts(name, [str(f) for f in dict(splits)[name]], result, len(non_integer)))
     (out_dir / REPORT).write_text(json.dumps(report, indent=2) + "\n")
     return report
 
@@ -105,7 +141,9 @@ def format_report(report: list[dict[str, Any]], out_dir: str | os.PathLike) -> s
     for r in report:
         skipped = (f", {sum(r['skipped_rows'].values())} bad row(s) skipped {r['skipped_rows']}"
                    if r["skipped_rows"] else "")
+        non_integer = (f", {r['non_integer_ground_truths']} with a non-integer ground truth"
+                       if r["non_integer_ground_truths"] else "")
         lines.append(f"{r['split']}: {r['rows']} rows -> {r['unique_prompts']} unique prompts "
-                     f"({r['duplicate_rows']} duplicate rows merged{skipped}) -> "
+                     f"({r['duplicate_rows']} duplicate rows merged{skipped}{non_integer}) -> "
                      f"{Path(out_dir) / (r['split'] + '.parquet')}")
     return "\n".join(lines)

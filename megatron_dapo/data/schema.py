@@ -17,6 +17,9 @@ import hashlib
 import json
 from typing import Any
 
+DAPO_FILE = ("a DAPO-format parquet or JSONL file with rows (prompt, reward_model.ground_truth; or problem, "
+             "answer)")  # what a prompt file must be, as error messages say it
+
 DAPO_PROMPT_TEMPLATE = (
     "Solve the following math problem step by step. The last line of your response should be of "
     "the form Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n"

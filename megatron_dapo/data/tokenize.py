@@ -11,7 +11,8 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from megatron_dapo.data.schema import Message, PromptRecord
+from megatron_dapo.data.loading import LoadResult
+from megatron_dapo.data.schema import DAPO_FILE, Message, PromptRecord
 
 logger = logging.getLogger(__name__)
 
@@ -77,3 +78,25 @@ def filter_by_prompt_length(records: Sequence[PromptRecord], token_ids: Sequence
     logger.info("Kept %d of %d prompts; dropped %d longer than %d tokens", len(kept), len(records),
                 num_dropped, max_prompt_length)
     return [r for r, _ in kept], [ids for _, ids in kept], num_dropped
+
+
+def no_prompts_message(key: str, files: Sequence[Any], loaded: LoadResult, lengths: Sequence[int],
+                       max_prompt_length: int) -> str:
+    """The one-line error for ``files`` (config key ``key``) leaving no prompt, with the fix for its
+    cause: prompts that were read but are all too long need a larger limit, named from their
+    measured ``lengths`` (tokens with the chat template, one per loaded record), not other data."""
+    where = f"{key}={','.join(map(str, files))}: no usable prompts"
+    skipped = f", {loaded.num_skipped} skipped as bad" if loaded.num_skipped else ""
+    lengths = sorted(lengths)
+    if len(lengths) == 1:  # records were read, so every one is over the limit
+        return (f"{where} ({loaded.num_rows} rows{skipped}; its one prompt has {lengths[0]} tokens with the chat "
+                f"template, over data.max_prompt_length={max_prompt_length}); raise data.max_prompt_length to at "
+                f"least {lengths[0]}")
+    if lengths:
+        median = lengths[(len(lengths) - 1) // 2]
+        return (f"{where} ({loaded.num_rows} rows{skipped}; all {len(lengths)} prompts are longer than "
+                f"data.max_prompt_length={max_prompt_length} tokens with the chat template: shortest {lengths[0]}, "
+                f"median {median}, longest {lengths[-1]}); raise data.max_prompt_length to at least {median} "
+                f"(keeps half of them or more; {lengths[-1]} keeps all)")
+    reasons = (": " + ", ".join(f"{r} {n}" for r, n in sorted(loaded.skipped.items()))) if loaded.skipped else ""
+    return f"{where} ({loaded.num_rows} rows{skipped}{reasons}); point {key} at {DAPO_FILE}"

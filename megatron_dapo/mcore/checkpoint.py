@@ -161,9 +161,10 @@ def _set_rng_state(state: dict) -> None:
 
 
 def model_shape(model: list) -> dict:
-    """The architecture numbers a checkpoint must share with the model that loads it."""
-    config = _unwrap(model[0]).config
-    return {k: getattr(config, k) for k in SHAPE_FIELDS}
+    """The architecture numbers a checkpoint must share with the model that loads it: the
+    TransformerConfig's, and the vocabulary before padding (model.build_model's hf_vocab_size)."""
+    chunk = _unwrap(model[0])
+    return {k: chunk.hf_vocab_size if k == "vocab_size" else getattr(chunk.config, k) for k in SHAPE_FIELDS}
 
 
 def _publish_args(trainer_state: dict, keep_last: int) -> str:
@@ -340,10 +341,13 @@ def load_checkpoint(path: str | os.PathLike, *, model: list, optimizer=None, sch
     if meta["padded_vocab_size"] != _unwrap(model[0]).vocab_size:
         # The padding depends on make_vocab_size_divisible_by (and on TP when that does not
         # divide it, model.padded_vocab_size); the dist-checkpoint loader would only report a
-        # shape mismatch deep inside.
-        raise ValueError(f"{path} holds a vocabulary padded to {meta['padded_vocab_size']} rows, this "
-                         f"model pads to {_unwrap(model[0]).vocab_size}: load with the "
-                         f"make_vocab_size_divisible_by it was saved with, and a TP that divides it")
+        # shape mismatch deep inside. A checkpoint that records its vocab_size passed the
+        # comparison above, so only the padding differs; an older one may hold another model's.
+        padding = "model.make_vocab_size_divisible_by it was saved with (and a TP that divides it)"
+        fix = (f"load with the {padding}" if "vocab_size" in (meta.get("model_shape") or {}) else
+               f"load with the model it was trained with (model.hf_path: its vocab_size) and the {padding}")
+        raise InputError(f"checkpoint {path} holds a vocabulary padded to {meta['padded_vocab_size']} rows, this "
+                         f"model pads to {_unwrap(model[0]).vocab_size}: {fix}")
     if optimizer is not None and meta["distributed_optimizer"] is None:
         raise ValueError(f"{path} holds no optimizer state; load it without an optimizer")
     if optimizer is not None and meta["distributed_optimizer"] != _uses_distributed_optimizer(optimizer):

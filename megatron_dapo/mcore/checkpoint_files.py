@@ -47,9 +47,11 @@ META = "checkpoint.json"
 TRAINER_STATE = "trainer_state.json"
 _NAME = re.compile(r"^step_(\d+)$")
 FORMAT_VERSION = 2  # 2: adds the manifest ("files") and "model_shape"
-# the last two tell Qwen2 from Qwen3 (check_model_shape compares a checkpoint without them on the rest)
+# add_qkv_bias and qk_layernorm tell Qwen2 from Qwen3; vocab_size (the HF config's, before padding) tells a
+# model of another tokenizer, whose padded embedding may even have the same rows. check_model_shape compares a
+# checkpoint written before they were recorded on the fields it has.
 SHAPE_FIELDS = ("hidden_size", "ffn_hidden_size", "num_layers", "num_attention_heads", "num_query_groups",
-                "kv_channels", "add_qkv_bias", "qk_layernorm")
+                "kv_channels", "add_qkv_bias", "qk_layernorm", "vocab_size")
 
 
 def checkpoint_name(step: int) -> str:
@@ -158,6 +160,19 @@ def latest_checkpoint(root: str | os.PathLike) -> Path | None:
             return path
         logger.warning("checkpoint %s is damaged (%s): passing over it, not deleting it", path, why)
     return None
+
+
+def checkpoint_of_step(root: str | os.PathLike, step: int, *, use: str) -> Path:
+    """The intact checkpoint of ``step`` under ``root``; InputError naming the steps there are
+    (``use``: what the caller would do with it, for the message)."""
+    root = Path(root)
+    path = root / checkpoint_name(step)
+    if not path.is_dir():
+        have = [s for s, _ in list_checkpoints(root)]
+        raise InputError(f"{path}: no checkpoint of step {step} to {use}; {root} holds steps {have or 'none'}")
+    if (why := damage(path)) is not None:
+        raise InputError(f"checkpoint {path} is damaged ({why}); {use} another step")
+    return path
 
 
 def why_none_usable(root: str | os.PathLike) -> str | None:

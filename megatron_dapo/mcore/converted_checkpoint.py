@@ -92,8 +92,8 @@ def read_checkpoint_meta(ckpt_dir: str | os.PathLike) -> tuple[dict[str, Any], d
     ckpt_dir = Path(ckpt_dir)
     meta_path = ckpt_dir / META_NAME
     if not meta_path.is_file():
-        hint = ("; it is a training checkpoint: export it with `megatron-dapo export --config <the run's config> "
-                "--out DIR --step N`" if (ckpt_dir / "checkpoint.json").is_file() else "")
+        hint = ("; it is a training checkpoint: export it with `megatron-dapo export <the run's "
+                "directory> --out DIR --step N`" if (ckpt_dir / "checkpoint.json").is_file() else "")
         raise ConversionError(f"{meta_path} not found: {ckpt_dir} was not written by hf_to_megatron{hint}")
     return read_hf_config(ckpt_dir / HF_SUBDIR), json.loads(meta_path.read_text())
 

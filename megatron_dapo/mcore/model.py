@@ -293,6 +293,8 @@ def build_model(hf_config, *, model: ModelConfig, parallel: ParallelConfig,
             rotary_base=arch.rope_theta,
             vp_stage=stage,
         ))
+        # GPTModel keeps only the padded size; checkpoints record the real one (checkpoint.model_shape)
+        chunks[-1].hf_vocab_size = arch.vocab_size
     if not config.use_cpu_initialization:
         # megatron's parallel layers are born on the GPU, but not every module is (the local spec's
         # torch RMSNorm, rotary buffers): move the rest, as megatron-training's get_model does.

@@ -21,31 +21,23 @@ from megatron_dapo.mcore.model import hf_arch, padded_vocab_size, resolve_runtim
 
 
 def validate_parallel(hf_config, *, parallel: ParallelConfig, model: ModelConfig, world_size: int,
-                      on_gpu: bool | None = None, check_installed: bool = True) -> dict[str, int]:
+                      on_gpu: bool | None = None, check_installed: bool = True,
+                      responses_per_update: int | None = None) -> dict[str, int]:
     """Raise ValueError on the first inconsistency; return the derived sizes
     (data_parallel_size, padded_vocab_size, layers_per_chunk). ``check_installed=False``: for a
-    layout that will run elsewhere (resolve_runtime)."""
+    layout that will run elsewhere (resolve_runtime). ``responses_per_update``: when the caller
+    checks that DP splits them (layout.describe_layout), the TP sizes a refusal suggests do too."""
     arch = hf_arch(hf_config)
     on_gpu = torch.cuda.is_available() if on_gpu is None else on_gpu
     tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
     vpp = parallel.virtual_pipeline_model_parallel_size or 1
     dp = parallel.data_parallel_size(world_size)  # raises with the numbers when TP x PP x CP does not divide
-    heads, groups = arch.num_attention_heads, arch.num_query_groups
-    if heads % tp:
-        raise ConfigError(f"num_attention_heads={heads} is not divisible by tensor_model_parallel_size={tp}; "
-                         f"use a TP that divides it ({_divisors(heads)})")
-    # megatron-core 0.19.2 shards KV groups when TP divides them and replicates them when they
-    # divide TP (attention.py: num_query_groups < world_size gathers the QKV output).
-    if groups % tp and tp % groups:
-        raise ConfigError(f"num_key_value_heads={groups} and tensor_model_parallel_size={tp}: one must "
-                         f"divide the other; use a TP that divides {groups} or is a multiple of it")
+    if (fault := _tp_fault(arch, tp)) is not None:
+        raise ConfigError(f"{fault}; {_tp_advice(hf_config, parallel, world_size, responses_per_update)}")
     if arch.num_layers % (pp * vpp):
         raise ConfigError(f"num_hidden_layers={arch.num_layers} is not divisible by pipeline_model_parallel"
                          f"_size x virtual_pipeline_model_parallel_size = {pp} x {vpp}; pick sizes whose "
                          f"product divides {arch.num_layers} ({_divisors(arch.num_layers)})")
-    if arch.hidden_size % tp or arch.ffn_hidden_size % tp:
-        raise ConfigError(f"hidden_size={arch.hidden_size} and intermediate_size={arch.ffn_hidden_size} "
-                         f"must be divisible by tensor_model_parallel_size={tp}")
     runtime = resolve_runtime(model, on_gpu, check_installed=check_installed)
     if parallel.context_parallel_size > 1 and runtime.transformer_impl != "transformer_engine":
         raise ConfigError(f"context_parallel_size={parallel.context_parallel_size} needs the Transformer "
@@ -58,19 +50,71 @@ def validate_parallel(hf_config, *, parallel: ParallelConfig, model: ModelConfig
 def check_training_layout(hf_config, parallel: ParallelConfig) -> None:
     """ValueError for layouts that build and train but cannot be checkpointed and resumed
     correctly (training only: conversion and export keep no optimizer state)."""
-    tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
-    if bool(hf_config.get("tie_word_embeddings", False)) and tp > 1 and pp > 1 and parallel.use_distributed_optimizer:
-        # megatron-core 0.19.2 saves this layout's optimizer state of the tied embedding one row
-        # off (zeros at the end of each TP shard; its own "param range exceeds unpadded buffer"
-        # warning), and a resume copies it into the weights: docs/DESIGN.md "Known upstream bugs".
+    if _tied_state_shift(hf_config, parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size,
+                         parallel.use_distributed_optimizer):
         raise ConfigError("tie_word_embeddings with tensor_model_parallel_size > 1 and pipeline_model_parallel_size > "
                          "1 and the distributed optimizer: megatron-core 0.19.2 checkpoints the tied embedding's "
                          "optimizer state shifted by a row, and a resumed run trains a corrupted embedding; set "
                          "parallel.use_distributed_optimizer=false, or TP=1, or PP=1")
 
 
+def _tied_state_shift(hf_config, tp: int, pp: int, distributed_optimizer: bool) -> bool:
+    """Whether megatron-core 0.19.2 saves this layout's optimizer state of the tied embedding one row
+    off (zeros at the end of each TP shard; its own "param range exceeds unpadded buffer" warning),
+    which a resume copies into the weights: docs/DESIGN.md "Known upstream bugs"."""
+    return bool(hf_config.get("tie_word_embeddings", False)) and tp > 1 and pp > 1 and distributed_optimizer
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _tp_fault(arch, tp: int) -> str | None:
+    """What of the model a tensor-parallel size of ``tp`` cannot split, or None when it splits it all."""
+    heads, groups = arch.num_attention_heads, arch.num_query_groups
+    if heads % tp:
+        return f"num_attention_heads={heads} is not divisible by tensor_model_parallel_size={tp}"
+    # megatron-core 0.19.2 shards KV groups when TP divides them and replicates them when they
+    # divide TP (attention.py: num_query_groups < world_size gathers the QKV output).
+    if groups % tp and tp % groups:
+        return (f"num_key_value_heads={groups} and tensor_model_parallel_size={tp}: neither divides the other "
+                "(megatron shards KV heads over TP, or replicates them when TP is a multiple of them)")
+    if arch.hidden_size % tp or arch.ffn_hidden_size % tp:
+        return (f"hidden_size={arch.hidden_size} and intermediate_size={arch.ffn_hidden_size} must be divisible "
+                f"by tensor_model_parallel_size={tp}")
+    return None
+
+
+def _fitting_tps(hf_config, parallel: ParallelConfig, world_size: int) -> list[int]:
+    """The tensor-parallel sizes the layout checks accept for this model at ``world_size``, the other
+    sizes of ``parallel`` kept: every TP check of validate_parallel, a world that TP x PP x CP
+    divides, and check_training_layout's (a suggestion must work for training too)."""
+    arch = hf_arch(hf_config)
+    rest = parallel.pipeline_model_parallel_size * parallel.context_parallel_size
+    return [tp for tp in _divisors(arch.num_attention_heads)
+            if _tp_fault(arch, tp) is None and world_size % (tp * rest) == 0
+            and not (tp == 1 and parallel.sequence_parallel)  # the config refuses sequence parallelism at TP 1
+            and not _tied_state_shift(hf_config, tp, parallel.pipeline_model_parallel_size,
+                                      parallel.use_distributed_optimizer)]
+
+
+def _tp_advice(hf_config, parallel: ParallelConfig, world_size: int, responses_per_update: int | None) -> str:
+    """The fix of a TP the model cannot take: the sizes it takes (TP 1 always does, in a world that PP x
+    CP divides: data_parallel_size refuses the others first), less those whose DP would not split an
+    update's ``responses_per_update`` when given."""
+    fits = _fitting_tps(hf_config, parallel, world_size)
+    pp, cp = parallel.pipeline_model_parallel_size, parallel.context_parallel_size
+    where = f"at world size {world_size} with PP {pp} x CP {cp}"
+    if responses_per_update is not None:
+        dps = [world_size // (tp * pp * cp) for tp in fits]
+        split = [tp for tp, dp in zip(fits, dps) if responses_per_update % dp == 0]
+        if not split:
+            return (f"the sizes this model takes {where}, {fits}, give DP {dps}, none of which splits the "
+                    f"{responses_per_update} responses of an update "
+                    "(train.mini_batch_prompts x rollout.n): change train.mini_batch_prompts or the number of "
+                    "processes too")
+        fits = split
+    return f"set parallel.tensor_model_parallel_size to one that fits this model {where}: {fits}"
 
 
 def initialize_parallel(hf_config, *, parallel: ParallelConfig, model: ModelConfig, seed: int) -> dict[str, int]:

@@ -1,8 +1,8 @@
 """A training run's checkpoint -> an HF dir that transformers, vLLM and other evaluators load.
 
-``megatron-dapo export --config F --out D [--step N]``: the run is named by its config, as for
-``train`` and ``eval`` (logging.dir, checkpoint.dir, model.hf_path; the toy's base under
-``toy.enable``). The checkpoint (the newest intact one, or step N) is loaded at the config's
+``megatron-dapo export RUN_DIR --out D [--step N]`` (or ``--config F`` naming the run by its
+logging.dir, checkpoint.dir and model.hf_path; the toy's base under ``toy.enable``): the run's config
+as run_config.py reads it. The checkpoint (the newest intact one, or step N) is loaded at the job's
 TP / PP (checkpoints reshard on load, so any layout works, also under torchrun), its weights
 stream out through the same conversion table the rollout sync uses, and config.json,
 generation_config.json and the tokenizer come from model.hf_path. ``export.json`` records where
@@ -24,21 +24,15 @@ EXPORT_META = "export.json"
 
 def run_checkpoint(cfg: DAPOConfig, step: int | None = None) -> Path:
     """The run's newest intact checkpoint, or the one of ``step``; InputError naming what exists."""
-    from megatron_dapo.mcore.checkpoint import checkpoint_name, damage, latest_checkpoint, list_checkpoints
+    from megatron_dapo.mcore.checkpoint_files import checkpoint_of_step, latest_checkpoint
 
     root = cfg.checkpoint_root
-    if step is None:
-        path = latest_checkpoint(root)
-        if path is None:
-            raise InputError(f"{root}: no intact checkpoint to export; train first (or point logging.dir / "
-                             "checkpoint.dir at the run)")
-        return path
-    path = root / checkpoint_name(step)
-    if not path.is_dir():
-        have = [s for s, _ in list_checkpoints(root)]
-        raise InputError(f"{path}: no checkpoint of step {step}; {root} holds steps {have or 'none'}")
-    if (why := damage(path)) is not None:
-        raise InputError(f"checkpoint {path} is damaged ({why}); export another step")
+    if step is not None:
+        return checkpoint_of_step(root, step, use="export")
+    path = latest_checkpoint(root)
+    if path is None:
+        raise InputError(f"{root}: no intact checkpoint to export; train first (a run saves into its logging.dir's "
+                         "checkpoints/, or checkpoint.dir)")
     return path
 
 

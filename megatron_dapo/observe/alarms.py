@@ -3,11 +3,13 @@
 Each rule watches one metric of the step's record against a threshold of ``alarms.*``. An alarm is
 *raised* at the step its metric crosses the threshold (one warning line, one event in
 ``<logging.dir>/alarms.jsonl``) and stays raised, silently, until the metric is back on the safe
-side. While raised, the responses that raise a response-level alarm (a flag of observe/audit.py) are
-dumped every step to ``samples/alarm_<step>_<name>.jsonl``; a step-level alarm (entropy, mismatch,
-saturation, shortcut fallbacks) dumps the step's sampled responses once, when it is raised. The
-raised set is part of the trainer state, so a resumed run warns exactly where the uninterrupted one
-would have.
+side. A rule with ``steps`` is raised only when its metric has been across for that many steps in a
+row: a state that lasts (a solved data set), not one step's draw of prompts. While raised, the
+responses that raise a response-level alarm (a flag of observe/audit.py) are dumped every step to
+``samples/alarm_<step>_<name>.jsonl``; a step-level alarm (entropy, mismatch, saturation, shortcut
+fallbacks) dumps the step's sampled responses once, when it is raised. The
+raised set and the streaks are part of the trainer state, so a resumed run warns exactly where the
+uninterrupted one would have.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ class AlarmRule:
     above: bool  # raised when the metric is above the threshold (else below)
     flag: str | None  # the response flag it dumps (None: a step-level alarm)
     hint: str  # where to look, in the warning line
+    steps: str | None = None  # field of AlarmsConfig: steps in a row across before it is raised (None: 1)
 
 
 RULES: tuple[AlarmRule, ...] = (
@@ -51,7 +54,8 @@ RULES: tuple[AlarmRule, ...] = (
     AlarmRule("mismatch_spike", "rollout/logprob_mismatch", "mismatch_max", True, None,
               "engine and trainer log-probs disagree: a weight-sync or numerics problem"),
     AlarmRule("all_correct", "dynamic_sampling/frac_all_correct", "all_correct", True, None,
-              "nearly every group is all correct: the data is solved (data.skip_solved_after?)"),
+              "nearly every group is all correct: the data is solved (data.skip_solved_after?)",
+              steps="all_correct_steps"),
     AlarmRule("shortcut_fallbacks", "actor/grad_shortcut_fallbacks", "shortcut_fallbacks", True, None,
               "the output layer's gradient shortcut fell back to recompute (slower, still exact)"),
 )
@@ -63,6 +67,11 @@ def thresholds(cfg) -> dict[str, float]:
             "no_answer_line": cfg.no_answer_line, "identical_groups": cfg.identical_groups,
             "entropy_min": cfg.entropy_min, "mismatch_max": cfg.mismatch_max, "all_correct": cfg.all_correct,
             "shortcut_fallbacks": cfg.shortcut_fallbacks}
+
+
+def steps_in_a_row(cfg) -> dict[str, int]:
+    """AlarmsConfig's steps-in-a-row fields by name (what ``AlarmRule.steps`` names)."""
+    return {"all_correct_steps": cfg.all_correct_steps}
 
 
 @dataclass(frozen=True)
@@ -86,7 +95,9 @@ class AlarmMonitor:
         self.path = Path(run_dir) / ALARMS_FILE
         self.writes = enabled_writes  # rank 0
         self.raised: set[str] = set()
+        self.streak: dict[str, int] = {}  # steps in a row across, for the rules with ``steps``
         self.thresholds = thresholds(cfg)
+        self.steps = steps_in_a_row(cfg)
 
     def check(self, step: int, metrics: dict[str, float]) -> tuple[list[AlarmEvent], list[AlarmRule]]:
         """(alarms raised at this step, every rule raised now). Metrics absent from the step
@@ -100,12 +111,15 @@ class AlarmMonitor:
                 continue
             threshold = float(self.thresholds[rule.threshold])
             crossed = value > threshold if rule.above else value < threshold
-            if crossed and rule.name not in self.raised:
+            self.streak[rule.name] = self.streak.get(rule.name, 0) + 1 if crossed else 0
+            lasted = self.streak[rule.name] >= (self.steps[rule.steps] if rule.steps else 1)
+            if crossed and lasted and rule.name not in self.raised:
                 self.raised.add(rule.name)
                 side = "above" if rule.above else "below"
+                during = f" for {self.streak[rule.name]} steps" if rule.steps else ""
                 events.append(AlarmEvent(step, rule.name, float(value), threshold,
                                          f"alarm {rule.name} at step {step}: {rule.metric}={value:.4g} {side} "
-                                         f"alarms.{rule.threshold}={threshold:g}; {rule.hint}"))
+                                         f"alarms.{rule.threshold}={threshold:g}{during}; {rule.hint}"))
             elif not crossed:
                 self.raised.discard(rule.name)
         for event in events:
@@ -118,8 +132,14 @@ class AlarmMonitor:
     def state(self) -> list[str]:
         return sorted(self.raised)
 
-    def restore(self, raised: list[str]) -> None:
+    def streaks(self) -> dict[str, int]:
+        """The streaks of the rules with ``steps`` not raised yet (those the next steps can raise)."""
+        return {r.name: self.streak[r.name] for r in RULES
+                if r.steps and self.streak.get(r.name) and r.name not in self.raised}
+
+    def restore(self, raised: list[str], streaks: dict[str, int] | None = None) -> None:
         self.raised = set(raised)
+        self.streak = dict(streaks or {})
 
 
 def read_events(run_dir: Path) -> list[dict]:

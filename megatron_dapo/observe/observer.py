@@ -54,7 +54,7 @@ class Observer:
         self.alarms = AlarmMonitor(cfg.alarms, run_dir, enabled_writes=self.writes)
         if resume is not None:
             self.ledger.restore(resume.ledger)
-            self.alarms.restore(list(resume.alarms))
+            self.alarms.restore(list(resume.alarms), resume.alarm_streaks)
         if self.writes:  # the steps after the checkpoint run again: their files go, as metrics.jsonl's records
             first = start + 1 if start else 0
             drop_from_step(self.dir, first)

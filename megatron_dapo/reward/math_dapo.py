@@ -381,6 +381,12 @@ def _exact_value(expr: str) -> int | None:
         raise NeedsSympy(expr) from None
 
 
+def integer_ground_truth(ground_truth: str | int) -> int | None:
+    """The integer a ground truth stands for ("540", "-3", "1,000", "42.0"), as compute_score reads
+    it; None for any other (compute_score then matches the normalised strings, not values)."""
+    return _parse_integer(ground_truth)
+
+
 @functools.lru_cache(maxsize=4096)  # ground truths repeat: 16 responses per prompt
 def _parse_integer(ground_truth: str | int) -> int | None:
     if isinstance(ground_truth, int) and not isinstance(ground_truth, bool):

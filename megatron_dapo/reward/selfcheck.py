@@ -40,11 +40,12 @@ FORMS: list[tuple[str, bool, Callable[[int], str | None]]] = [
 
 def build_cases(ground_truths: list[str]) -> list[tuple[str, bool, str, str]]:
     """[(form name, expected acc, response, ground truth)] for every integer ground truth and form."""
+    from megatron_dapo.reward.math_dapo import integer_ground_truth
+
     cases = []
     for gt in ground_truths:
-        try:
-            value = int(gt)
-        except ValueError:
+        value = integer_ground_truth(gt)
+        if value is None:
             continue  # self-check forms are defined for integer answers (DAPO-Math, AIME)
         for name, expected, render in FORMS:
             answer = render(value)
@@ -55,16 +56,34 @@ def build_cases(ground_truths: list[str]) -> list[tuple[str, bool, str, str]]:
 
 def run_selfcheck(paths: list[str], *, num_workers: int, timeout_s: float, on_bad_row: str) -> int:
     """Loads ``paths``, scores every form of every unique answer, prints a table; exit code 1 on any
-    false positive or rejected correct form."""
+    false positive or rejected correct form. InputError when no ground truth can be checked (no
+    rows, or none an integer): an empty table and exit code 0 would read as a passed check."""
     import time
 
     from megatron_dapo.data import load_prompts
+    from megatron_dapo.data.prepare import non_integer_ground_truths, quoted
+    from megatron_dapo.data.schema import DAPO_FILE
+    from megatron_dapo.errors import InputError
+    from megatron_dapo.reward.math_dapo import integer_ground_truth
     from megatron_dapo.reward.pool import RewardPool
 
     loaded = load_prompts(paths, dedup=True, on_bad_row=on_bad_row)
+    truths = [r.ground_truth for r in loaded.records]
+    non_integer = non_integer_ground_truths(loaded.records, integer_ground_truth)
+    where = ", ".join(map(str, paths))  # --data, or data.val_files when it is not given
+    if not truths:
+        skipped = f", {loaded.num_skipped} skipped as bad" if loaded.num_skipped else ""
+        raise InputError(f"{where}: nothing to self-check ({loaded.num_rows} rows{skipped}); give {DAPO_FILE}")
+    if len(non_integer) == len(truths):
+        which = ("its one ground truth is not an integer" if len(truths) == 1
+                 else f"none of its {len(truths)} ground truths is an integer")
+        raise InputError(f"{where}: nothing to self-check: {which} ({quoted(non_integer)}), and the self-check "
+                         "writes integer answers in the forms models use; give integer-answer data such as "
+                         "DAPO-Math-17K or AIME")
     print(f"data: {len(loaded.records)} unique prompts from {loaded.num_rows} rows "
-          f"({loaded.num_duplicates} duplicates merged, {loaded.num_skipped} skipped)")
-    cases = build_cases([r.ground_truth for r in loaded.records])
+          f"({loaded.num_duplicates} duplicates merged, {loaded.num_skipped} skipped"
+          + (f", {len(non_integer)} with a non-integer ground truth not checked" if non_integer else "") + ")")
+    cases = build_cases(truths)
     with RewardPool(num_workers=num_workers, timeout_s=timeout_s) as pool:
         start = time.perf_counter()
         results = pool.score([c[2] for c in cases], [c[3] for c in cases])

@@ -56,11 +56,13 @@ data_overrides() {
   printf '%s\n' "data.train_files=[$DATA_DIR/train.parquet]" "data.val_files=[$DATA_DIR/eval.parquet]"
 }
 
-# check_inputs: every data file the run reads is there, before anything is launched.
+# check_inputs [COMMAND]: every data file the command reads is there, before anything is launched
+# (eval reads the evaluation file alone).
 check_inputs() {
   [ -n "${DATA_DIR:-}" ] || return 0
-  local f missing=0
-  for f in "$DATA_DIR/train.parquet" "$DATA_DIR/eval.parquet"; do
+  local f missing=0 files=("$DATA_DIR/train.parquet" "$DATA_DIR/eval.parquet")
+  [ "${1:-}" = eval ] && files=("$DATA_DIR/eval.parquet")
+  for f in "${files[@]}"; do
     if [ -f "$f" ]; then echo "input: $f ($(du -h "$f" | cut -f1))"; else echo "$0: missing input $f" >&2; missing=1; fi
   done
   if [ "$missing" = 1 ]; then
@@ -100,13 +102,13 @@ single_node() {
   local cmd=("${LAUNCHER[@]}" --standalone --nproc-per-node "$GPUS_PER_NODE" "${MEGATRON_DAPO[@]}" "$command"
              --config "$RECIPE" "$@")
   if [ "${DRY_RUN:-0}" = 1 ]; then
-    check_inputs
+    check_inputs "$command"
     show_layout "$command" "$GPUS_PER_NODE" "$@"
     echo "node 0 of 1 ($(hostname)):"
     print_cmd "${cmd[@]}"
     return 0
   fi
-  check_inputs
+  check_inputs "$command"
   check_python
   launch_env
   cd "$REPO" && exec "${cmd[@]}"

@@ -63,7 +63,8 @@ CASES = {  # name -> (file overrides, expected message part)
     "malformed JSONL": (dict(train="bad_jsonl"), "bad.jsonl: line 2: field '<line>': invalid JSON"),
     "empty file": (dict(train="empty"), "data.train_files=" ),
     "0-row parquet": (dict(train="zero_rows"), "no usable prompts (0 rows)"),
-    "all rows skipped": (dict(train="all_bad"), "no usable prompts (3 rows, 3 skipped as bad)"),
+    "all rows skipped": (dict(train="all_bad"), "no usable prompts (3 rows, 3 skipped as bad: bad_ground_truth 3); "
+                         "point data.train_files at a DAPO-format"),
     "0-byte parquet": (dict(train="zero_bytes"), "zero_bytes.parquet: not a readable parquet file"),
     "empty eval file": (dict(val="zero_rows"), "data.val_files="),
 }
@@ -81,6 +82,15 @@ def test_bad_data_is_one_line_and_touches_nothing(inputs, tmp_path, capsys, name
     assert line.startswith("megatron-dapo: error: ") and expected in line, err
     assert "Traceback" not in err
     assert not run_dir.exists(), list(run_dir.rglob("*"))
+
+
+def test_no_training_files_is_one_line(tmp_path, capsys, inputs):
+    """data.train_files=[] (the schema's default) is named with its fix, not a traceback from the loader."""
+    rc, err = _train(capsys, tmp_path / "run", *_real_run(inputs), "data.train_files=[]")
+    assert rc == 2 and "Traceback" not in err, err
+    assert err.strip().splitlines()[-1].startswith("megatron-dapo: error: data.train_files is empty: give it a "
+                                                   "DAPO-format parquet or JSONL file"), err
+    assert not (tmp_path / "run").exists()
 
 
 def test_missing_hf_dir(tmp_path, capsys, inputs):
@@ -155,6 +165,48 @@ def test_a_converted_checkpoint_of_another_shape_is_one_line(inputs, tmp_path, c
     assert rc == 2 and "Traceback" not in err, err
     assert f"checkpoint {ckpt} holds another model shape (hidden_size 48 -> 32" in line, line
     assert "tools/convert_ckpt/hf_to_megatron.py" in line and not (tmp_path / "run").exists()
+
+
+def _with_vocabulary(hf: Path, out: Path, *, extra_rows: int) -> Path:
+    """A copy of the HF dir ``hf`` whose vocabulary has ``extra_rows`` more entries (config.json and
+    the embedding alike), as a model of another tokenizer would."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(hf, out)
+    config = json.loads((out / "config.json").read_text())
+    config["vocab_size"] += extra_rows
+    (out / "config.json").write_text(json.dumps(config))
+    for file in out.glob("*.safetensors"):
+        tensors = load_file(file)
+        for name in ("model.embed_tokens.weight", "lm_head.weight"):
+            if name in tensors:
+                tensors[name] = torch.cat([tensors[name], tensors[name][:extra_rows].clone()])
+        save_file(tensors, file, metadata={"format": "pt"})
+    return out
+
+
+def test_resuming_under_a_model_of_another_vocabulary_is_one_line(inputs, tmp_path, capsys):
+    """A run's model.hf_path switched to a model of another vocab_size, same run directory: refused in one
+    line naming the vocabulary, before megatron is built (not a traceback that blames
+    make_vocab_size_divisible_by and TP, which the changed model did not touch). Its own model still resumes."""
+    run_dir = tmp_path / "run"
+    one_step = [*_real_run(inputs), "checkpoint.save_every=1", "eval.every=0", "eval.n=1", "rollout.n=2",
+                "data.prompts_per_step=4", "train.mini_batch_prompts=4", "algorithm.filter_groups.enable=false"]
+    rc, err = _train(capsys, run_dir, *one_step, "train.total_steps=1")
+    assert rc == 0, err[-3000:]
+    wider = _with_vocabulary(inputs["hf"], tmp_path / "wider", extra_rows=128)  # 140 -> 268: 256 -> 384 padded
+    rc, err = _train(capsys, run_dir, *one_step, f"model.hf_path={wider}", "train.total_steps=2")
+    line = err.strip().splitlines()[-1]
+    assert rc == 2 and "Traceback" not in err, err[-3000:]
+    assert line == (f"megatron-dapo: error: checkpoint {run_dir / 'checkpoints' / 'step_00000001'} holds another "
+                    "model shape (vocab_size 140 -> 268; checkpoint -> this run's model): resume with the model it "
+                    "was trained with, or start a new logging.dir"), line
+    rc, err = _train(capsys, run_dir, *one_step, "train.total_steps=2")
+    steps_logged = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert rc == 0 and steps_logged == [0, 1, 2], (steps_logged, err[-3000:])  # each step once: resumed
 
 
 def test_a_layout_that_cannot_run_is_refused_before_any_data_is_read(inputs, tmp_path, capsys):

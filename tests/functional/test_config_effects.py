@@ -251,7 +251,8 @@ CASES: dict[str, Case] = {
     "alarms.identical_groups": C("1.0", alarm("identical_groups", False), {"rollout.temperature": "0.01"}),
     "alarms.entropy_min": C("10", alarm("entropy_collapse")),
     "alarms.mismatch_max": C("1.0", alarm("mismatch_spike")),  # fp32 engine and trainer: 1 + ~1e-7
-    "alarms.all_correct": C("1.0", alarm("all_correct", False), ALL_CORRECT),
+    "alarms.all_correct": C("1.0", alarm("all_correct", False), ALL_CORRECT | {"alarms.all_correct_steps": "1"}),
+    "alarms.all_correct_steps": C("1", alarm("all_correct"), ALL_CORRECT),
     "alarms.max_samples": C("1", lambda a, b: dump_rows(a, "samples/alarm_00000001_repeated_answer_label.jsonl") == 1
                             < dump_rows(b, "samples/alarm_00000001_repeated_answer_label.jsonl"), PLANT),
     "profile.steps": C("[1,1]", lambda a, b: trace_bytes(a) > 0 == trace_bytes(b)),

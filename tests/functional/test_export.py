@@ -1,8 +1,9 @@
 """A trained policy out to HF (`megatron-dapo export`): a short CPU run's training checkpoint exports
 at TP=1 and, under torchrun, at TP=2 (resharded on load) to the same bytes; transformers loads the
 dir and its logits equal the Megatron model's on the same checkpoint; `megatron-dapo eval` on the
-exported dir gives exactly the numbers it gives on the checkpoint. The export also for a Qwen3 dense
-base, whose run shows the demo learning on Qwen3 (the evaluation's equality is the same code path)."""
+exported dir gives exactly the numbers it gives on the checkpoint, without training data; both commands
+take the run's directory as `samples` and `report` do. The export also for a Qwen3 dense base, whose run
+shows the demo learning on Qwen3 (the evaluation's equality is the same code path)."""
 
 import json
 import os
@@ -121,18 +122,22 @@ def test_export_at_any_tp_loads_in_transformers_with_the_trainers_logits(which, 
 
 
 def test_eval_on_the_exported_dir_equals_eval_on_the_checkpoint(run, tmp_path):
+    """Also: the exported dir is scored on held-out data alone (no data.train_files), as a downloaded
+    model would be; and `export RUN` / `eval RUN --step N` read the run's own config.yaml where the run
+    lies now, fitted to this one process, giving the same bytes and numbers."""
     config = str(run / "config.yaml")
     _ok([*CLI, "export", "--config", config, "--out", str(tmp_path / "hf")])
     _ok([*CLI, "eval", "--config", config])
-    data = run / "toy_data"
-    _ok([*CLI, "eval", "--config", config, "toy.enable=false", f"model.hf_path={tmp_path / 'hf'}",
-         f"data.train_files=[{data / 'train.parquet'}]", f"data.val_files=[{data / 'val.parquet'}]",
-         f"logging.dir={tmp_path / 'eval_hf'}", "checkpoint.resume=never"])
+    out = _ok([*CLI, "eval", "--config", config, "toy.enable=false", f"model.hf_path={tmp_path / 'hf'}",
+               "data.train_files=[]", f"data.val_files=[{run / 'toy_data' / 'val.parquet'}]",
+               f"logging.dir={tmp_path / 'eval_hf'}", "checkpoint.resume=never"])
+    assert "evaluation of step 0: " in out.stdout and "train.parquet" not in out.stderr
     on_ckpt = json.loads((run / "eval.json").read_text())
     on_export = json.loads((tmp_path / "eval_hf" / "eval.json").read_text())
     assert on_ckpt.pop("step") == _steps(run) and on_export.pop("step") == 0
     assert on_export == on_ckpt
     assert on_ckpt["eval/avg@4"] > 0  # a real evaluation ran
+    _take_the_run_directory(run, tmp_path)
 
 
 def test_the_qwen3_demo_learns_with_the_engines_log_probs_equal_to_the_trainers(qwen3_run):
@@ -148,3 +153,39 @@ def test_the_qwen3_demo_learns_with_the_engines_log_probs_equal_to_the_trainers(
         [r["rollout/logprob_mismatch"] for r in records]
     base = json.loads((run / "toy_base" / "warmup.json").read_text())["eval_temperature_1"]["acc_mean"]
     assert base < 0.2 and records[-1]["eval/avg@4"] > base + 0.3, (base, records[-1]["eval/avg@4"])
+
+
+def _as_trained_apart(run: Path, copy: Path) -> Path:
+    """``run`` copied to ``copy`` with a config.yaml as a TP=2 run whose engines had ranks of their own
+    (separate placement, staleness 1) records it: the checkpoints are the same either way (they
+    reshard on load; test_export_at_any_tp...), so what this holds is the layout a reading job meets."""
+    import shutil
+
+    import yaml
+
+    shutil.copytree(run, copy)
+    cfg = yaml.safe_load((copy / "config.yaml").read_text())
+    cfg["parallel"]["tensor_model_parallel_size"] = 2
+    cfg["rollout"].update(placement="separate", num_ranks=1, max_staleness=1)
+    cfg["train"]["old_log_probs"] = "trainer"
+    (copy / "config.yaml").write_text(yaml.safe_dump(cfg))
+    return copy
+
+
+def _take_the_run_directory(run: Path, tmp_path: Path) -> None:
+    """`export RUN` and `eval RUN --step N` on a copy of ``run`` recorded as trained apart: the bytes
+    of ``tmp_path``/hf and the numbers of ``run``/eval.json."""
+    apart = _as_trained_apart(run, tmp_path / "apart")
+    out = _ok([*CLI, "export", str(apart), "--out", str(tmp_path / "by_dir"), "--step", "3"])
+    assert "parallel.tensor_model_parallel_size: 2 -> 1" in out.stderr, out.stderr
+    assert ((tmp_path / "by_dir" / "model.safetensors").read_bytes()
+            == (tmp_path / "hf" / "model.safetensors").read_bytes())
+    assert json.loads((tmp_path / "by_dir" / "export.json").read_text())["checkpoint"].startswith(str(apart))
+    out = _ok([*CLI, "eval", str(apart), "--step", "3"])
+    assert "evaluating the checkpoint of step 3" in out.stderr and "resumed" not in out.stderr, out.stderr
+    assert "rollout.placement: separate -> colocated" in out.stderr
+    assert json.loads((apart / "eval.json").read_text()) == json.loads((run / "eval.json").read_text())
+    bad = subprocess.run([*CLI, "eval", str(apart), "--step", "2"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=300, env=ENV)
+    assert bad.returncode == 2 and f"no checkpoint of step 2 to evaluate; {apart / 'checkpoints'} holds steps [3]" \
+        in bad.stderr.splitlines()[-1], bad.stderr

@@ -132,7 +132,7 @@ def test_an_exhausted_step_fills_from_the_last_batchs_dropped_groups(caplog):
     assert keep.tolist() == [True, False, False]  # the filter's verdict is unchanged
     batch, m = s.pop()
     assert batch == ["a", "d", "e"] and m["dynamic_sampling/num_filled"] == 1.0
-    assert "max_num_gen_batches=2" in caplog.text and "1 groups whose answers all agree" in caplog.text
+    assert "max_num_gen_batches=2" in caplog.text and "Filled the other 1 slots" in caplog.text
     s.start_step()
     s.add(["g", None, None], _acc([[1, 1], [1, 1], [1, 1]]))
     with pytest.raises(DynamicSamplingExhausted, match="max_num_gen_batches=2"):
@@ -142,6 +142,27 @@ def test_an_exhausted_step_fills_from_the_last_batchs_dropped_groups(caplog):
     assert not strict.carries_all()
     with pytest.raises(DynamicSamplingExhausted):
         strict.add(["a", "b", "c"], _acc([[1, 0], [1, 1], [0, 0]]))
+
+
+def test_a_filled_step_counts_its_mixed_groups_before_the_fill(caplog):
+    """The warning of a filled step counts the mixed groups found, not the slots filled (a step
+    that found none would read as full), and says what filled the rest and what that means."""
+    s = DynamicSampler(prompts_per_step=2, group_size=2, max_num_gen_batches=1, on_exhausted="fill")
+    s.start_step()
+    with caplog.at_level("WARNING"):
+        s.add(["a", "b", "c"], _acc([[1, 1], [0, 0], [0, 0]]))
+    text = caplog.text
+    assert "collected 0 of 2 mixed prompt groups" in text, text
+    assert "Filled the other 2 slots" in text and "(1 all correct, 1 all wrong)" in text, text
+    assert "this step learns nothing about correctness" in text and "max_num_gen_batches (0 = unbounded)" in text, text
+    assert len(text.strip().splitlines()) == 1, text
+    assert s.pop()[0] == ["a", "b"]
+    caplog.clear()
+    s.start_step()
+    with caplog.at_level("WARNING"):
+        s.add(["d", "e", "f"], _acc([[0, 1], [1, 1], [1, 1]]))
+    assert "collected 1 of 2 mixed" in caplog.text and "learns correctness only from its 1 mixed groups" in caplog.text
+    assert "The data is too easy" in caplog.text, caplog.text
 
 
 def test_exhausted_error_names_the_numbers():

@@ -9,7 +9,7 @@ import pytest
 
 from megatron_dapo.config import DAPOConfig, EvalConfig, OverlongBufferConfig, RewardConfig, RolloutConfig, TrainConfig
 from megatron_dapo.config_algo import FilterGroupsConfig, LossConfig
-from megatron_dapo.config_derived import comments, derive
+from megatron_dapo.config_derived import comments, derive, pi_old_source
 from megatron_dapo.config_loading import dump_yaml, load_config
 
 
@@ -91,3 +91,32 @@ def test_resolving_is_once_and_config_yaml_records_it(tmp_path):
     assert "# decided by this launch's machine" in text and "#   model.dtype: auto -> fp32" in text
     assert load_config(path) == cfg  # the comments keep it loadable, and it loads as what ran
     assert "clip_ratio_low: 0.2" in text and "rollout_is: token" in text
+
+
+def test_pi_old_follows_from_the_rollouts_settings():
+    """train.old_log_probs=auto: the engine's own log-probs where they are the step's pi_old (the HF
+    engine at fp32 on the step's own weights), else the trainer's pass; so the demo's staleness alone
+    is accepted. Where the dtype is the machine's, so is this choice: config.yaml keeps auto."""
+    demo = load_config("conf/cpu_tiny.yaml")
+    cfg, derived = derive(demo, on_gpu=False)
+    assert cfg.train.old_log_probs == "auto" and _lines(derived)["train.old_log_probs"] == ("auto", "rollout", True)
+    assert pi_old_source(cfg, on_gpu=False) == "rollout" and pi_old_source(cfg, on_gpu=True) == "trainer"  # bf16
+    assert "train.old_log_probs: auto -> rollout" in comments(derived)
+    fp32 = derive(load_config("conf/cpu_tiny.yaml", ["model.dtype=fp32"]), on_gpu=True)[0]
+    assert fp32.train.old_log_probs == "rollout"  # the config decides it: recorded
+    for overrides, why in ((["rollout.placement=separate", "rollout.num_ranks=1", "rollout.max_staleness=1"],
+                            "rollout.max_staleness=1"),
+                           (["rollout.partial=true"], "rollout.partial=true"),
+                           (["rollout.engine=vllm"], "rollout.engine=vllm"),
+                           (["model.dtype=bf16"], "bf16"),
+                           (["algorithm.rollout_correction.rollout_rs=token_k1",
+                             "algorithm.rollout_correction.rollout_rs_threshold=0.5_2.0"], "rollout correction")):
+        cfg, derived = derive(load_config("conf/cpu_tiny.yaml", overrides), on_gpu=False)
+        line = [d.line() for d in derived if d.key == "train.old_log_probs"]
+        assert cfg.train.old_log_probs == "trainer" and why in line[0], (overrides, line)
+    # a user's own value is kept, and a contradiction of it refused as before
+    assert derive(load_config("conf/cpu_tiny.yaml", ["train.old_log_probs=trainer"]), on_gpu=False)[0] \
+        .train.old_log_probs == "trainer"
+    with pytest.raises(ValueError, match="train.old_log_probs=rollout"):
+        load_config("conf/cpu_tiny.yaml", ["train.old_log_probs=rollout", "rollout.placement=separate",
+                                           "rollout.num_ranks=1", "rollout.max_staleness=1"])

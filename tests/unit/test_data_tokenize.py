@@ -85,3 +85,39 @@ def test_length_filter_on_tokenized_aime(tokenizer, aime_records):
     assert [r.index for r in kept] == expected
     assert num_dropped == 30 - len(expected) and 0 < num_dropped < 30
     assert all(len(ids) <= limit for ids in kept_ids)
+
+
+def _load_for_run(key, files, tokenizer, *, max_prompt_length, on_bad_row="error"):
+    """run._prompts, the trainer's reading of data.train_files / data.val_files."""
+    from types import SimpleNamespace
+
+    from megatron_dapo import run
+
+    cfg = SimpleNamespace(data=SimpleNamespace(on_bad_row=on_bad_row, max_prompt_length=max_prompt_length))
+    return run._prompts(key, files, tokenizer, cfg, dedup=True)
+
+
+def test_prompts_all_too_long_ask_for_a_larger_limit_not_other_data(tokenizer, aime_records, aime_path):
+    """Every prompt over data.max_prompt_length: the data is fine, the limit is not, and the error
+    names the limit that would let them in (measured, with the chat template)."""
+    lengths = sorted(len(ids) for ids in tokenize_prompts(tokenizer, aime_records))
+    with pytest.raises(ValueError) as e:
+        _load_for_run("data.val_files", [str(aime_path)], tokenizer, max_prompt_length=lengths[0] - 1)
+    msg = str(e.value)
+    assert f"all 30 prompts are longer than data.max_prompt_length={lengths[0] - 1} tokens" in msg, msg
+    assert f"shortest {lengths[0]}, median {lengths[14]}, longest {lengths[-1]}" in msg, msg
+    assert f"raise data.max_prompt_length to at least {lengths[14]}" in msg, msg
+    assert "DAPO-format" not in msg and "\n" not in msg, msg
+    assert _load_for_run("data.val_files", [str(aime_path)], tokenizer, max_prompt_length=lengths[14])[0]  # half in
+
+
+def test_prompts_of_the_wrong_shape_point_at_dapo_format_data(tokenizer, tmp_path):
+    """Rows that are all bad (skipped): other data is the fix, and the error says why they were skipped."""
+    path = tmp_path / "floats.jsonl"
+    path.write_text('{"problem": "1+1?", "answer": 2.0}\n' * 2)
+    with pytest.raises(ValueError) as e:
+        _load_for_run("data.train_files", [str(path)], tokenizer, max_prompt_length=1024, on_bad_row="skip")
+    msg = str(e.value)
+    assert "no usable prompts (2 rows, 2 skipped as bad: bad_ground_truth 2); point data.train_files at a " \
+           "DAPO-format parquet or JSONL file" in msg, msg
+    assert "max_prompt_length" not in msg, msg

@@ -112,6 +112,14 @@ def test_progress_line_is_compact_and_skips_missing_keys():
     assert "nan" in format_progress(1, {"reward/acc_mean": math.nan}, total_steps=1)
 
 
+def test_progress_line_labels_the_logprob_agreement_as_a_ratio():
+    """rollout/logprob_mismatch is 1.0 when engine and trainer agree: its column must not read as a
+    share of mismatched tokens ("mismatch 1.000" read as 100%)."""
+    line = format_progress(3, {"rollout/logprob_mismatch": 1.0004}, total_steps=10)
+    assert line == "step  3/10 | eng/trn 1.000", line
+    assert "mismatch" not in " ".join(label for _, label in progress_keys(4))
+
+
 def test_read_metrics_skips_a_broken_last_line(tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 0, "x": 1}\n{"step": 1, "x"')

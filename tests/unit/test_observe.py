@@ -80,6 +80,30 @@ def test_a_missing_metric_leaves_an_alarm_as_it_was_and_state_restores(tmp_path)
     assert events == [] and not (tmp_path / "alarms.jsonl").exists()
 
 
+def test_a_saturation_alarm_needs_its_steps_in_a_row_and_a_resume_keeps_the_streak(tmp_path):
+    """all_correct is raised only after alarms.all_correct_steps steps in a row above its threshold:
+    the healthy demo crossed it at steps 78 and 80 alone (0.917, 0.905 around 0.889), a solved data
+    set stays across. The streak so far travels with the trainer state."""
+    def run(monitor, values, start=1):
+        return [[e.alarm for e in monitor.check(s, {"dynamic_sampling/frac_all_correct": v})[0]]
+                for s, v in enumerate(values, start=start)]
+
+    demo_tail = [0.899, 0.833, 0.899, 0.889, 0.893, 0.899, 0.917, 0.889, 0.905]  # steps 72-80 of the demo
+    assert run(AlarmMonitor(AlarmsConfig(), tmp_path, enabled_writes=False), demo_tail) == [[]] * 9
+    solved = [0.95, 0.97, 0.92, 0.99, 0.96, 0.98]
+    assert run(AlarmMonitor(AlarmsConfig(), tmp_path, enabled_writes=False), solved) == [[]] * 4 + [["all_correct"], []]
+    assert run(AlarmMonitor(AlarmsConfig(all_correct_steps=1), tmp_path, enabled_writes=False), demo_tail) == \
+        [[]] * 6 + [["all_correct"], [], ["all_correct"]]
+    first = AlarmMonitor(AlarmsConfig(), tmp_path, enabled_writes=False)
+    run(first, solved[:3])
+    state = TrainerState(step=3, sampler={}, alarms=tuple(first.state()), alarm_streaks=first.streaks())
+    back = TrainerState.from_json(json.loads(json.dumps(state.to_json())), "trainer_state.json")
+    assert back.alarm_streaks == {"all_correct": 3}
+    again = AlarmMonitor(AlarmsConfig(), tmp_path, enabled_writes=False)
+    again.restore(list(back.alarms), back.alarm_streaks)
+    assert run(again, solved[3:], start=4) == [[], ["all_correct"], []]  # where the uninterrupted run raised it
+
+
 def test_alarms_off_check_nothing(tmp_path):
     assert AlarmMonitor(AlarmsConfig(enable=False), tmp_path, enabled_writes=True).check(
         1, {"actor/entropy": 0.0}) == ([], [])

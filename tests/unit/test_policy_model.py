@@ -103,7 +103,7 @@ def test_runtime_resolution(monkeypatch):
 @pytest.mark.parametrize("hf_change,parallel,world,match", [
     ({}, dict(tensor_model_parallel_size=3), 3, "num_attention_heads=4 is not divisible"),
     ({"num_attention_heads": 12, "num_key_value_heads": 4}, dict(tensor_model_parallel_size=3), 3,
-     "num_key_value_heads=4 and tensor_model_parallel_size=3"),
+     r"num_key_value_heads=4 and tensor_model_parallel_size=3: neither divides the other .*: \[1\]$"),
     ({"num_hidden_layers": 6}, dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2),
      2, "num_hidden_layers=6 is not divisible by .* 2 x 2"),
     ({}, dict(tensor_model_parallel_size=2), 3, "world size 3 is not divisible"),
@@ -113,6 +113,57 @@ def test_validate_parallel_names_values_and_fix(hf_change, parallel, world, matc
     with pytest.raises(ValueError, match=match):
         validate_parallel(tiny_hf_config(**hf_change), parallel=ParallelConfig(**parallel), model=MODEL,
                           world_size=world, on_gpu=False)
+
+
+def test_every_tp_a_layout_error_suggests_is_one_the_layout_accepts():
+    """For each Qwen2.5 / Qwen3 shape, world size and PP (with the tied-embedding rule of PP 2 under the
+    distributed optimizer), every TP the model cannot take is refused with a list of sizes, and each of
+    them, set, passes the whole layout check (`megatron-dapo config`'s). Qwen2.5-7B's 28 heads alone
+    would allow 7, 14 and 28; its 4 KV heads and 18944-wide MLP take none of them."""
+    import dataclasses
+    import itertools
+    import re
+
+    from megatron_dapo.config_loading import load_config
+    from megatron_dapo.convert.synthetic import SHAPES
+    from megatron_dapo.errors import ConfigError
+    from megatron_dapo.layout import describe_layout, model_shape
+
+    def layout(cfg, world, hf, tp):
+        cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, tensor_model_parallel_size=tp))
+        return describe_layout(cfg, world, hf, "test", on_gpu=False)
+
+    def refusal(cfg, world, hf, tp) -> str | None:
+        try:
+            layout(cfg, world, hf, tp)
+        except ConfigError as e:
+            return str(e)
+        return None
+
+    suggested = {}
+    batches = {512: [], 448: ["data.prompts_per_step=448", "train.mini_batch_prompts=28"]}  # responses per update
+    for (batch, overrides), pp in itertools.product(batches.items(), (1, 2)):
+        cfg = load_config(None, [f"parallel.pipeline_model_parallel_size={pp}", *overrides])
+        for shape in SHAPES:
+            hf, _ = model_shape(cfg, shape)
+            for world in (8, 16, 28, 40, 64):
+                for tp in (t for t in range(2, world + 1) if world % (t * pp) == 0):
+                    error = refusal(cfg, world, hf, tp)
+                    if error is None or "tensor_model_parallel_size=" not in error:  # fits, or PP's layers
+                        continue
+                    found = re.findall(r"\[[\d, ]+\]", error)
+                    assert found, f"{shape} TP {tp} at world {world}: no sizes suggested: {error}"
+                    fits = [int(v) for v in found[0].strip("[]").split(",")]
+                    if "none of which splits" in error:  # the model's sizes, each refused for the batch alone
+                        assert all("do not split over DP" in refusal(cfg, world, hf, fit) for fit in fits), error
+                        continue
+                    suggested[(shape, world, pp, batch, tp)] = fits
+                    for fit in fits:
+                        layout(cfg, world, hf, fit)  # raises when a suggestion does not work
+    assert suggested[("7B", 8, 1, 512, 8)] == suggested[("7B", 28, 1, 448, 7)] == [1, 2, 4]
+    assert ("7B", 28, 1, 512, 7) not in suggested  # DP 28, 14 or 7 cannot split 512 responses: said instead
+    assert suggested[("0.5B", 16, 2, 512, 4)] == [1]  # tied: TP 2 with PP 2 would shift the embedding's state
+    assert suggested[("32B", 64, 1, 512, 16)] == [1, 2, 4, 8]
 
 
 def test_validate_parallel_accepts_replicated_kv_groups():
@@ -235,3 +286,29 @@ def test_a_qwen2_checkpoint_is_refused_under_a_qwen3_model_and_an_older_one_stil
     check_model_shape(tmp_path, older, _shape(qwen2))
     with pytest.raises(InputError, match=r"kv_channels 16 -> 32"):
         check_model_shape(tmp_path, older, _shape(tiny_hf_config(head_dim=32)))
+
+
+def test_a_checkpoint_of_another_vocabulary_is_refused_in_one_line_and_an_older_one_still_loads(world_of_one,
+                                                                                                   tmp_path):
+    """A run resumed under a model.hf_path of another vocab_size is refused before anything is built,
+    naming the vocabulary (not the padding knobs): the saved shape records vocab_size, the same on the
+    run's side (run._shape of config.json) and the model's (checkpoint.model_shape of a built model).
+    A checkpoint written before vocab_size was recorded is checked on the fields it has."""
+    from megatron_dapo.errors import InputError
+    from megatron_dapo.mcore.checkpoint import check_model_shape, model_shape
+    from megatron_dapo.run import _shape
+
+    hf = tiny_hf_config()
+    world_of_one(hf)
+    built = build_model(hf, model=ModelConfig(), parallel=ONE)  # pads 120 rows to 128
+    assert built[0].vocab_size == 128 and model_shape(built) == _shape(hf) and _shape(hf)["vocab_size"] == 120
+    saved = {"model_shape": _shape(hf)}
+    # 100 rows: at the default make_vocab_size_divisible_by=128 both pad to 128 rows, so megatron's
+    # loader would take the checkpoint without a word; at MODEL's 8 the padded sizes differ as well
+    other = _shape(tiny_hf_config(vocab_size=100))
+    fix = "resume with the model it was trained with"
+    with pytest.raises(InputError, match=rf"^checkpoint {tmp_path} holds another model shape \(vocab_size 120 -> 100; "
+                                         rf"checkpoint -> this run's model\): {fix}$"):
+        check_model_shape(tmp_path, saved, other, fix=fix)
+    older = {"model_shape": {k: v for k, v in _shape(hf).items() if k != "vocab_size"}}
+    check_model_shape(tmp_path, older, other)

@@ -8,6 +8,7 @@ import pytest
 
 from megatron_dapo import cli
 from megatron_dapo.data import load_prompts
+from megatron_dapo.errors import InputError
 
 
 def _row(problem: str, answer: str, index: str) -> dict:
@@ -56,6 +57,18 @@ def test_a_bad_row_is_named_and_nothing_is_written(raw, tmp_path, capsys):
     assert rc == 0 and "9 rows -> 4 unique prompts" in text and "1 bad row(s) skipped" in text, text
 
 
+def test_a_bad_rows_advice_names_the_knob_of_the_command_that_read_it(tmp_path, capsys):
+    """prepare-data has a flag for skipping, a run a config key: each error names its own."""
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"prompt": "not a list"}) + "\n")
+    assert cli.main(["prepare-data", "--train", str(bad), "--out", str(tmp_path / "prepared")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith("(fix the row, or pass --on-bad-row skip to count and drop bad rows)"), err
+    assert "data.on_bad_row" not in err and len(err.splitlines()) == 1
+    with pytest.raises(InputError, match=r"\(fix the row, or set data.on_bad_row=skip to count and drop bad rows\)$"):
+        load_prompts(bad)  # as a run's data loading calls it
+
+
 def test_an_existing_output_is_not_replaced_without_force(raw, tmp_path, capsys):
     out = tmp_path / "prepared"
     assert cli.main(["prepare-data", "--train", str(raw), "--out", str(out)]) == 0
@@ -80,3 +93,28 @@ def test_a_long_read_says_how_far_it_is(tmp_path, monkeypatch, capsys):
                                                                    "prepare-data: --train: 20,000"]
     assert lines[2] == f"prepare-data: writing {tmp_path / 'out' / 'train.parquet'} (500 prompts)"
     assert "train: 25000 rows -> 500 unique prompts" in out.replace(",", "")
+
+
+def test_non_integer_ground_truths_are_counted_and_warned_about(raw, tmp_path, capsys):
+    """The reward scores a non-integer ground truth by exact string match, not by value (module
+    docstring): kept, but counted in the report and named in a one-line warning with the fix."""
+    mixed = tmp_path / "mixed.jsonl"
+    mixed.write_text("".join(json.dumps(_row(p, a, p)) + "\n" for p, a in
+                             [("half?", "\\frac{1}{2}"), ("tenth?", "0.1"), ("again half?", "\\frac{1}{2}"),
+                              ("ten?", "10"), ("thousand?", "1,000")]))
+    out = tmp_path / "prepared"
+    rc = cli.main(["prepare-data", "--train", str(raw), str(mixed), "--out", str(out)])
+    text, err = capsys.readouterr()
+    assert rc == 0, err
+    warnings = [line for line in err.splitlines() if "warning" in line]
+    assert len(warnings) == 1, err
+    assert warnings[0].startswith("prepare-data: warning: --train: 3 of 8 prompts have a ground truth that is not "
+                                  "an integer ('\\frac{1}{2}', '0.1'); the reward matches those as normalised "
+                                  "strings, not by value"), warnings[0]
+    assert "check that this is the file you meant, or drop those prompts" in warnings[0], warnings[0]
+    assert "8 unique prompts (4 duplicate rows merged, 3 with a non-integer ground truth)" in text, text
+    report = json.loads((out / "prepare.json").read_text())
+    assert report[0]["non_integer_ground_truths"] == 3
+    assert len(pq.read_table(out / "train.parquet")) == 8  # kept: the reward does score them
+    rc = cli.main(["prepare-data", "--train", str(raw), "--out", str(tmp_path / "ints")])
+    assert rc == 0 and "warning" not in capsys.readouterr().err  # integers, as in DAPO-Math-17K

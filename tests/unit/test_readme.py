@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_dapo.cli import build_parser
+from megatron_dapo.cli import build_parser, parse_args
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
@@ -175,7 +175,7 @@ def test_every_megatron_dapo_command_line_parses():
             err = io.StringIO()
             try:
                 with contextlib.redirect_stderr(err):
-                    parser.parse_args(_placeholders(argv))
+                    parse_args(_placeholders(argv))
             except SystemExit:
                 bad.append(f"{segment!r}: {err.getvalue().strip().splitlines()[-1]}")
     assert shown >= 10, f"found only {shown} megatron-dapo command lines in README"

@@ -223,3 +223,14 @@ def test_version(capsys):
     with pytest.raises(SystemExit) as done:
         cli.main(["--version"])
     assert done.value.code == 0 and capsys.readouterr().out == "megatron-dapo 0.1.0\n"
+
+
+def test_overrides_may_follow_a_flag():
+    """`eval RUN --step 3 eval.n=8`: argparse alone stops taking positionals at --step and refuses
+    `eval.n=8` as an unrecognized argument; an unknown flag is still refused."""
+    from megatron_dapo.cli import parse_args
+
+    args = parse_args(["eval", "runs/x", "--step", "3", "eval.n=8"])
+    assert (args.overrides, args.step) == (["runs/x", "eval.n=8"], 3)
+    with pytest.raises(SystemExit):
+        parse_args(["eval", "runs/x", "--step", "3", "--stpe", "4"])
