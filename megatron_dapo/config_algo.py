@@ -79,6 +79,11 @@ class RolloutCorrectionConfig:
         try:
             upper, lower = parse_is_threshold(self.rollout_is_threshold)
             rules = () if self.rollout_rs is None else parse_rejections(self.rollout_rs, self.rollout_rs_threshold)
+            if self.rollout_rs is None and self.rollout_rs_threshold is not None:
+                # Unread without rollout_rs, but still a bound: a slip shows now, not once rollout_rs is
+                # set. Each part read as the options that take its form: lower_upper (k1), an upper (k2).
+                for part in str(self.rollout_rs_threshold).split(","):
+                    parse_rejections("token_k1" if "_" in part else "token_k2", part)
         except ValueError as e:  # each message starts with the key's own name
             fail(f"{where}.{e}")
         return CorrectionSpec(is_level=self.rollout_is, is_upper=upper, is_lower=lower, rejections=rules)

@@ -163,3 +163,17 @@ def test_huge_mismatch_and_nan_under_the_mask_stay_finite():
         assert all(torch.isfinite(v) for v in got.metrics.values())
         assert got.weights is None or torch.isfinite(got.weights).all()
         assert got.mask[0, 3] == 0
+
+
+def test_a_rejection_bound_is_checked_also_while_no_rejection_reads_it():
+    """rollout_rs_threshold is unread without rollout_rs, but a value that is no bound ('abc', -1: the
+    bad-input campaign's, which trained on) is named at once, not once rollout_rs is set."""
+    from megatron_dapo.config_loading import load_config
+    from megatron_dapo.errors import ConfigError
+
+    for value, why in (("abc", "'abc' is not a number"), ("-1", "need a bound > 0"),
+                       ("0.5_2.0,x", "'x' is not a number")):
+        with pytest.raises(ConfigError, match=r"^algorithm.rollout_correction.rollout_rs_threshold=.*" + why):
+            load_config(None, [f"algorithm.rollout_correction.rollout_rs_threshold={value}"])
+    for value in ("0.5_2.0", "2.0", "0.5_2.0,0.3"):
+        load_config(None, [f"algorithm.rollout_correction.rollout_rs_threshold={value}"])
