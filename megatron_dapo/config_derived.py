@@ -115,12 +115,16 @@ def pi_old_source(cfg: DAPOConfig, *, on_gpu: bool) -> str:
 
 
 def exact_rollout_log_probs(cfg: DAPOConfig, *, on_gpu: bool) -> tuple[bool, str]:
-    """(whether the engine's log-probs of a step's responses are that step's pi_old, why): only the HF
-    engine computes with the trainer's weights at fp32 (vLLM's kernels, and any bf16 pass, differ from
-    the trainer's), and only for responses of the step's own weights, uncorrected."""
+    """(whether the engine's log-probs of a step's responses are that step's pi_old, why): only an
+    engine that computes as the trainer does (the HF engine's ``fp32_logprobs_are_the_trainers``;
+    vLLM's kernels differ) and only at fp32 (any bf16 pass differs), for responses of the step's own
+    weights, uncorrected."""
+    from megatron_dapo.rollout.engine import get_engine_cls  # the registry, not the engines' packages
+
     r = cfg.rollout
     dtype = resolve_dtype(cfg.model.dtype, on_gpu)
-    for stands, why in ((r.engine != "hf", f"rollout.engine={r.engine} computes with kernels of its own"),
+    same_math = get_engine_cls(r.engine).fp32_logprobs_are_the_trainers
+    for stands, why in ((not same_math, f"rollout.engine={r.engine} computes with kernels of its own"),
                         (dtype != "fp32", f"the model runs in {dtype}"),
                         (r.max_staleness > 0, f"rollout.max_staleness={r.max_staleness}: older weights' responses"),
                         (r.partial, "rollout.partial=true: responses begun by older weights"),

@@ -148,8 +148,10 @@ class RolloutEngine(Protocol):
     cheap checks of the settings and installed packages before anything heavy; ValueError), a
     ``reads_hf_weights`` class attribute (whether a run's engine loads model.hf_path's safetensors,
     so that setup checks them first), a ``continues_prefixes`` one (whether a prompt may end inside
-    a response, so that the response goes on from there: rollout.partial needs it), and is chosen
-    by name through ENGINES."""
+    a response, so that the response goes on from there: rollout.partial needs it), an
+    ``fp32_logprobs_are_the_trainers`` one (whether, at fp32 from the trainer's weights, its
+    log-probs of a response are the trainer's to round-off: train.old_log_probs=auto takes them as
+    pi_old then), and is chosen by name through ENGINES."""
 
     def generate(self, prompt_ids: Sequence[Sequence[int]], n: int, params: SamplingParams, *,
                  prompt_indices: Sequence[int] | None = None) -> list[list[Rollout]]:

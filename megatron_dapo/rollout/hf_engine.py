@@ -60,6 +60,7 @@ class HFEngine:
 
     reads_hf_weights = True  # from_spec loads model.hf_path; the first sync replaces them
     continues_prefixes = True  # token ids in, token ids out: prompt + a response's prefix continues it
+    fp32_logprobs_are_the_trainers = True  # the same math as the trainer's forward (max |diff| ~5e-6 at fp32)
     aborts = True  # its decode loop checks for abort() at every token
 
     def __init__(self, model: torch.nn.Module, *, eos_token_ids: Sequence[int] | None = None,

@@ -147,6 +147,7 @@ class VLLMEngine:
 
     reads_hf_weights = False  # a run's engine starts with dummy weights (load_format="dummy")
     continues_prefixes = True  # token ids in, token ids out: prompt + a response's prefix continues it
+    fp32_logprobs_are_the_trainers = False  # kernels of its own (attention, sampling), whatever the dtype
     aborts = True  # generate() steps the engine itself and ends its requests after abort()
 
     def __init__(self, model_path: str, *, mode: Literal["colocated", "standalone"] = "colocated",

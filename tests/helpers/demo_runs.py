@@ -63,7 +63,11 @@ def record_values(records: list[dict]) -> dict[int, dict]:
 def assert_same_as_reference(run_dir: Path, reference: Path) -> None:
     got, want = read_records(run_dir), read_records(reference)
     assert [r["step"] for r in got] == list(range(STEPS + 1)), "each step's record exactly once"
-    assert record_values(got) == record_values(want)  # bitwise: floats compared with ==
+    got_values, want_values = record_values(got), record_values(want)
+    differ = {step: sorted(k for k in got_values[step].keys() | want_values.get(step, {}).keys()
+                           if got_values[step].get(k) != want_values.get(step, {}).get(k))
+              for step in got_values if got_values[step] != want_values.get(step)}
+    assert not differ, f"records differ from the reference's (step: keys): {differ}"  # bitwise: floats with ==
 
 
 def wait_for(predicate, proc: subprocess.Popen, what: str, timeout: float = 300, poll: float = 0.05) -> None:

@@ -114,6 +114,14 @@ def test_pi_old_follows_from_the_rollouts_settings():
         cfg, derived = derive(load_config("conf/cpu_tiny.yaml", overrides), on_gpu=False)
         line = [d.line() for d in derived if d.key == "train.old_log_probs"]
         assert cfg.train.old_log_probs == "trainer" and why in line[0], (overrides, line)
+    # an engine is exact by what its class declares, not by its name: the fault tests' stalling HF
+    # engine is the HF engine's math, and a run with it must take the same pi_old as the demo's
+    from tests.helpers.stalling_engine import register
+
+    register()
+    for name, want in (("stalling_hf", "rollout"), ("stalling_vllm", "trainer")):
+        stalling = load_config("conf/cpu_tiny.yaml", [f"rollout.engine={name}"])
+        assert pi_old_source(derive(stalling, on_gpu=False)[0], on_gpu=False) == want, name
     # a user's own value is kept, and a contradiction of it refused as before
     assert derive(load_config("conf/cpu_tiny.yaml", ["train.old_log_probs=trainer"]), on_gpu=False)[0] \
         .train.old_log_probs == "trainer"
