@@ -84,14 +84,15 @@ def _overrides(row: list[str], seed: int, budget: int, run_dir: Path) -> list[st
     return [*TASK, *row, f"seed={seed}", f"train.generation_budget={budget}", f"logging.dir={run_dir}"]
 
 
-def _make_toy(seed: int, out: Path) -> Path:
-    """The seed's toy data and base, made once (a prep run dir) and copied into each row's run dir."""
-    prep = out / f"toy_seed{seed}"
+def _make_toy(seed: int, out: Path, toy: tuple[str, ...] = (), name: str = "toy") -> Path:
+    """The seed's toy data and base, made once (a prep run dir ``<name>_seed<seed>``) and copied into each
+    row's run dir; ``toy``: toy.* overrides of the base (the rows must repeat them)."""
+    prep = out / f"{name}_seed{seed}"
     if not (prep / "toy" / ".complete").exists():
         code = ("import sys; from pathlib import Path; from megatron_dapo.config_loading import load_config; "
                 "from megatron_dapo.toy.bootstrap import materialise; "
                 "cfg = load_config(sys.argv[1], sys.argv[2:]); materialise(cfg, Path(cfg.logging.dir), 0)")
-        cmd = [sys.executable, "-c", code, str(CONFIG), *_overrides(GRPO, seed, 1, prep)]
+        cmd = [sys.executable, "-c", code, str(CONFIG), *_overrides([*GRPO, *toy], seed, 1, prep)]
         subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, text=True)
     return prep
 

@@ -41,7 +41,9 @@ class Sample:
     ``loss_mask``: [R], None = every response token counts (0 e.g. for overlong filtering);
     ``rollout_log_probs``: [R] log pi_rollout as the rollout engine reported them (None when it
     reported none; rollout correction needs them); ``is_weights``: [R] rollout correction's
-    importance weights, detached, multiplying each token's loss (None: 1)."""
+    importance weights, detached, multiplying each token's loss (None: 1); ``routed_experts``: an MoE
+    model's routes in the engine, [P + R - 1, layers x top-k] int (the experts each layer sent each
+    token to; the last token was never fed to the engine), for moe.router_replay=R3."""
 
     prompt_ids: Tensor  # [P] int, P >= 1
     response_ids: Tensor  # [R] int
@@ -50,6 +52,7 @@ class Sample:
     loss_mask: Tensor | None = None
     rollout_log_probs: Tensor | None = None
     is_weights: Tensor | None = None
+    routed_experts: Tensor | None = None
 
     def __post_init__(self):
         if self.prompt_ids.dim() != 1 or self.response_ids.dim() != 1 or self.prompt_ids.numel() < 1:
@@ -60,6 +63,10 @@ class Sample:
             value = getattr(self, name)
             if value is not None and tuple(value.shape) != (r,):
                 raise ValueError(f"{name} must have shape [R] = ({r},), got {tuple(value.shape)}")
+        routes = self.routed_experts
+        if routes is not None and (routes.dim() != 2 or routes.shape[0] != self.num_tokens - 1):
+            raise ValueError(f"routed_experts must have shape [P + R - 1, layers x k] = ({self.num_tokens - 1}, ...), "
+                             f"got {tuple(routes.shape)}")
         adv = self.advantages
         if isinstance(adv, (int, float)):  # the common case, checked without making a tensor
             return
@@ -93,6 +100,9 @@ class MicroBatch:
     rollout_log_probs: Tensor  # fp32
     advantages: Tensor  # fp32
     is_weights: Tensor | None  # fp32; None: no sample of the micro-batch has weights
+    # [b, s, layers x k] long, the samples' routed_experts; -1 where there is none (each row's last
+    # token, padding); None: no sample has routes
+    routed_experts: Tensor | None
     sample_index: tuple[int, ...]
     prompt_lengths: tuple[int, ...]
     response_lengths: tuple[int, ...]
@@ -193,11 +203,18 @@ def build_micro_batch(samples: Sequence[Sample], indices: Sequence[int], *, mult
     if any(x.is_weights is not None for x in rows):
         weights = torch.ones(b, s, dtype=torch.float32)
         weights[:n][span] = _span_values([x.is_weights for x in rows], resp_n, lengths, fill=1.0)
+    routes = None
+    if any(x.routed_experts is not None for x in rows):
+        if any(x.routed_experts is None for x in rows):
+            raise ValueError("a micro-batch mixes samples with and without routed_experts")
+        routes = torch.full((b, s, rows[0].routed_experts.shape[1]), -1, dtype=torch.long)
+        routes[:n][col < (prompt_n + resp_n - 1)[:, None]] = torch.cat([x.routed_experts for x in rows]).long()
     labels = torch.zeros(b, s, dtype=torch.long)
     labels[:, :-1] = ids[:, 1:]  # the next token; 0 past each row's end, as ids are 0 there
     return MicroBatch(
         input_ids=ids, position_ids=torch.arange(s).expand(b, s).contiguous(), labels=labels,
         loss_mask=mask, old_log_probs=old, rollout_log_probs=rollout, advantages=adv, is_weights=weights,
+        routed_experts=routes,
         sample_index=tuple(indices) + (-1,) * (b - len(rows)),
         prompt_lengths=tuple(x.num_prompt_tokens for x in rows) + (0,) * (b - len(rows)),
         response_lengths=tuple(x.num_response_tokens for x in rows) + (0,) * (b - len(rows)))
@@ -223,19 +240,27 @@ def response_mask(mb: MicroBatch) -> Tensor:
     return mask
 
 
+def padding_mask(mb: MicroBatch) -> Tensor:
+    """[b, s] bool, True at the positions past each row's prompt + response (padding rows: all): what
+    megatron's MoE router leaves out of its load-balancing statistics (GPTModel's ``padding_mask``)."""
+    lengths = torch.tensor([p + r for p, r in zip(mb.prompt_lengths, mb.response_lengths)])
+    return torch.arange(mb.input_ids.shape[1]) >= lengths[:, None]
+
+
 def make_micro_batches(samples: Sequence[Sample], *, max_tokens: int, micro_batch_size: int,
                        multiple: int = 1, min_count: int = 1, count_multiple: int = 1,
-                       uniform: bool = False) -> list[MicroBatch]:
+                       uniform: bool = False, uniform_length: int = 0) -> list[MicroBatch]:
     """All of ``samples`` as micro-batches (see ``plan_micro_batches``), padded with empty ones
     to at least ``min_count`` and to a multiple of ``count_multiple`` (interleaved PP needs a
     multiple of the PP size).
 
     ``uniform``: every micro-batch gets the same [b, s] (pipelines that cannot exchange shapes):
-    s fits the longest sample, b = max_tokens // s rows (or micro_batch_size without a budget),
-    consecutive samples per micro-batch."""
+    s fits the longest sample (and is at least ``uniform_length``: ranks that must agree on one
+    shape pass their longest, ``uniform_shape``), b = max_tokens // s rows (or micro_batch_size
+    without a budget), consecutive samples per micro-batch."""
     plan, shape = _layout(samples, max_tokens=max_tokens, micro_batch_size=micro_batch_size,
                           multiple=multiple, min_count=min_count, count_multiple=count_multiple,
-                          uniform=uniform)
+                          uniform=uniform, uniform_length=uniform_length)
     return [build_micro_batch(samples, group, multiple=multiple, shape=shape) for group in plan]
 
 
@@ -244,18 +269,24 @@ def count_micro_batches(samples: Sequence[Sample], **kwargs) -> int:
     return len(_layout(samples, **kwargs)[0])
 
 
+def uniform_shape(longest: int, *, max_tokens: int, micro_batch_size: int, multiple: int = 1) -> tuple[int, int]:
+    """The [b, s] of uniform micro-batches whose longest sample has ``longest`` tokens."""
+    s = _round_up(max(longest, 1), multiple)
+    if max_tokens and s > max_tokens:
+        raise ValueError(f"the longest sample has {longest} tokens ({s} padded), more than the "
+                         f"micro-batch budget max_tokens={max_tokens}")
+    return (max_tokens // s if max_tokens else micro_batch_size, s)
+
+
 def _layout(samples: Sequence[Sample], *, max_tokens: int, micro_batch_size: int, multiple: int = 1,
-            min_count: int = 1, count_multiple: int = 1,
-            uniform: bool = False) -> tuple[list[list[int]], tuple[int, int] | None]:
+            min_count: int = 1, count_multiple: int = 1, uniform: bool = False,
+            uniform_length: int = 0) -> tuple[list[list[int]], tuple[int, int] | None]:
     """make_micro_batches' groups of sample indices (padding ones included) and uniform shape."""
     lengths = [x.num_tokens for x in samples]
     shape = None
     if uniform:
-        s = _round_up(max(lengths, default=1), multiple)
-        if max_tokens and s > max_tokens:
-            raise ValueError(f"the longest sample has {max(lengths)} tokens ({s} padded), more than the "
-                             f"micro-batch budget max_tokens={max_tokens}")
-        shape = (max_tokens // s if max_tokens else micro_batch_size, s)
+        shape = uniform_shape(max(lengths + [uniform_length], default=1), max_tokens=max_tokens,
+                              micro_batch_size=micro_batch_size, multiple=multiple)
         plan = plan_micro_batches(lengths, max_tokens=0, micro_batch_size=shape[0])
     else:
         plan = plan_micro_batches(lengths, max_tokens=max_tokens, micro_batch_size=micro_batch_size,

@@ -87,7 +87,7 @@ def _add_plan_args(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--world-size", type=_number(int, 0), help="processes (GPUs) in all; default: $WORLD_SIZE or 1")
     p.add_argument("--shape", help="the model's shape when model.hf_path is not on this machine: a Qwen2.5 size (0.5B, "
-                                   "1.5B, 7B, 32B) or a Qwen3 dense one (Qwen3-0.6B ... Qwen3-32B)")
+                                   "1.5B, 7B, 32B), a Qwen3 dense one (Qwen3-0.6B ... Qwen3-32B) or Qwen3-30B-A3B")
     p.add_argument("--gpu", choices=sorted(GPU_MODELS), default="h100",
                    help="the GPU model: its memory as CUDA reports it, HBM bandwidth and bf16 peak "
                         "(docs/memory_plan.md)")
@@ -266,8 +266,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--world-size", type=_number(int, 0),
                    help="instead: check and print the layout at this many processes")
     p.add_argument("--shape", help="with --world-size: the model's shape when model.hf_path is not on this "
-                                   "machine: a Qwen2.5 size (0.5B, 1.5B, 7B, 32B) or a Qwen3 dense one "
-                                   "(Qwen3-0.6B ... Qwen3-32B)")
+                                   "machine: a Qwen2.5 size (0.5B, 1.5B, 7B, 32B), a Qwen3 dense one "
+                                   "(Qwen3-0.6B ... Qwen3-32B) or Qwen3-30B-A3B")
     p.set_defaults(func=cmd_config)
 
     p = sub.add_parser("train", help="DAPO training; also under torchrun")

@@ -16,8 +16,11 @@ from typing import Literal
 
 from megatron_dapo.config_algo import POLICY_LOSS_DEFAULTS, AlgorithmConfig, FilterGroupsConfig, LossConfig
 from megatron_dapo.config_fields import above, at_least, fail, field_help, require, section, setting
+from megatron_dapo.config_moe import MoEConfig
+from megatron_dapo.config_toy import ToyConfig
 
-__all__ = ["POLICY_LOSS_DEFAULTS", "AlgorithmConfig", "DAPOConfig", "FilterGroupsConfig", "LossConfig", "field_help"]
+__all__ = ["POLICY_LOSS_DEFAULTS", "AlgorithmConfig", "DAPOConfig", "FilterGroupsConfig", "LossConfig", "MoEConfig",
+           "ToyConfig", "field_help"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -50,6 +53,8 @@ class ParallelConfig:
     virtual_pipeline_model_parallel_size: int | None = setting(None, "interleaved PP chunks per stage; null = off")
     sequence_parallel: bool = setting(False, "shard LayerNorm/dropout activations along the sequence (needs TP > 1)")
     context_parallel_size: int = setting(1, "CP: splits long sequences across ranks")
+    expert_model_parallel_size: int = setting(1, "EP: splits an MoE layer's experts over this many of the "
+                                                 "data-parallel ranks (must divide DP and the experts)")
     use_distributed_optimizer: bool = setting(True, "shard optimizer states across data-parallel ranks")
     timeout_minutes: float = setting(30.0, "how long one collective may wait for the other ranks (NCCL's watchdog, "
                                       "gloo's timeout); no collective waits for a generation batch or a training phase")
@@ -57,7 +62,7 @@ class ParallelConfig:
     def __post_init__(self):
         one = at_least(1)
         require("parallel", self, tensor_model_parallel_size=one, pipeline_model_parallel_size=one,
-                context_parallel_size=one, timeout_minutes=above(0))
+                context_parallel_size=one, expert_model_parallel_size=one, timeout_minutes=above(0))
         vpp = self.virtual_pipeline_model_parallel_size
         if vpp is not None and (vpp < 2 or self.pipeline_model_parallel_size < 2):
             fail(f"parallel.virtual_pipeline_model_parallel_size={vpp} needs a value >= 2 and "
@@ -111,6 +116,9 @@ class RolloutConfig:
     top_p: float = setting(1.0, "nucleus sampling for training rollouts")
     top_k: int = setting(-1, "top-k for training rollouts; -1 = off")
     max_response_length: int = setting(20480, "generation limit L_max in tokens (16384 + 4096 soft cache)")
+    dtype: Literal["auto", "bf16", "fp32"] = setting(
+        "auto", "the engine's weights and compute; auto = model.dtype. bf16 beside an fp32 trainer gives a CPU run the "
+                "engine/trainer numerics mismatch of a GPU run")
     tensor_parallel_size: int = setting(1, "rollout TP: ranks per engine replica (independent of Megatron's TP/PP); "
                                       "world / this = replicas")
     gpu_memory_utilization: float = setting(0.7, "vLLM: fraction of the device's TOTAL memory the engine may use "
@@ -229,7 +237,6 @@ class ActorConfig:
 
 
 OLD_LOG_PROBS = ("trainer", "rollout", "auto")  # train.old_log_probs
-TOY_ARCHITECTURES = ("qwen2", "qwen3")  # toy.architecture
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -365,56 +372,12 @@ class ProfileConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
-class ToyConfig:
-    enable: bool = setting(False, "CPU demo: make the toy task and a tiny warmed-up base under logging.dir, train on "
-                           "it")
-    num_digits: int = setting(5, "digits per problem; the answer is the largest")
-    min_digits: int = setting(0, "fewest digits per problem: lengths uniform in [min_digits, num_digits], so responses "
-                            "with the reasoning line vary in length; 0 = every problem has num_digits")
-    num_train: int = setting(2000, "training problems (unique, disjoint from validation)")
-    num_val: int = setting(128, "held-out problems for evaluation")
-    architecture: str = setting("qwen2", "the base's architecture: qwen2 (Qwen2.5's layout: QKV biases) or qwen3 "
-                                "(Qwen3 dense: no biases, RMSNorm over each head's query and key)")
-    hidden_size: int = setting(64, "model width")
-    head_dim: int = setting(0, "with architecture=qwen3: size of an attention head; 0 = hidden_size / "
-                            "num_attention_heads (Qwen3 sets its own: 0.6B has 16 heads of 128 over a width of 1024)")
-    intermediate_size: int = setting(192, "SwiGLU MLP width")
-    num_layers: int = setting(2, "transformer layers")
-    num_attention_heads: int = setting(4, "query heads")
-    num_key_value_heads: int = setting(2, "key/value heads (GQA, as Qwen2.5)")
-    tie_word_embeddings: bool = setting(True, "share input embedding and output layer (as Qwen2.5-0.5B)")
-    max_position_embeddings: int = setting(128, "RoPE context the model is built for")
-    warmup_steps: int = setting(150, "supervised warm-up steps (teaches the format with random answers)")
-    warmup_batch_size: int = setting(64, "sequences per warm-up step")
-    warmup_lr: float = setting(3e-3, "AdamW learning rate of the warm-up")
-    reasoning_prob: float = setting(0.5, "fraction of warm-up responses with the optional reasoning line")
-
-    def __post_init__(self):
-        one = at_least(1)
-        require("toy", self, num_digits=at_least(2), num_train=one, num_val=one, hidden_size=one,
-                intermediate_size=one, num_layers=one, num_attention_heads=one, num_key_value_heads=one,
-                max_position_embeddings=one, warmup_steps=at_least(0), warmup_batch_size=one,
-                 warmup_lr=above(0), reasoning_prob=((lambda v: 0 <= v <= 1), "in [0, 1]"), head_dim=at_least(0),
-                 architecture=((lambda v: v in TOY_ARCHITECTURES), f"one of {', '.join(TOY_ARCHITECTURES)}"))
-        if self.head_dim and self.architecture != "qwen3":
-            fail(f"toy.head_dim={self.head_dim} needs toy.architecture=qwen3: Qwen2's head size is toy.hidden_size / "
-                 "toy.num_attention_heads (vLLM's Qwen2 reads no head_dim)")
-        if (self.head_dim == 0 and self.hidden_size % self.num_attention_heads) or \
-                self.num_attention_heads % self.num_key_value_heads:
-            fail(f"toy.hidden_size={self.hidden_size} must be a multiple of toy.num_attention_heads="
-                 f"{self.num_attention_heads} (or set toy.head_dim), and that of toy.num_key_value_heads="
-                 f"{self.num_key_value_heads}")
-        if self.min_digits and not 2 <= self.min_digits <= self.num_digits:
-            fail(f"toy.min_digits={self.min_digits} must be in [2, toy.num_digits={self.num_digits}] (or 0 = fixed "
-                 "length)")
-
-
-@dataclass(frozen=True, kw_only=True)
 class DAPOConfig:
     seed: int = setting(1, "seeds data order, sampling and initialisation")
     num_threads: int = setting(0, "torch intra-op threads per process on CPU; 0 = torch's default")
     model: ModelConfig = section(ModelConfig, "the policy model")
     parallel: ParallelConfig = section(ParallelConfig, "Megatron parallelism")
+    moe: MoEConfig = section(MoEConfig, "mixture of experts (Qwen3-MoE): dispatch, router losses, routing replay")
     data: DataConfig = section(DataConfig, "prompts and batch sizes")
     rollout: RolloutConfig = section(RolloutConfig, "generation")
     algorithm: AlgorithmConfig = section(AlgorithmConfig, "advantages and dynamic sampling")

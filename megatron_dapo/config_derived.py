@@ -119,13 +119,15 @@ def exact_rollout_log_probs(cfg: DAPOConfig, *, on_gpu: bool) -> tuple[bool, str
     engine that computes as the trainer does (the HF engine's ``fp32_logprobs_are_the_trainers``;
     vLLM's kernels differ) and only at fp32 (any bf16 pass differs), for responses of the step's own
     weights, uncorrected."""
-    from megatron_dapo.rollout.engine import get_engine_cls  # the registry, not the engines' packages
+    from megatron_dapo.rollout.engine import engine_dtype, get_engine_cls  # the registry, not the engines' packages
 
     r = cfg.rollout
     dtype = resolve_dtype(cfg.model.dtype, on_gpu)
     same_math = get_engine_cls(r.engine).fp32_logprobs_are_the_trainers
     for stands, why in ((not same_math, f"rollout.engine={r.engine} computes with kernels of its own"),
                         (dtype != "fp32", f"the model runs in {dtype}"),
+                        (resolve_dtype(engine_dtype(cfg), on_gpu) != dtype,
+                         f"the engine runs in rollout.dtype={r.dtype}"),
                         (r.max_staleness > 0, f"rollout.max_staleness={r.max_staleness}: older weights' responses"),
                         (r.partial, "rollout.partial=true: responses begun by older weights"),
                         (cfg.algorithm.rollout_correction.active, "a rollout correction compares the two")):

@@ -86,6 +86,7 @@ def validate_cross_section(cfg: Any) -> None:
     if 0 < t.max_tokens_per_micro_batch < seq_len:
         _fail(f"train.max_tokens_per_micro_batch={t.max_tokens_per_micro_batch} cannot hold one sequence of "
               f"data.max_prompt_length + rollout.max_response_length = {seq_len} tokens; raise it to >= {seq_len}")
+    _check_router_replay(cfg)
     if cfg.loss.policy_loss not in POLICY_LOSSES:
         _fail(f"loss.policy_loss={cfg.loss.policy_loss!r} is not one of {POLICY_LOSSES.names()}")
     loss = cfg.loss_settings()  # the policy loss's paper values for "auto"; refuses what it does not define
@@ -99,6 +100,23 @@ def validate_cross_section(cfg: Any) -> None:
                                     if cfg.alarms.audit_fn not in ("auto", "none") else ())):
         if value not in registry:
             _fail(f"{name}={value!r} is not one of {registry.names()}")
+
+
+def _check_router_replay(cfg: Any) -> None:
+    """R3 needs routes from the engine, and a replay megatron-core 0.19.2 can run."""
+    from megatron_dapo.rollout.engine import ENGINES, get_engine_cls
+
+    if cfg.moe.router_replay != "R3" or cfg.rollout.engine not in ENGINES:
+        return
+    if not get_engine_cls(cfg.rollout.engine).returns_routed_experts:
+        _fail(f"moe.router_replay=R3 needs an engine that returns the experts it routed each token to; "
+              f"rollout.engine={cfg.rollout.engine} does not (vLLM captures them only in its V2 model runner, which "
+              "its CPU build 0.32 cannot run); set rollout.engine=hf or moe.router_replay=disabled")
+    if cfg.model.recompute != "none":
+        # a recomputed router would replay from megatron's backward list, which the interleaved 1F1B
+        # order of forwards and backwards does not keep in step with the micro-batches
+        _fail(f"moe.router_replay=R3 with model.recompute={cfg.model.recompute} is not supported; "
+              "set model.recompute=none")
 
 
 def _divisor_near(n: int, k: int) -> int:

@@ -1,13 +1,14 @@
 """Rollout generation in the memory plan: the KV cache one vLLM replica gets, and two estimates of
 how long a generation batch takes (docs/memory_plan.md, "Generation time").
 
-FLOPs bound: 2 x parameters FLOPs per generated token at a stated MFU (the prefill and attention's
-quadratic term left out). Bandwidth bound (decode): each decode step of a replica reads the
-replica's weights once and the KV cache of every sequence it is decoding; its GPUs work in parallel,
-each on its 1/TP of both, so a step takes (weights + KV read) per GPU / (HBM bandwidth x efficiency)
-and yields one token per concurrent sequence. Concurrency is what the KV cache holds at the mean
-sequence length, at most the responses the replica has and vLLM's max_num_seqs; more responses
-than that run in waves. The slower of the two estimates is the one that binds.
+FLOPs bound: 2 x parameters FLOPs per generated token (an MoE model's active ones: memory_plan.py
+passes them) at a stated MFU (the prefill and attention's quadratic term left out). Bandwidth bound
+(decode): each decode step of a replica reads the replica's weights once and the KV cache of every
+sequence it is decoding; its GPUs work in parallel, each on its 1/TP of both, so a step takes
+(weights + KV read) per GPU / (HBM bandwidth x efficiency) and yields one token per concurrent
+sequence. Concurrency is what the KV cache holds at the mean sequence length, at most the responses
+the replica has and vLLM's max_num_seqs; more responses than that run in waves. The slower of the two
+estimates is the one that binds.
 
 Pure functions of numbers and the HF config dict: no torch, no vllm.
 """
@@ -47,9 +48,12 @@ def kv_bytes_per_token_per_gpu(hf: dict, tensor_parallel: int, *, dtype_bytes: i
 def vllm_activation_bytes(hf: dict, tensor_parallel: int, *, dtype_bytes: int = 2) -> float:
     """vLLM's start-up profile peak per GPU (bytes), which it subtracts from its share before the KV
     cache: the larger of a forward at max_num_batched_tokens (the MLP's gate/up output and its
-    activation, [T, 3 x ffn / TP]) and the sampler over max_num_seqs full-vocabulary rows (fp32
-    logits and their log-softmax). Ours, from the shapes; vLLM measures it at start-up."""
-    forward = VLLM_MAX_NUM_BATCHED_TOKENS * 3 * hf["intermediate_size"] / tensor_parallel * dtype_bytes
+    activation, [T, 3 x ffn / TP]; ffn: the width a token goes through, an MoE model's top-k experts') and
+    the sampler over max_num_seqs full-vocabulary rows (fp32 logits and their log-softmax). Ours, from the
+    shapes; vLLM measures it at start-up."""
+    from megatron_dapo.plan_params import active_ffn
+
+    forward = VLLM_MAX_NUM_BATCHED_TOKENS * 3 * active_ffn(hf) / tensor_parallel * dtype_bytes
     sampler = VLLM_MAX_NUM_SEQS * hf["vocab_size"] * 4 * 2
     return float(max(forward, sampler))
 

@@ -1,26 +1,27 @@
 """Per-GPU memory of a layout, itemised by phase, before anything launches (``megatron-dapo plan``).
 
 Sizes are bytes on the most loaded rank. Trainer state, per parameter of the first pipeline stage's
-shard (embedding and the most micro-batches in flight): weights 2 B (bf16) or 4 B (fp32); gradients
-4 B (megatron DDP's main gradients are fp32); an fp32 master copy (4 B, bf16 only) and Adam's m and v
-(8 B), both divided over DP with the distributed optimizer. That is 18 B / parameter in bf16 without
-it, 6 + 12 / DP with it (megatron's theoretical_memory_usage.py; tests/unit/test_plan.py). The master
-copy and the gradient buffers exist once the actor is built; m and v at the first update, after
-vLLM's start-up free-memory check (on a resume at load, before it); with offload the state is off
-the device when the engine is built (run.py).
+shard (embedding and the most micro-batches in flight; plan_params.py counts them): weights 2 B (bf16)
+or 4 B (fp32); gradients 4 B (megatron DDP's main gradients are fp32); an fp32 master copy (4 B, bf16
+only) and Adam's m and v (8 B), both divided over DP with the distributed optimizer. That is 18 B /
+parameter in bf16 without it, 6 + 12 / DP with it (megatron's theoretical_memory_usage.py;
+tests/unit/test_plan.py); an expert's master copy and m, v divide over expert DP instead (moe_plan.py,
+with the rest a mixture-of-experts model adds). The master copy and the gradient buffers exist once the
+actor is built; m and v at the first update, after vLLM's start-up free-memory check (on a resume at
+load, before it); with offload the state is off the device when the engine is built (run.py).
 
 Per process, outside every allocator: one CUDA context (trainer and the in-process vLLM share it)
 and an NCCL communicator's buffers for every process group that has run a collective (trainer and
 vLLM groups, ``communicators``). Constants and their sources: gpu_models.py, docs/memory_plan.md.
 
 Activations per micro-batch of ``train.max_tokens_per_micro_batch`` tokens, per layer (bf16):
-megatron's selective-recompute estimate T x h x (18 + 4 ffn / h) / TP (sequence parallel); with full
-recompute a layer keeps its input, T x h x 2 / TP, and one layer is rebuilt at a time. The first
-stage holds PP micro-batches in flight (1F1B), the last one. The output layer (last stage) adds
-logprobs.py's chunk buffers ([chunk, V_local]: the logits in the weight's dtype and two fp32 work
-buffers) and, with the gradient hint, its early gradients kept from forward to backward: [N, H]
-for the hidden states (activation dtype), [V_local, H] fp32 for the weight, and the [N, H]
-reordered copy of the hidden states the forward makes (N = tokens of the micro-batch).
+megatron's selective-recompute estimate T x h x (18 + 4 ffn / h) / TP (sequence parallel; ffn: the MLP
+width a token goes through); with full recompute a layer keeps its input, T x h x 2 / TP, and one layer
+is rebuilt at a time. The first stage holds PP micro-batches in flight (1F1B), the last one. The output
+layer (last stage) adds logprobs.py's chunk buffers ([chunk, V_local]: the logits in the weight's dtype
+and two fp32 work buffers) and, with the gradient hint, its early gradients kept from forward to
+backward: [N, H] for the hidden states (activation dtype), [V_local, H] fp32 for the weight, and the
+[N, H] reordered copy of the hidden states the forward makes (N = tokens of the micro-batch).
 
 The colocated vLLM engine takes rollout.gpu_memory_utilization x the total CUDA reports (weights at
 rollout TP, its profile's activation peak, the KV cache) while it generates; asleep it leaves a
@@ -41,9 +42,11 @@ from dataclasses import dataclass
 from typing import Literal
 
 from megatron_dapo import generation_model as gm
+from megatron_dapo import moe_plan
 from megatron_dapo.config import DAPOConfig
 from megatron_dapo.layout import Communicator, communicators
-from megatron_dapo.save_memory import SaveHost, save_host, save_seconds
+from megatron_dapo.plan_params import Experts, Shard, active_ffn, count_parameters, experts
+from megatron_dapo.save_memory import SaveHost, save_seconds
 from megatron_dapo.gpu_models import CUDA_CONTEXT_BYTES, GPUModel, gpu_model
 
 GB = 1e9
@@ -51,37 +54,6 @@ GB = 1e9
 # measured for a whole process after sleep (docs/memory_plan.md), so it overlaps them a little.
 SLEEP_RESIDUE_BYTES = 1.0 * GB
 VLLM_VOCAB_PADDING = 64  # vLLM pads the vocabulary to a multiple of this (vocab_parallel_embedding.py)
-
-
-@dataclass(frozen=True)
-class Shard:
-    """Parameters of the whole model (``total``) and of the most loaded rank (``on_rank``)."""
-
-    total: int
-    on_rank: float
-
-
-def count_parameters(hf: dict, *, tp: int, pp: int, padded_vocab: int) -> Shard:
-    """Parameter counts of a Qwen2 (QKV bias) or Qwen3 dense (per-head query/key norms; a head size of
-    its own) model, for the whole model and the most loaded rank."""
-    from megatron_dapo.convert.mapping import hf_sizes
-    from megatron_dapo.convert.table import architecture
-
-    sizes, found = hf_sizes(hf), architecture(hf)
-    h, f, layers = sizes["hidden_size"], sizes["ffn_hidden_size"], sizes["num_layers"]
-    head_dim = sizes["kv_channels"]
-    q, kv = sizes["num_attention_heads"] * head_dim, sizes["num_query_groups"] * head_dim
-    attn = 2 * h * q + 2 * h * kv + (q + 2 * kv if found.qkv_bias else 0)  # q and o, k and v, their biases
-    mlp = 3 * h * f  # gate, up, down
-    norms = 2 * h + (2 * head_dim if found.qk_layernorm else 0)  # replicated over TP
-    embedding = padded_vocab * h
-    tied = hf.get("tie_word_embeddings", False)
-    total = layers * (attn + mlp + norms) + h + embedding * (1 if tied else 2)
-    # first stage: its layers, the embedding; with PP = 1 also the output layer (when untied) and final norm
-    on_rank = layers / pp * ((attn + mlp) / tp + norms) + embedding / tp
-    if pp == 1:
-        on_rank += h + (0 if tied else embedding / tp)
-    return Shard(total=total, on_rank=on_rank)
 
 
 @dataclass(frozen=True)
@@ -143,6 +115,7 @@ class Plan:
     offload_on: bool
     save: SaveHost | None = None  # None: without the distributed optimizer
     notes: list[str] = dataclasses.field(default_factory=list)
+    shard: Shard | None = None  # the trainer's parameter counts
 
     @property
     def parts(self) -> dict[str, float]:
@@ -238,10 +211,12 @@ class Plan:
 
 def _activations(cfg: DAPOConfig, hf: dict, tokens: int, in_flight: int) -> float:
     """Bytes a stage keeps for ``in_flight`` micro-batches of ``tokens`` tokens (module docstring)."""
-    p = cfg.parallel
+    p, moe = cfg.parallel, experts(hf)
     tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
-    h, f = hf["hidden_size"], hf["intermediate_size"]
+    h, f = hf["hidden_size"], active_ffn(hf)
     per_layer = tokens * h * (18 + 4 * f / h) / tp  # megatron's estimate (selective recompute, SP)
+    if moe:
+        per_layer += moe_plan.saved_per_layer(moe, h, tokens, tp)
     layers = hf["num_hidden_layers"] // pp
     if cfg.model.recompute == "full":
         return in_flight * (layers * tokens * h * 2 / tp) + per_layer
@@ -274,14 +249,23 @@ class _Layout:
     weight_bytes: int  # 2 (bf16) or 4 (fp32)
     tokens: int  # per micro-batch
     sequence: int  # data.max_prompt_length + rollout.max_response_length
+    ep: int = 1
+    edp: int = 1  # expert DP: the ranks an expert's optimizer state is distributed over
+    experts: Experts | None = None  # None: a dense model
+    dispatcher: str = ""  # megatron's token dispatcher (an MoE model's)
 
 
 def _trainer_items(cfg: DAPOConfig, hf: dict, lay: _Layout, comms: list[Communicator],
                    on_gpu: bool) -> list[Item]:
     """The context, the communicators and everything the trainer holds (module docstring)."""
     p, on_rank, off = cfg.parallel, lay.shard.on_rank, cfg.actor.offload_during_rollout
-    dp_div = lay.dp if p.use_distributed_optimizer else 1
-    where = f"distributed over DP {lay.dp}" if p.use_distributed_optimizer else "not distributed"
+    dist = p.use_distributed_optimizer
+    dense, routed = on_rank - lay.shard.experts_on_rank, lay.shard.experts_on_rank
+    # the parameters whose optimizer state the rank keeps: the dense ones' 1/DP, the experts' 1/expert DP
+    sharded = dense / (lay.dp if dist else 1) + routed / (lay.edp if dist else 1)
+    where = f"distributed over DP {lay.dp}" if dist else "not distributed"
+    if dist and lay.experts:
+        where = f"distributed: dense over DP {lay.dp}, experts over expert DP {lay.edp}"
     moved = "; off the GPU while generating"
 
     def nccl(owner: str) -> Item:
@@ -301,14 +285,14 @@ def _trainer_items(cfg: DAPOConfig, hf: dict, lay: _Layout, comms: list[Communic
     ]
     if lay.weight_bytes == 2:
         items.append(Item("master", f"fp32 master weights ({where}{moved if off else ''})",
-                          on_rank * 4 / dp_div, not off, "all"))
+                          sharded * 4, not off, "all"))
     other = "without" if p.use_distributed_optimizer else "with"
     optimizer_bytes = 8 + (4 if lay.weight_bytes == 2 else 0)
     items += [
         Item("adam", f"Adam m, v ({where}; allocated at the first update{moved if off else ''})",
-             on_rank * 8 / dp_div, not off, "all"),
+             sharded * 8, not off, "all"),
         Item("optimizer_other", f"(master + m, v {other} the distributed optimizer)",
-             on_rank * optimizer_bytes / (1 if p.use_distributed_optimizer else lay.dp), False, "none",
+             optimizer_bytes * (on_rank if dist else dense / lay.dp + routed / lay.edp), False, "none",
              counted=False),
         Item("activations", f"activations, first stage ({lay.tokens} tokens/micro-batch, recompute "
              f"{cfg.model.recompute}, x{lay.pp} in flight)", _activations(cfg, hf, lay.tokens, lay.pp), False,
@@ -317,6 +301,10 @@ def _trainer_items(cfg: DAPOConfig, hf: dict, lay: _Layout, comms: list[Communic
     if lay.pp > 1:
         items.append(Item("activations_last", "activations, last stage (x1 in flight)",
                           _activations(cfg, hf, lay.tokens, 1), False, "last"))
+    if lay.experts:
+        items.append(Item("moe_dispatch", f"MoE {lay.dispatcher} dispatcher buffers (one layer's; moe_plan.py)",
+                          moe_plan.dispatcher_bytes(lay.dispatcher, lay.experts, hf["hidden_size"], lay.tokens,
+                                                    lay.tp, lay.ep), False, "all"))
     v_local = lay.padded_vocab // lay.tp
     buffers, early, chunk = _output_layer(hf, lay.tokens, v_local, lay.weight_bytes,
                                           chunk_tokens=cfg.train.logprob_chunk_tokens)
@@ -376,14 +364,18 @@ def plan(cfg: DAPOConfig, hf: dict, world_size: int, *, gpu: str | GPUModel = "h
     # Separate placement: the trainers' ranks are this plan's; the engines run on GPUs of their own,
     # which are not planned (nothing of theirs sits beside the trainer's state).
     world_size, engine_ranks = rank_counts(r, world_size)
-    tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
+    tp, pp, ep = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.expert_model_parallel_size
+    moe = experts(hf)
     padded = padded_vocab_size(hf["vocab_size"], cfg.model.make_vocab_size_divisible_by, tp)
     seq = cfg.data.max_prompt_length + r.max_response_length
     bf16 = resolve_runtime(cfg.model, on_gpu, check_installed=False).params_dtype.itemsize == 2
-    lay = _Layout(count_parameters(hf, tp=tp, pp=pp, padded_vocab=padded), tp, pp,
+    dispatcher = moe_plan.token_dispatcher(cfg, hf, on_gpu) if moe else ""
+    lay = _Layout(count_parameters(hf, tp=tp, pp=pp, padded_vocab=padded, ep=ep), tp, pp,
                   p.data_parallel_size(world_size), padded, 2 if bf16 else 4,
-                  t.max_tokens_per_micro_batch or t.micro_batch_size * seq, seq)
-    items = _trainer_items(cfg, hf, lay, communicators(cfg, world_size) if on_gpu else [], on_gpu)
+                  t.max_tokens_per_micro_batch or t.micro_batch_size * seq, seq,
+                  ep, moe_plan.expert_data_parallel(world_size, tp, pp, ep), moe, dispatcher)
+    groups = communicators(cfg, world_size, dispatcher=dispatcher or None) if on_gpu else []
+    items = _trainer_items(cfg, hf, lay, groups, on_gpu)
     rollout = None
     if r.engine == "vllm" and r.placement == "colocated":
         engine, rollout = _rollout(cfg, hf, lay, items, device, world_size)
@@ -401,11 +393,11 @@ def plan(cfg: DAPOConfig, hf: dict, world_size: int, *, gpu: str | GPUModel = "h
             weight_bytes_per_gpu=rollout.weights,
             kv_bytes_per_token_per_gpu=rollout.kv_bytes_per_token_per_gpu,
             hbm_bytes_per_s=device.hbm_bytes_per_s, efficiency=decode_efficiency))
-    total, peak = lay.shard.total, device.bf16_flops
+    active, peak = lay.shard.active, device.bf16_flops  # an MoE token goes through its top-k experts alone
     generation = gm.GenerationTime(
-        gm.flops_seconds(2 * total * prompts * r.n * mean_response, engine_ranks, peak, mfu), decode)
+        gm.flops_seconds(2 * active * prompts * r.n * mean_response, engine_ranks, peak, mfu), decode)
     update = 8 if cfg.model.recompute == "full" else 6
-    train_s = gm.flops_seconds(total * (2 + update) * trained * t.ppo_epochs, world_size, peak, mfu)
+    train_s = gm.flops_seconds(active * (2 + update) * trained * t.ppo_epochs, world_size, peak, mfu)
     notes = [f"  assumptions: responses average {mean_response_fraction:.0%} of rollout.max_response_length "
              f"and prompts half of data.max_prompt_length; MFU {mfu:.0%} of {peak / 1e12:.0f} TFLOP/s; "
              f"decode at {decode_efficiency:.0%} of {device.hbm_bytes_per_s / 1e12:.2f} TB/s; one generation "
@@ -419,6 +411,9 @@ def plan(cfg: DAPOConfig, hf: dict, world_size: int, *, gpu: str | GPUModel = "h
         notes.append(f"  engine ranks: a weight version streams in one bucket at a time, between generation batches: "
                      f"{bucket:.2f} GB of device memory besides vLLM's share (rollout.weight_sync_bucket_mb="
                      f"{r.weight_sync_bucket_mb}), no copy in host memory")
+    if moe:
+        notes.append(moe_plan.note(moe, lay.shard, ep=ep, edp=lay.edp if p.use_distributed_optimizer else None,
+                                   dispatcher=dispatcher, rollout_tp=rollout.tensor_parallel if rollout else None))
     sleep_host = rollout.weights if rollout is not None and r.sleep_level == 1 else 0.0
     # mcore/offload.py copies the optimizer state (and the weights) into pinned host memory but
     # releases the gradients without a copy (every update zeroes them first): no host memory for them
@@ -428,9 +423,9 @@ def plan(cfg: DAPOConfig, hf: dict, world_size: int, *, gpu: str | GPUModel = "h
         copied += parts["weights"]
     offload = cfg.actor.offload_during_rollout
     node = gpus_per_node or device.gpus_per_node
-    save = (save_host(lay.shard.on_rank, tp=tp, dp=lay.dp, gpus_per_node=node,
-                      memory_efficient=cfg.checkpoint.memory_efficient_save,
-                      background=cfg.checkpoint.async_save, weight_bytes=lay.weight_bytes)
+    save = (moe_plan.save(lay.shard, tp=tp, dp=lay.dp, ep=ep, edp=lay.edp, gpus_per_node=node,
+                          memory_efficient=cfg.checkpoint.memory_efficient_save,
+                          background=cfg.checkpoint.async_save, weight_bytes=lay.weight_bytes)
             if p.use_distributed_optimizer else None)
     return Plan(items, device, pp, rollout, generation, trained, generation.seconds + train_s, sleep_host,
-                copied if offload else 0.0, copied, node, offload, save, notes)
+                copied if offload else 0.0, copied, node, offload, save, notes, lay.shard)

@@ -58,7 +58,8 @@ def _over_capacity(result: Plan, cfg: DAPOConfig, worst: float) -> str:
     elif not cfg.parallel.use_distributed_optimizer:
         fix = "set parallel.use_distributed_optimizer=true"
     else:
-        fix = "raise parallel.tensor_model_parallel_size or parallel.pipeline_model_parallel_size"
+        fix = "raise parallel.tensor_model_parallel_size or parallel.pipeline_model_parallel_size" + (
+            " or parallel.expert_model_parallel_size" if _has_experts(result) else "")
     phase = "generating" if generating else "training"
     return (f"the layout needs {worst:.1f} GB per GPU while {phase}, over the {result.capacity_gb:.1f} GB "
             f"{result.gpu.name} reports: {fix}")
@@ -90,6 +91,11 @@ def _generating_fix(result: Plan, cfg: DAPOConfig) -> str:
             f"{r.activations / GB:.1f} GB, the KV cache of one {r.max_sequence}-token sequence "
             f"{r.max_sequence * r.kv_bytes_per_token_per_gpu / GB:.1f} GB) and {max(0.0, room) / GB:.1f} GB is left "
             f"beside {kept}; " + " or ".join(_room_for_engine(result, cfg)))
+
+
+def _has_experts(result: Plan) -> bool:
+    """Whether the plan's model has experts, whose share per GPU a larger EP shrinks too."""
+    return result.shard is not None and result.shard.experts_on_rank > 0
 
 
 def _most(result: Plan, cfg: DAPOConfig, room: float) -> str:
@@ -125,7 +131,8 @@ def _room_for_engine(result: Plan, cfg: DAPOConfig) -> list[str]:
     if spare > 0:
         times = 2 ** math.ceil(math.log2(state / spare))
         mp = p.tensor_model_parallel_size * p.pipeline_model_parallel_size
-        fixes.append(f"spread the trainer over more GPUs with a larger TP x PP (now {mp}): its {state / GB:.1f} GB "
+        ep = f" or EP (now {p.expert_model_parallel_size})" if _has_experts(result) else ""
+        fixes.append(f"spread the trainer over more GPUs with a larger TP x PP (now {mp}){ep}: its {state / GB:.1f} GB "
                      f"per GPU resident while vLLM generates must come down to {spare / GB:.1f} GB, about {times}x "
                      "the GPUs")
     else:

@@ -345,6 +345,9 @@ def check_model(cfg: DAPOConfig) -> None:
     from megatron_dapo.mcore.model import resolve_runtime
 
     resolve_runtime(cfg.model, torch.cuda.is_available())
+    if cfg.moe.token_dispatcher == "alltoall" and not torch.cuda.is_available():
+        raise ConfigError("moe.token_dispatcher=alltoall needs CUDA (megatron-core's alltoall dispatcher builds CUDA "
+                          "streams); set moe.token_dispatcher=allgather (or auto) on CPU")
 
 
 def check_layout(cfg: DAPOConfig, hf_config: dict, world_size: int) -> None:
@@ -352,11 +355,12 @@ def check_layout(cfg: DAPOConfig, hf_config: dict, world_size: int) -> None:
     before any model is built; a ConfigError, which the CLI prints as one line."""
     import torch
 
-    from megatron_dapo.mcore.parallel import check_training_layout, validate_parallel
+    from megatron_dapo.mcore.parallel import check_moe_layout, check_training_layout, validate_parallel
 
     validate_parallel(hf_config, parallel=cfg.parallel, model=cfg.model, world_size=world_size,
                       on_gpu=torch.cuda.is_available())
     check_training_layout(hf_config, cfg.parallel)
+    check_moe_layout(hf_config, moe=cfg.moe, parallel=cfg.parallel)
 
 
 def check_disk(cfg: DAPOConfig, hf_config: dict) -> None:

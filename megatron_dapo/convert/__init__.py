@@ -1,7 +1,7 @@
-"""HF <-> Megatron-Core checkpoint conversion (Qwen2 and Qwen3 dense) and streaming weight export.
+"""HF <-> Megatron-Core checkpoint conversion (Qwen2, Qwen3 dense and Qwen3-MoE) and streaming weight export.
 
 * ``mapping.py`` / ``table.py`` / ``decoder.py``: the declarative mapping table, pure torch;
-  ``qwen2.py`` and ``qwen3.py`` register the architectures.
+  ``qwen2.py``, ``qwen3.py`` and ``qwen3_moe.py`` register the architectures.
 * ``safetensors_io.py``: one-tensor-at-a-time reads, size-bounded sharded writes.
 * ``export.py``: ``(hf_name, full tensor)`` from a live TP/PP-sharded model, in byte buckets.
 * ``shard_plan.py``: per-rank shard sizes on meta tensors (dry run).
@@ -13,6 +13,7 @@ need it live under mcore/ (``mcore/hf_conversion.py``: HF dir <-> Megatron dist 
 
 from megatron_dapo.convert import qwen2 as _qwen2  # noqa: F401  (registers Qwen2ForCausalLM)
 from megatron_dapo.convert import qwen3 as _qwen3  # noqa: F401  (registers Qwen3ForCausalLM)
+from megatron_dapo.convert import qwen3_moe as _qwen3_moe  # noqa: F401  (registers Qwen3MoeForCausalLM)
 from megatron_dapo.convert.export import export_hf_weights, load_hf_weights
 from megatron_dapo.convert.mapping import ConversionError, ModelDims
 from megatron_dapo.convert.shard_plan import format_shard_plan, shard_plan

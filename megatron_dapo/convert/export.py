@@ -30,6 +30,7 @@ from megatron_dapo.convert.safetensors_io import SafetensorsReader
 from megatron_dapo.convert.table import ConversionTable, Task
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_LOCAL_EXPERT = re.compile(r"^(mlp\.experts\.local_experts\.)(\d+)(\..+)$")
 DEFAULT_BUCKET_BYTES = 512 * 2**20
 
 
@@ -47,13 +48,16 @@ def _rank(group) -> int:
     return dist.get_rank(group) if group is not None and dist.is_initialized() else 0
 
 
-def local_parameters(model_chunks: Sequence[nn.Module],
-                     table: ConversionTable) -> dict[int, tuple[str, Tensor]]:
+def local_parameters(model_chunks: Sequence[nn.Module], table: ConversionTable,
+                     ep_group=None) -> dict[int, tuple[str, Tensor]]:
     """This rank's parameters as {task index: (global Megatron name, local TP shard)}.
 
     Layer indices in ``named_parameters`` are local to a chunk; ``layer_number`` (1-based) is global.
+    Expert indices are local to an expert-parallel rank (``ep_group``): rank r of EP holds the
+    experts r x E / EP .. (r + 1) x E / EP - 1, as megatron's SequentialMLP numbers them.
     """
     index = {id(t): i for i, t in enumerate(table.tasks)}
+    local_experts = table.dims.num_experts // _size(ep_group)
     out: dict[int, tuple[str, Tensor]] = {}
     for chunk in map(unwrap, model_chunks):
         for name, param in chunk.named_parameters():
@@ -61,7 +65,10 @@ def local_parameters(model_chunks: Sequence[nn.Module],
                 continue  # the last stage's copy of the tied embedding: exported once, from stage 0
             m = _LAYER.match(name)
             if m:
-                name = f"decoder.layers.{chunk.decoder.layers[int(m[1])].layer_number - 1}.{m[2]}"
+                rest = m[2]
+                if e := _LOCAL_EXPERT.match(rest):
+                    rest = f"{e[1]}{_rank(ep_group) * local_experts + int(e[2])}{e[3]}"
+                name = f"decoder.layers.{chunk.decoder.layers[int(m[1])].layer_number - 1}.{rest}"
             task = table.task_for_megatron(name)
             out[index[id(task)]] = (name, param)
     return out
@@ -72,17 +79,25 @@ class _Item:
     task_index: int
     owner: int  # global rank of the owning stage's member of this rank's PP group
     name: str
+    shard_shape: tuple[int, ...]  # a TP rank's
     full_shape: tuple[int, ...]
     dtype: torch.dtype
     nbytes: int
 
 
-def _plan(table: ConversionTable, local: dict[int, tuple[str, Tensor]], tp_group, pp_group,
+def _plan(table: ConversionTable, local: dict[int, tuple[str, Tensor]], tp_group, pp_group, ep_group,
           wire_dtype: torch.dtype | None) -> list[_Item]:
-    """Every rank of the PP group agrees on the same ordered list of tensors and owners."""
+    """Every rank of the PP group agrees on the same ordered list of tensors and owners. Under expert
+    parallelism every rank of a stage owns all of its experts: it receives those of the other EP ranks
+    (``_expert_shard``) before the stage's broadcast."""
     tp = _size(tp_group)
     me = ranks.rank()
     mine = [(i, me, name, tuple(p.shape), wire_dtype or p.dtype) for i, (name, p) in local.items()]
+    if _size(ep_group) > 1:
+        peers = [None] * _size(ep_group)
+        dist.all_gather_object(peers, mine, group=ep_group)
+        have = {row[0] for row in mine}
+        mine += list({i: (i, me, *rest) for rows in peers for i, _, *rest in rows if i not in have}.values())
     gathered = [mine]
     if _size(pp_group) > 1:
         gathered = [None] * _size(pp_group)
@@ -96,7 +111,7 @@ def _plan(table: ConversionTable, local: dict[int, tuple[str, Tensor]], tp_group
     for i in sorted(owners):
         _, owner, name, shape, dtype = owners[i]
         full = table.tasks[i].mapping.tp_merged_shape(shape, tp)
-        items.append(_Item(i, owner, name, full, dtype, torch.Size(full).numel() * dtype.itemsize))
+        items.append(_Item(i, owner, name, shape, full, dtype, torch.Size(full).numel() * dtype.itemsize))
     return items
 
 
@@ -104,6 +119,19 @@ def _buckets(items: list[_Item], bucket_bytes: int) -> list[list[_Item]]:
     """Consecutive items with the same owner and dtype, up to ``bucket_bytes`` (at least one item)."""
     return pack_consecutive(items, lambda item: item.nbytes, bucket_bytes,
                             same=lambda first, item: (item.owner, item.dtype) == (first.owner, first.dtype))
+
+
+def _expert_shard(table: ConversionTable, item: _Item, local: dict[int, tuple[str, Tensor]], ep_group,
+                  device) -> Tensor:
+    """This TP rank's shard of an expert's weight, from the EP rank that holds the expert (a broadcast
+    over the EP group, every member of which asks for the same item at the same point of the plan)."""
+    holder = table.tasks[item.task_index].expert // (table.dims.num_experts // _size(ep_group))
+    if item.task_index in local:
+        shard = local[item.task_index][1].detach().to(item.dtype).contiguous()
+    else:
+        shard = torch.empty(item.shard_shape, dtype=item.dtype, device=device)
+    dist.broadcast(shard, src=dist.get_global_rank(ep_group, holder), group=ep_group)
+    return shard
 
 
 def _gather_tp(task: Task, shard: Tensor, tp_group) -> Tensor:
@@ -117,7 +145,7 @@ def _gather_tp(task: Task, shard: Tensor, tp_group) -> Tensor:
 
 @torch.no_grad()
 def export_hf_weights(model_chunks: Sequence[nn.Module], table: ConversionTable, *, tp_group=None,
-                      pp_group=None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                      pp_group=None, ep_group=None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                       device: torch.device | str | None = None,
                       dtype: torch.dtype | None = None) -> Iterator[tuple[str, Tensor]]:
     """Yield every HF tensor of the model, full size, on every rank of the TP x PP grid.
@@ -128,15 +156,20 @@ def export_hf_weights(model_chunks: Sequence[nn.Module], table: ConversionTable,
     default: each param's own (megatron's local-spec norms stay fp32 in a bf16 model).
     At TP = PP = 1 a yielded tensor may be the parameter itself: read it, do not modify it.
     """
-    local = local_parameters(model_chunks, table)
+    local = local_parameters(model_chunks, table, ep_group)
     me = ranks.rank()
     pp_size = _size(pp_group)
     param_device = next(iter(local.values()))[1].device
-    for bucket in _buckets(_plan(table, local, tp_group, pp_group, dtype), bucket_bytes):
+
+    def shard(b: _Item) -> Tensor:  # this rank's TP shard of an item of its own stage
+        if _size(ep_group) > 1 and table.tasks[b.task_index].expert is not None:
+            return _expert_shard(table, b, local, ep_group, param_device)
+        return local[b.task_index][1]
+
+    for bucket in _buckets(_plan(table, local, tp_group, pp_group, ep_group, dtype), bucket_bytes):
         owner = bucket[0].owner == me
         if pp_size == 1:
-            fulls = [_gather_tp(table.tasks[b.task_index], local[b.task_index][1], tp_group).to(b.dtype)
-                     for b in bucket]
+            fulls = [_gather_tp(table.tasks[b.task_index], shard(b), tp_group).to(b.dtype) for b in bucket]
         else:
             # One broadcast per bucket from the owning stage. The owner gathers each tensor over
             # TP straight into its slot of the flat buffer, so it holds one bucket plus one tensor.
@@ -145,7 +178,7 @@ def export_hf_weights(model_chunks: Sequence[nn.Module], table: ConversionTable,
             fulls = [p.view(b.full_shape) for p, b in zip(torch.split(flat, sizes), bucket)]
             if owner:
                 for b, slot in zip(bucket, fulls):
-                    slot.copy_(_gather_tp(table.tasks[b.task_index], local[b.task_index][1], tp_group))
+                    slot.copy_(_gather_tp(table.tasks[b.task_index], shard(b), tp_group))
             dist.broadcast(flat, src=bucket[0].owner, group=pp_group)
             del flat
         for b, full in zip(bucket, fulls):
@@ -163,10 +196,11 @@ def check_hf_checkpoint(table: ConversionTable, reader: SafetensorsReader) -> No
         table.check_hf_shape(name, reader.shape(name))
 
 
-def hf_targets(model_chunks: Sequence[nn.Module], table: ConversionTable) -> dict[str, tuple[Task, Tensor]]:
+def hf_targets(model_chunks: Sequence[nn.Module], table: ConversionTable,
+               ep_group=None) -> dict[str, tuple[Task, Tensor]]:
     """This rank's parameters as {global Megatron name: (task, parameter)}, in the table's order;
     with tied embeddings, a last stage's output-layer copy maps to the embedding's task."""
-    local = sorted(local_parameters(model_chunks, table).items())
+    local = sorted(local_parameters(model_chunks, table, ep_group).items())
     targets = {name: (table.tasks[i], p) for i, (name, p) in local}
     if table.dims.tie_word_embeddings:
         for chunk in map(unwrap, model_chunks):
@@ -192,14 +226,15 @@ def hf_shard(table: ConversionTable, megatron_name: str, task: Task, param: Tens
 
 @torch.no_grad()
 def load_hf_weights(model_chunks: Sequence[nn.Module], table: ConversionTable, reader: SafetensorsReader, *,
-                    tp_group=None, progress=None) -> int:
-    """Copy an HF checkpoint into this rank's parameters (its TP shard of its stages' tensors).
+                    tp_group=None, ep_group=None, progress=None) -> int:
+    """Copy an HF checkpoint into this rank's parameters (its TP shard of its stages' tensors; of an
+    MoE layer's experts, those of its EP rank).
 
     Checks the whole checkpoint's names and shapes first (headers only). ``progress``: an optional
     callable run once per loaded parameter (e.g. a tqdm ``update``). Returns the parameters loaded.
     """
     check_hf_checkpoint(table, reader)
-    targets = hf_targets(model_chunks, table)
+    targets = hf_targets(model_chunks, table, ep_group)
     for megatron_name, (task, param) in targets.items():
         param.copy_(hf_shard(table, megatron_name, task, param, reader, tp_size=_size(tp_group),
                              tp_rank=_rank(tp_group)))

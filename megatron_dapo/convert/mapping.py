@@ -8,7 +8,8 @@ A mapping ties the HF tensor(s) of one logical parameter to one Megatron paramet
   * the shape every HF tensor must have (``hf_shapes``), so a misshapen checkpoint fails with
     the tensor's name and the expectation instead of deep inside a copy.
 
-Names are patterns: one ``*`` stands for the (global) decoder layer index.
+Names are patterns: one ``*`` stands for the (global) decoder layer index and, in a mixture-of-experts
+layer, one ``@`` for the (global) expert index.
 
 Megatron layouts, from megatron/core (0.19.2):
   * fused QKV (``SelfAttention.get_query_key_value_tensors``): rows are grouped per KV group,
@@ -48,6 +49,8 @@ class ModelDims:
     vocab_size: int
     padded_vocab_size: int
     tie_word_embeddings: bool
+    num_experts: int = 0  # routed experts per MoE layer; 0 = a dense model
+    moe_ffn_hidden_size: int = 0  # one expert's intermediate size
 
     def __post_init__(self):
         if self.num_attention_heads % self.num_query_groups:
@@ -65,13 +68,14 @@ class ModelDims:
                    num_attention_heads=sizes["num_attention_heads"], num_query_groups=sizes["num_query_groups"],
                    head_dim=sizes["kv_channels"], ffn_hidden_size=sizes["ffn_hidden_size"],
                    vocab_size=sizes["vocab_size"], padded_vocab_size=padded_vocab_size or sizes["vocab_size"],
-                   tie_word_embeddings=sizes["tie_word_embeddings"])
+                   tie_word_embeddings=sizes["tie_word_embeddings"], num_experts=sizes["num_moe_experts"],
+                   moe_ffn_hidden_size=sizes["moe_ffn_hidden_size"])
 
     def size(self, symbol: str) -> int:
         """Resolve a symbolic dimension used by the tables' ``shape`` tuples."""
         sizes = {"hidden": self.hidden_size, "ffn": self.ffn_hidden_size, "vocab": self.vocab_size,
                  "q": self.num_attention_heads * self.head_dim, "kv": self.num_query_groups * self.head_dim,
-                 "head": self.head_dim}
+                 "head": self.head_dim, "experts": self.num_experts, "moe_ffn": self.moe_ffn_hidden_size}
         return sizes[symbol]
 
 
@@ -90,11 +94,17 @@ def hf_sizes(config: dict[str, Any]) -> dict[str, Any]:
             "num_query_groups": config.get("num_key_value_heads") or heads,  # absent means plain MHA
             "kv_channels": config.get("head_dim") or config["hidden_size"] // heads,
             "ffn_hidden_size": config["intermediate_size"], "vocab_size": config["vocab_size"],
-            "tie_word_embeddings": bool(config.get("tie_word_embeddings", False))}
+            "tie_word_embeddings": bool(config.get("tie_word_embeddings", False)),
+            # Qwen3-MoE: routed experts (none shared) of moe_intermediate_size each; the released
+            # config.json files say num_experts, transformers >= 5 writes num_local_experts
+            "num_moe_experts": int(config.get("num_experts") or config.get("num_local_experts") or 0),
+            "moe_ffn_hidden_size": int(config.get("moe_intermediate_size") or 0)}
 
 
-def _fill(pattern: str, layer: int | None) -> str:
-    return pattern if layer is None else pattern.replace("*", str(layer))
+def _fill(pattern: str, layer: int | None, expert: int | None = None) -> str:
+    if layer is not None:
+        pattern = pattern.replace("*", str(layer))
+    return pattern if expert is None else pattern.replace("@", str(expert))
 
 
 @dataclass(frozen=True)
@@ -115,11 +125,15 @@ class ParamMapping:
     def per_layer(self) -> bool:
         return "*" in self.megatron
 
-    def megatron_name(self, layer: int | None, spec: str = "local") -> str:
-        return _fill(self.te if spec == "te" and self.te else self.megatron, layer)
+    @property
+    def per_expert(self) -> bool:
+        return "@" in self.megatron
 
-    def hf_names(self, layer: int | None) -> list[str]:
-        return [_fill(p, layer) for p in self.hf]
+    def megatron_name(self, layer: int | None, spec: str = "local", expert: int | None = None) -> str:
+        return _fill(self.te if spec == "te" and self.te else self.megatron, layer, expert)
+
+    def hf_names(self, layer: int | None, expert: int | None = None) -> list[str]:
+        return [_fill(p, layer, expert) for p in self.hf]
 
     # -- layout: subclasses override -------------------------------------------------------
     def hf_shapes(self, dims: ModelDims) -> list[tuple[int, ...]]:
@@ -243,10 +257,13 @@ class GatedMLP(ParamMapping):
     """gate_proj and up_proj [ffn, hidden] <-> ``linear_fc1`` = [gate; up] (column parallel).
 
     TP rank r holds [gate_r; up_r]: split gate and up separately, then stack per rank.
+    ``ffn``: the symbol of its intermediate size ("moe_ffn" for one expert of an MoE layer).
     """
 
+    ffn: str = "ffn"
+
     def hf_shapes(self, dims):
-        return [(dims.ffn_hidden_size, dims.hidden_size)] * 2
+        return [(dims.size(self.ffn), dims.hidden_size)] * 2
 
     def to_megatron(self, hf, dims):
         return torch.cat(list(hf), dim=0)
@@ -267,5 +284,5 @@ class GatedMLP(ParamMapping):
         return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
 
 
-def gated_mlp(megatron: str, *, gate: str, up: str) -> GatedMLP:
-    return GatedMLP(megatron, (gate, up), 0)
+def gated_mlp(megatron: str, *, gate: str, up: str, ffn: str = "ffn") -> GatedMLP:
+    return GatedMLP(megatron, (gate, up), 0, ffn=ffn)

@@ -1,11 +1,12 @@
-"""Real Qwen2.5 and Qwen3 dense shapes with random weights: for benchmarks, dry runs and tests (nothing
-downloaded).
+"""Real Qwen2.5, Qwen3 dense and Qwen3-MoE shapes with random weights: for benchmarks, dry runs and tests
+(nothing downloaded).
 
 The shape fields below are those of the public base-model ``config.json`` files: Qwen2.5
-(Qwen/Qwen2.5-{0.5B,1.5B,7B,32B}; the 32B values as in docs/reference/nvidia_stack.md 4.2) and Qwen3
+(Qwen/Qwen2.5-{0.5B,1.5B,7B,32B}; the 32B values as in docs/reference/nvidia_stack.md 4.2), Qwen3
 (Qwen/Qwen3-{0.6B,1.7B,4B,8B,14B,32B}: every size has 8 KV heads of 128, whatever its width; up to 4B
-the embeddings are tied). ``SHAPES`` names them all: the Qwen2.5 sizes bare ("7B", the recipes'
-SHAPE), the Qwen3 ones with their family ("Qwen3-8B").
+the embeddings are tied) and Qwen3-MoE (Qwen/Qwen3-30B-A3B: 4 KV heads, 128 experts of width 768,
+top-8; 30.5B parameters, 3.3B of them active per token). ``SHAPES`` names them all: the Qwen2.5 sizes
+bare ("7B", the recipes' SHAPE), the Qwen3 ones with their family ("Qwen3-8B", "Qwen3-30B-A3B").
 """
 
 from __future__ import annotations
@@ -58,7 +59,16 @@ QWEN3_CONFIGS: dict[str, dict[str, Any]] = {
     "Qwen3-14B": _qwen3(5120, 17408, 40, 40, False),
     "Qwen3-32B": _qwen3(5120, 25600, 64, 64, False),
 }
-SHAPES: dict[str, dict[str, Any]] = {**QWEN25_CONFIGS, **QWEN3_CONFIGS}
+# Every layer sparse (decoder_sparse_step 1, no mlp_only_layers), no shared expert; intermediate_size is
+# in the file but unused by such a model.
+QWEN3_MOE_CONFIGS: dict[str, dict[str, Any]] = {
+    "Qwen3-30B-A3B": {**_qwen3(2048, 6144, 48, 32, False), "architectures": ["Qwen3MoeForCausalLM"],
+                      "model_type": "qwen3_moe", "num_key_value_heads": 4, "num_experts": 128,
+                      "num_experts_per_tok": 8, "moe_intermediate_size": 768, "norm_topk_prob": True,
+                      "router_aux_loss_coef": 0.001, "decoder_sparse_step": 1, "mlp_only_layers": [],
+                      "output_router_logits": False},
+}
+SHAPES: dict[str, dict[str, Any]] = {**QWEN25_CONFIGS, **QWEN3_CONFIGS, **QWEN3_MOE_CONFIGS}
 
 
 def shape_label(shape: str) -> str:

@@ -88,17 +88,19 @@ def architecture_of(config: dict[str, Any]) -> str:
 
 @dataclass(frozen=True)
 class Task:
-    """One concrete conversion: a mapping with its layer index filled in."""
+    """One concrete conversion: a mapping with its layer (and, for an expert's weight, its global
+    expert index) filled in."""
 
     mapping: ParamMapping
     layer: int | None
+    expert: int | None = None
 
     @property
     def hf_names(self) -> list[str]:
-        return self.mapping.hf_names(self.layer)
+        return self.mapping.hf_names(self.layer, self.expert)
 
     def megatron_name(self, spec: str = "local") -> str:
-        return self.mapping.megatron_name(self.layer, spec)
+        return self.mapping.megatron_name(self.layer, spec, self.expert)
 
 
 class ConversionTable:
@@ -114,7 +116,8 @@ class ConversionTable:
             if m is not None and m.per_layer:
                 run.append(m)
                 continue
-            self.tasks += [Task(r, layer) for layer in range(dims.num_layers) for r in run]
+            self.tasks += [task for layer in range(dims.num_layers) for r in run
+                           for task in _expand_experts(r, layer, dims.num_experts)]
             run = []
             if m is not None:
                 self.tasks.append(Task(m, None))
@@ -154,11 +157,18 @@ class ConversionTable:
                                   f"missing {missing[:8]}{' ...' if len(missing) > 8 else ''}, "
                                   f"unexpected {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}")
 
-    def check_parallel(self, tp_size: int, pp_size: int = 1) -> None:
-        """Sizes Megatron must be able to split evenly at this TP / PP."""
+    def check_parallel(self, tp_size: int, pp_size: int = 1, ep_size: int = 1) -> None:
+        """Sizes Megatron must be able to split evenly at this TP / PP / EP (experts are split over TP
+        as the dense MLP is: megatron's expert TP size defaults to TP)."""
         d = self.dims
         sizes = {"num_attention_heads": d.num_attention_heads, "intermediate_size": d.ffn_hidden_size,
                  "padded vocab size": d.padded_vocab_size}
+        if d.num_experts:
+            sizes["moe_intermediate_size"] = d.moe_ffn_hidden_size
+        if ep_size > 1 and d.num_experts % ep_size:
+            raise ConversionError(f"EP={ep_size} does not divide num_experts={d.num_experts}")
+        if ep_size > 1 and not d.num_experts:
+            raise ConversionError(f"EP={ep_size} for a dense {self.architecture} (no experts to split); use EP=1")
         bad = {k: v for k, v in sizes.items() if v % tp_size}
         # megatron-core 0.19.2 splits KV groups over TP, or (TP a multiple of the groups) splits the
         # fused QKV rows contiguously and all-gathers them in attention: either layout is a plain dim-0
@@ -169,6 +179,13 @@ class ConversionTable:
             raise ConversionError(f"TP={tp_size} does not divide {bad}")
         if d.num_layers % pp_size:
             raise ConversionError(f"PP={pp_size} does not divide num_hidden_layers={d.num_layers}")
+
+
+def _expand_experts(mapping: ParamMapping, layer: int, num_experts: int) -> list[Task]:
+    """One task per expert for an expert's weight (global index order), else the layer's one task."""
+    if not mapping.per_expert:
+        return [Task(mapping, layer)]
+    return [Task(mapping, layer, expert) for expert in range(num_experts)]
 
 
 def conversion_table(config: Any, *, padded_vocab_size: int | None = None) -> ConversionTable:

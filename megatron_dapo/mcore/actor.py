@@ -23,6 +23,7 @@ from megatron_dapo.config import DAPOConfig
 from megatron_dapo.mcore import checkpoint
 from megatron_dapo.batching import Sample, split_for_data_parallel
 from megatron_dapo.mcore.model import build_model, conversion_table_for, hf_arch
+from megatron_dapo.mcore.moe import install_replay
 from megatron_dapo.mcore.offload import StateOffloader
 from megatron_dapo.mcore.optimizer import build_optimizer, build_scheduler, wrap_model
 from megatron_dapo.mcore.parallel import all_gather_rows, initialize_parallel
@@ -46,7 +47,9 @@ class MegatronActor:
             initialize_parallel(hf_config, parallel=cfg.parallel, model=cfg.model, seed=cfg.seed)
         self.cfg, self.hf_config = cfg, hf_config
         use_dist_opt = cfg.parallel.use_distributed_optimizer
-        chunks = build_model(hf_config, model=cfg.model, parallel=cfg.parallel, **model_overrides)
+        chunks = build_model(hf_config, model=cfg.model, parallel=cfg.parallel, moe=cfg.moe, **model_overrides)
+        if cfg.moe.router_replay == "R3":
+            install_replay(chunks)
         self.model = wrap_model(chunks, use_distributed_optimizer=use_dist_opt)
         self.optimizer = build_optimizer(self.model, cfg.optim, use_distributed_optimizer=use_dist_opt)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, updates_per_step=cfg.updates_per_step)
@@ -173,7 +176,11 @@ class MegatronActor:
             self.model, self._conversion_table(),
             tp_group=ps.get_tensor_model_parallel_group() if tp > 1 else None,
             pp_group=ps.get_pipeline_model_parallel_group() if pp > 1 else None,
-            bucket_bytes=bucket_bytes or DEFAULT_BUCKET_BYTES, dtype=dtype)
+            ep_group=self._ep_group(), bucket_bytes=bucket_bytes or DEFAULT_BUCKET_BYTES, dtype=dtype)
+
+    def _ep_group(self):
+        from megatron.core import parallel_state as ps
+        return ps.get_expert_model_parallel_group() if self.cfg.parallel.expert_model_parallel_size > 1 else None
 
     def _conversion_table(self):
         return conversion_table_for(self.hf_config, model=self.cfg.model,
@@ -233,6 +240,7 @@ class MegatronActor:
         tp = self.cfg.parallel.tensor_model_parallel_size
         with SafetensorsReader(hf_dir) as reader:
             count = load_hf_weights(self.model, self._conversion_table(), reader,
-                                    tp_group=ps.get_tensor_model_parallel_group() if tp > 1 else None)
+                                    tp_group=ps.get_tensor_model_parallel_group() if tp > 1 else None,
+                                    ep_group=self._ep_group())
         self.optimizer.reload_model_params()
         return count

@@ -63,7 +63,8 @@ from megatron_dapo.errors import InputError, one_line
 from megatron_dapo.mcore import checkpoint_background as background_write
 from megatron_dapo.mcore import checkpoint_files as files
 from megatron_dapo.mcore.checkpoint_files import (
-    FORMAT_VERSION, LATEST, META, SHAPE_FIELDS, TRAINER_STATE, check_model_shape, checkpoint_name, damage,
+    FORMAT_VERSION, LATEST, META, MOE_SHAPE_FIELDS, SHAPE_FIELDS, TRAINER_STATE, check_model_shape, checkpoint_name,
+    damage,
     is_complete, latest_checkpoint, list_checkpoints, read_meta, read_trainer_state, why_none_usable)
 
 __all__ = ["FORMAT_VERSION", "LATEST", "META", "SHAPE_FIELDS", "TRAINER_STATE", "PendingCheckpoint",
@@ -109,7 +110,8 @@ def _layout() -> dict:
     return dict(world_size=dist.get_world_size(), tp=ps.get_tensor_model_parallel_world_size(),
                 pp=ps.get_pipeline_model_parallel_world_size(),
                 vpp=ps.get_virtual_pipeline_model_parallel_world_size(),
-                cp=ps.get_context_parallel_world_size(), dp=ps.get_data_parallel_world_size())
+                cp=ps.get_context_parallel_world_size(), dp=ps.get_data_parallel_world_size(),
+                ep=ps.get_expert_model_parallel_world_size())
 
 
 def _uses_distributed_optimizer(optimizer) -> bool:
@@ -164,7 +166,9 @@ def model_shape(model: list) -> dict:
     """The architecture numbers a checkpoint must share with the model that loads it: the
     TransformerConfig's, and the vocabulary before padding (model.build_model's hf_vocab_size)."""
     chunk = _unwrap(model[0])
-    return {k: chunk.hf_vocab_size if k == "vocab_size" else getattr(chunk.config, k) for k in SHAPE_FIELDS}
+    shape = {k: chunk.hf_vocab_size if k == "vocab_size" else getattr(chunk.config, k) for k in SHAPE_FIELDS}
+    dense = not chunk.config.num_moe_experts
+    return {**shape, **{k: 0 for k in MOE_SHAPE_FIELDS if dense}}  # as model.hf_arch says for a dense model
 
 
 def _publish_args(trainer_state: dict, keep_last: int) -> str:
@@ -353,6 +357,14 @@ def load_checkpoint(path: str | os.PathLike, *, model: list, optimizer=None, sch
     if optimizer is not None and meta["distributed_optimizer"] != _uses_distributed_optimizer(optimizer):
         raise ValueError(f"{path} was saved with use_distributed_optimizer={meta['distributed_optimizer']}; "
                          "load it with the same setting (or without the optimizer)")
+    saved_ep, ep = meta["layout"].get("ep", 1), _layout()["ep"]
+    if optimizer is not None and (saved_ep > 1) != (ep > 1):
+        # megatron-core 0.19.2 gives the experts an optimizer of their own only under expert
+        # parallelism (tensor_parallel/layers.py: allreduce=False): the saved state has another structure
+        raise InputError(f"checkpoint {path} was saved at parallel.expert_model_parallel_size={saved_ep}; its "
+                         f"optimizer state does not load at {ep} (megatron-core keeps the experts' state apart only "
+                         f"when EP > 1): resume at EP {'> 1' if saved_ep > 1 else '= 1'}, or start a new run from "
+                         "its weights (model.checkpoint)")
     with _torch_adam_load_fixes(optimizer):
         sharded = _sharded_state_dict(model, optimizer, None, is_loading=True)
         state = dist_checkpointing.load(sharded, str(path))

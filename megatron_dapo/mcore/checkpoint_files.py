@@ -50,8 +50,10 @@ FORMAT_VERSION = 2  # 2: adds the manifest ("files") and "model_shape"
 # add_qkv_bias and qk_layernorm tell Qwen2 from Qwen3; vocab_size (the HF config's, before padding) tells a
 # model of another tokenizer, whose padded embedding may even have the same rows. check_model_shape compares a
 # checkpoint written before they were recorded on the fields it has.
+# num_moe_experts and moe_ffn_hidden_size (0 for a dense model) tell Qwen3-MoE from Qwen3 dense.
 SHAPE_FIELDS = ("hidden_size", "ffn_hidden_size", "num_layers", "num_attention_heads", "num_query_groups",
-                "kv_channels", "add_qkv_bias", "qk_layernorm", "vocab_size")
+                "kv_channels", "add_qkv_bias", "qk_layernorm", "vocab_size", "num_moe_experts", "moe_ffn_hidden_size")
+MOE_SHAPE_FIELDS = ("num_moe_experts", "moe_ffn_hidden_size")  # megatron's TransformerConfig: None when dense
 
 
 def checkpoint_name(step: int) -> str:

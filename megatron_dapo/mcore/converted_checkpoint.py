@@ -38,7 +38,7 @@ DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float32: "fp32"}
 
 
 def build_parallel_model(hf_config: dict[str, Any], *, dtype: str, tp: int = 1, pp: int = 1,
-                         vpp: int | None = None, make_vocab_size_divisible_by: int | None = None,
+                         vpp: int | None = None, ep: int = 1, make_vocab_size_divisible_by: int | None = None,
                          **overrides):
     """Start torch.distributed / Megatron's parallel state if needed and build this rank's chunks
     (one per virtual pipeline stage).
@@ -57,8 +57,8 @@ def build_parallel_model(hf_config: dict[str, Any], *, dtype: str, tp: int = 1, 
         "make_vocab_size_divisible_by": make_vocab_size_divisible_by}
     model_cfg = ModelConfig(dtype=dtype, **padding)
     parallel = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                              virtual_pipeline_model_parallel_size=vpp)
-    table.check_parallel(tp, pp * (vpp or 1))
+                              virtual_pipeline_model_parallel_size=vpp, expert_model_parallel_size=ep)
+    table.check_parallel(tp, pp * (vpp or 1), ep)
     if not ps.model_parallel_is_initialized():
         initialize_parallel(hf_config, parallel=parallel, model=model_cfg, seed=0)
     chunks = build_model(hf_config, model=model_cfg, parallel=parallel, **overrides)
@@ -106,13 +106,13 @@ def sharded_state_dict(chunks) -> dict:
     return {f"model{i}": c.sharded_state_dict() for i, c in enumerate(chunks)}
 
 
-def checkpoint_model(ckpt_dir: Path, *, tp: int, pp: int, vpp: int | None = None, **overrides):
-    """The model a converted checkpoint describes, at this TP / PP / VPP, its weights not loaded
+def checkpoint_model(ckpt_dir: Path, *, tp: int, pp: int, vpp: int | None = None, ep: int = 1, **overrides):
+    """The model a converted checkpoint describes, at this TP / PP / VPP / EP, its weights not loaded
     (uninitialised, untouched: address space only). Returns (chunks, table, tp_group, pp_group, meta)."""
     config, meta = read_checkpoint_meta(ckpt_dir)
     divisible_by = meta["make_vocab_size_divisible_by"]
     chunks, table, tp_group, pp_group = build_parallel_model(
-        config, dtype=meta["dtype"], tp=tp, pp=pp, vpp=vpp, make_vocab_size_divisible_by=divisible_by,
+        config, dtype=meta["dtype"], tp=tp, pp=pp, vpp=vpp, ep=ep, make_vocab_size_divisible_by=divisible_by,
         perform_initialization=False, **overrides)
     # Megatron pads to a multiple of divisible_by x TP, so the padded size can change with TP; the
     # dist-checkpoint loader would only report a shape mismatch deep inside.
@@ -126,12 +126,12 @@ def checkpoint_model(ckpt_dir: Path, *, tp: int, pp: int, vpp: int | None = None
 
 
 def load_megatron_checkpoint(ckpt_dir: str | os.PathLike, *, tp: int = 1, pp: int = 1,
-                             vpp: int | None = None, **overrides):
-    """Build the model a converted checkpoint describes (at this TP / PP / VPP) and load it.
+                             vpp: int | None = None, ep: int = 1, **overrides):
+    """Build the model a converted checkpoint describes (at this TP / PP / VPP / EP) and load it.
 
     Returns (chunks, table, tp_group, pp_group, meta)."""
     apply_cpu_compat()  # an entry point of the converter: before megatron.core is imported
-    chunks, table, tp_group, pp_group, meta = checkpoint_model(Path(ckpt_dir), tp=tp, pp=pp, vpp=vpp,
+    chunks, table, tp_group, pp_group, meta = checkpoint_model(Path(ckpt_dir), tp=tp, pp=pp, vpp=vpp, ep=ep,
                                                                 **overrides)
     load_into(chunks, ckpt_dir)
     return chunks, table, tp_group, pp_group, meta

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from megatron_dapo.convert import fused_experts
 from megatron_dapo.convert.export import export_hf_weights
 from megatron_dapo.convert.safetensors_io import SafetensorsReader
 from megatron_dapo.mcore.cpu_compat import apply_cpu_compat
@@ -83,17 +84,20 @@ def megatron_logits(chunks, ids: torch.Tensor, tp_group) -> torch.Tensor | None:
     return torch.cat(pieces, dim=-1)
 
 
-def verify(hf_dir: str | os.PathLike, ckpt_dir: str | os.PathLike, *, tp: int = 1, pp: int = 1,
+def verify(hf_dir: str | os.PathLike, ckpt_dir: str | os.PathLike, *, tp: int = 1, pp: int = 1, ep: int = 1,
            atol: float | None = None, batch: int = 2, seq_len: int = 16) -> VerifyReport:
-    """Load ``ckpt_dir`` at TP x PP, compare weights and logits with ``hf_dir``; collective."""
+    """Load ``ckpt_dir`` at TP x PP (x EP: an MoE model's experts split over that many of the
+    data-parallel ranks), compare weights and logits with ``hf_dir``; collective."""
     apply_cpu_compat()  # an entry point: before megatron.core is imported
     from megatron.core import parallel_state as ps
 
-    chunks, table, tp_group, pp_group, meta = load_megatron_checkpoint(ckpt_dir, tp=tp, pp=pp)
+    chunks, table, tp_group, pp_group, meta = load_megatron_checkpoint(ckpt_dir, tp=tp, pp=pp, ep=ep)
+    ep_group = ps.get_expert_model_parallel_group() if ep > 1 else None
     rank = dist.get_rank()
     reader = SafetensorsReader(hf_dir) if rank == 0 else None
     rows = []
-    for name, tensor in export_hf_weights(chunks, table, tp_group=tp_group, pp_group=pp_group, device="cpu"):
+    for name, tensor in export_hf_weights(chunks, table, tp_group=tp_group, pp_group=pp_group, ep_group=ep_group,
+                                          device="cpu"):
         if reader is not None:
             ref = reader.get(name)
             same_shape = ref.shape == tensor.shape
@@ -130,11 +134,16 @@ def _hf_logits(hf_dir, ids: torch.Tensor, dtype: str) -> torch.Tensor:
     config = AutoConfig.from_pretrained(hf_dir)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="eager",
                                              dtype=torch.bfloat16 if dtype == "bf16" else torch.float32)
-    with SafetensorsReader(hf_dir) as reader:
-        state = {name: reader.get(name) for name in reader.names()}
-    missing, unexpected = model.load_state_dict(state, strict=False)
+    params = model.state_dict(keep_vars=True)
+    with SafetensorsReader(hf_dir) as reader:  # per-expert tensors fill fused parameters: fused_experts
+        names = reader.names()
+        unexpected = [name for name in names if fused_experts.target(params, name) is None]
+        for name in names:
+            if name not in unexpected:
+                fused_experts.target(params, name).data.copy_(reader.get(name))
     tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
-    if set(missing) - tied or unexpected:
+    missing = sorted(set(params) - fused_experts.fused_names(params, names) - tied)
+    if missing or unexpected:
         raise RuntimeError(f"HF model vs {hf_dir}: missing {missing}, unexpected {unexpected}")
     model.tie_weights()
     return model.eval()(ids).logits.float()

@@ -1,4 +1,5 @@
-"""A megatron-core ``GPTModel`` for a Qwen2 / Qwen2.5 or Qwen3 dense architecture, built from its HF config.json.
+"""A megatron-core ``GPTModel`` for a Qwen2 / Qwen2.5, Qwen3 dense or Qwen3-MoE architecture, built from its
+HF config.json.
 
 In Megatron terms: grouped-query attention (num_query_groups = num_key_value_heads), RMSNorm,
 SwiGLU (gated linear unit + SiLU), RoPE with base ``rope_theta`` over the whole head, tied or untied
@@ -31,6 +32,7 @@ import torch.nn.functional as F
 
 from megatron_dapo.errors import ConfigError
 from megatron_dapo.config import ModelConfig, ParallelConfig
+from megatron_dapo.config_moe import MoEConfig
 from megatron_dapo.convert.mapping import hf_sizes
 from megatron_dapo.convert.table import architecture
 from megatron_dapo.mcore.cpu_compat import require_cpu_compat
@@ -56,6 +58,11 @@ class HFArch:
     attention_dropout: float
     add_qkv_bias: bool
     qk_layernorm: bool
+    num_moe_experts: int  # 0: a dense model
+    moe_ffn_hidden_size: int
+    moe_router_topk: int
+    moe_norm_topk_prob: bool  # top-k weights renormalised to sum to 1 (Qwen3-30B-A3B: true)
+    moe_aux_loss_coeff: float  # the checkpoint's router_aux_loss_coef
 
 
 def hf_arch(hf_config: Mapping[str, Any] | Any) -> HFArch:
@@ -85,6 +92,9 @@ def hf_arch(hf_config: Mapping[str, Any] | Any) -> HFArch:
         attention_dropout=float(cfg.get("attention_dropout", 0.0)),
         add_qkv_bias=found.qkv_bias,
         qk_layernorm=found.qk_layernorm,
+        moe_router_topk=int(cfg.get("num_experts_per_tok") or 0),
+        moe_norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+        moe_aux_loss_coeff=float(cfg.get("router_aux_loss_coef") or 0.0),
     )
 
 
@@ -165,7 +175,7 @@ def resolve_runtime(model: ModelConfig, on_gpu: bool, *, check_installed: bool =
 
 
 def transformer_config_from_hf(hf_config, *, model: ModelConfig, parallel: ParallelConfig,
-                               on_gpu: bool | None = None, **overrides):
+                               on_gpu: bool | None = None, moe: MoEConfig | None = None, **overrides):
     """The megatron ``TransformerConfig`` for a Qwen2 / Qwen3 config under the given model / parallel settings.
 
     ``overrides`` are set on the TransformerConfig last (e.g. calculate_per_token_loss for the
@@ -229,6 +239,8 @@ def transformer_config_from_hf(hf_config, *, model: ModelConfig, parallel: Paral
         # (docs/reference/megatron_on_cpu.md 3b; megatron-training asserts this case away).
         batch_p2p_comm=not (vpp is not None and pp == 2),
     )
+    if arch.num_moe_experts:
+        fields.update(moe_fields(arch, moe or MoEConfig(), parallel, on_gpu))
     if model.recompute == "selective":
         fields.update(recompute_granularity="selective")  # megatron default module: core_attn
     elif model.recompute == "full":
@@ -237,6 +249,39 @@ def transformer_config_from_hf(hf_config, *, model: ModelConfig, parallel: Paral
         fields.update(fp8=model.fp8, fp8_recipe=model.fp8_recipe)
     fields.update(overrides)
     return TransformerConfig(**fields)
+
+
+def moe_fields(arch: HFArch, moe: MoEConfig, parallel: ParallelConfig, on_gpu: bool) -> dict[str, Any]:
+    """The TransformerConfig fields of a Qwen3-MoE layer.
+
+    Routing as transformers' Qwen3MoeTopKRouter: a softmax over every expert's logit (fp32), the top k
+    kept and, with norm_topk_prob, renormalised to sum to 1. Megatron's default (a softmax over the top
+    k logits) is the renormalised form exactly; without norm_topk_prob the softmax comes first
+    (moe_router_pre_softmax). SequentialMLP experts (no grouped GEMM): one module per expert under
+    both layer specs, the names convert/decoder.moe_mlp maps; TE's grouped MLP needs TE >= 2.14.
+    """
+    dispatcher = moe.token_dispatcher
+    if dispatcher == "auto":
+        dispatcher = "alltoall" if on_gpu else "allgather"
+    coeff = arch.moe_aux_loss_coeff if moe.aux_loss_coeff == "auto" else moe.aux_loss_coeff
+    return dict(
+        num_moe_experts=arch.num_moe_experts,
+        moe_ffn_hidden_size=arch.moe_ffn_hidden_size,
+        moe_router_topk=arch.moe_router_topk,
+        moe_router_score_function="softmax",
+        moe_router_pre_softmax=not arch.moe_norm_topk_prob,
+        moe_router_dtype="fp32",
+        moe_grouped_gemm=False,
+        moe_token_dispatcher_type=dispatcher,
+        moe_router_load_balancing_type=moe.load_balancing,
+        moe_aux_loss_coeff=coeff if moe.load_balancing != "none" else 0.0,
+        moe_z_loss_coeff=moe.z_loss_coeff or None,
+        expert_model_parallel_size=parallel.expert_model_parallel_size,
+        moe_enable_routing_replay=moe.router_replay == "R3",
+        # megatron's allgather dispatcher refuses variable shapes between pipeline stages: the
+        # stages then exchange micro-batches padded to one shape (train_step, logprobs)
+        **(dict(variable_seq_lengths=False) if dispatcher == "allgather" else {}),
+    )
 
 
 def layer_spec(config):
@@ -250,15 +295,16 @@ def layer_spec(config):
 
     from megatron_dapo.mcore.sdpa_attention import SDPAttention
 
+    experts = dict(num_experts=config.num_moe_experts, moe_grouped_gemm=False)
     if config.transformer_impl == "transformer_engine":
-        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_layernorm)
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm, **experts)
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_layernorm, **experts)
     spec.submodules.self_attention.submodules.core_attention = SDPAttention
     return spec
 
 
 def build_model(hf_config, *, model: ModelConfig, parallel: ParallelConfig,
-                on_gpu: bool | None = None, **overrides) -> list:
+                on_gpu: bool | None = None, moe: MoEConfig | None = None, **overrides) -> list:
     """This rank's model chunks: one ``GPTModel`` per virtual pipeline stage (a list of one
     without VPP), with pre/post-process set from the pipeline position.
 
@@ -271,7 +317,8 @@ def build_model(hf_config, *, model: ModelConfig, parallel: ParallelConfig,
 
     arch = hf_arch(hf_config)
     _check_parallel_state(parallel)
-    config = transformer_config_from_hf(hf_config, model=model, parallel=parallel, on_gpu=on_gpu, **overrides)
+    config = transformer_config_from_hf(hf_config, model=model, parallel=parallel, on_gpu=on_gpu, moe=moe,
+                                        **overrides)
     vocab = padded_vocab_size(arch.vocab_size, model.make_vocab_size_divisible_by,
                               parallel.tensor_model_parallel_size)
     spec = layer_spec(config)
@@ -310,9 +357,11 @@ def _check_parallel_state(parallel: ParallelConfig) -> None:
     if not ps.model_parallel_is_initialized():
         raise RuntimeError("call megatron_dapo.mcore.parallel.initialize_parallel(...) before build_model")
     have = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
-            ps.get_virtual_pipeline_model_parallel_world_size(), ps.get_context_parallel_world_size())
+            ps.get_virtual_pipeline_model_parallel_world_size(), ps.get_context_parallel_world_size(),
+            ps.get_expert_model_parallel_world_size())
     want = (parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size,
-            parallel.virtual_pipeline_model_parallel_size, parallel.context_parallel_size)
+            parallel.virtual_pipeline_model_parallel_size, parallel.context_parallel_size,
+            parallel.expert_model_parallel_size)
     if have != want:
-        raise ValueError(f"parallel state (TP, PP, VPP, CP) = {have} but the ParallelConfig asks for "
+        raise ValueError(f"parallel state (TP, PP, VPP, CP, EP) = {have} but the ParallelConfig asks for "
                          f"{want}; initialise with the same ParallelConfig")

@@ -16,6 +16,7 @@ from megatron_dapo.errors import ConfigError
 from megatron_dapo.gpu_binding import bind_gpu, check_bindings
 from megatron_dapo import ranks
 from megatron_dapo.config import ModelConfig, ParallelConfig
+from megatron_dapo.config_moe import MoEConfig
 from megatron_dapo.mcore.cpu_compat import require_cpu_compat
 from megatron_dapo.mcore.model import hf_arch, padded_vocab_size, resolve_runtime
 
@@ -38,6 +39,8 @@ def validate_parallel(hf_config, *, parallel: ParallelConfig, model: ModelConfig
         raise ConfigError(f"num_hidden_layers={arch.num_layers} is not divisible by pipeline_model_parallel"
                          f"_size x virtual_pipeline_model_parallel_size = {pp} x {vpp}; pick sizes whose "
                          f"product divides {arch.num_layers} ({_divisors(arch.num_layers)})")
+    if (fault := _ep_fault(arch, parallel.expert_model_parallel_size, dp)) is not None:
+        raise ConfigError(fault)
     runtime = resolve_runtime(model, on_gpu, check_installed=check_installed)
     if parallel.context_parallel_size > 1 and runtime.transformer_impl != "transformer_engine":
         raise ConfigError(f"context_parallel_size={parallel.context_parallel_size} needs the Transformer "
@@ -65,6 +68,41 @@ def _tied_state_shift(hf_config, tp: int, pp: int, distributed_optimizer: bool) 
     return bool(hf_config.get("tie_word_embeddings", False)) and tp > 1 and pp > 1 and distributed_optimizer
 
 
+def _ep_fault(arch, ep: int, dp: int) -> str | None:
+    """What an expert-parallel size of ``ep`` cannot do for this model at data-parallel size ``dp``.
+    megatron-core takes the EP ranks from the data-parallel ones (its expert TP size is TP):
+    TP x EP x PP must divide the world, i.e. EP divides DP."""
+    experts = arch.num_moe_experts
+    if ep == 1:
+        return None
+    if not experts:
+        return (f"parallel.expert_model_parallel_size={ep} for a dense model (no experts to split); "
+                "set it to 1")
+    if experts % ep:
+        return (f"parallel.expert_model_parallel_size={ep} does not divide the model's num_experts={experts}; "
+                f"pick one of {[d for d in _divisors(experts) if dp % d == 0]}")
+    if dp % ep:
+        return (f"parallel.expert_model_parallel_size={ep} does not divide the data-parallel size {dp} "
+                "(world / (TP x PP x CP)): megatron takes the expert-parallel ranks from the data-parallel ones; "
+                f"pick one of {[d for d in _divisors(dp) if experts % d == 0]} or change the number of processes")
+    return None
+
+
+def check_moe_layout(hf_config, *, moe: MoEConfig, parallel: ParallelConfig) -> None:
+    """The mixture-of-experts settings this model or layout cannot run; a ConfigError (the machine's:
+    run.check_model)."""
+    arch = hf_arch(hf_config)
+    if not arch.num_moe_experts:
+        if moe.router_replay == "R3":
+            raise ConfigError("moe.router_replay=R3 for a dense model (model.hf_path's config has no experts); set "
+                              "moe.router_replay=disabled")
+        return
+    tp = parallel.tensor_model_parallel_size
+    if tp > 1 and not parallel.sequence_parallel:
+        raise ConfigError(f"an MoE model at TP {tp} needs parallel.sequence_parallel=true (megatron-core's MoE "
+                          "layer routes each TP rank's share of the tokens)")
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -82,6 +120,9 @@ def _tp_fault(arch, tp: int) -> str | None:
     if arch.hidden_size % tp or arch.ffn_hidden_size % tp:
         return (f"hidden_size={arch.hidden_size} and intermediate_size={arch.ffn_hidden_size} must be divisible "
                 f"by tensor_model_parallel_size={tp}")
+    if arch.moe_ffn_hidden_size % tp:  # megatron's expert TP is TP: each expert's MLP is split as the dense one
+        return (f"moe_intermediate_size={arch.moe_ffn_hidden_size} must be divisible by "
+                f"tensor_model_parallel_size={tp}")
     return None
 
 
@@ -94,6 +135,7 @@ def _fitting_tps(hf_config, parallel: ParallelConfig, world_size: int) -> list[i
     return [tp for tp in _divisors(arch.num_attention_heads)
             if _tp_fault(arch, tp) is None and world_size % (tp * rest) == 0
             and not (tp == 1 and parallel.sequence_parallel)  # the config refuses sequence parallelism at TP 1
+            and not (arch.num_moe_experts and tp > 1 and not parallel.sequence_parallel)  # check_moe_layout's rule
             and not _tied_state_shift(hf_config, tp, parallel.pipeline_model_parallel_size,
                                       parallel.use_distributed_optimizer)]
 
@@ -147,6 +189,7 @@ def initialize_parallel(hf_config, *, parallel: ParallelConfig, model: ModelConf
         pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
         context_parallel_size=parallel.context_parallel_size,
+        expert_model_parallel_size=parallel.expert_model_parallel_size,
         distributed_timeout_minutes=timeout_minutes,
     )
     tensor_parallel.model_parallel_cuda_manual_seed(seed)

@@ -69,7 +69,7 @@ def export_run(cfg: DAPOConfig, out_dir: str | os.PathLike, *, step: int | None 
     own = not ps.model_parallel_is_initialized()  # then this call also tears it down
     if own:
         initialize_parallel(hf_config, parallel=cfg.parallel, model=cfg.model, seed=cfg.seed)
-    chunks = build_model(hf_config, model=cfg.model, parallel=cfg.parallel, perform_initialization=False)
+    chunks = build_model(hf_config, model=cfg.model, parallel=cfg.parallel, moe=cfg.moe, perform_initialization=False)
     state = load_checkpoint(ckpt, model=chunks, load_rng=False)
     table = conversion_table_for(hf_config, model=cfg.model, tp=cfg.parallel.tensor_model_parallel_size)
     p = cfg.parallel

@@ -58,10 +58,15 @@ from megatron_dapo.batching import (
     count_micro_batches,
     make_micro_batches,
     pad_multiple,
+    padding_mask,
     response_mask,
+    uniform_shape,
     unpack_responses,
 )
 from megatron_dapo.mcore.logprobs import SHORTCUT_STATS, GradHint, ShortcutStats, logprobs_output_processor
+from megatron_dapo.mcore.moe import (
+    AGREEMENT, TokenOutputs, clear_replay, moe_metrics, replay, without_router_losses,
+)
 from megatron_dapo.mcore.optimizer import current_lr
 from megatron_dapo.mcore.parallel import all_gather_rows
 
@@ -128,20 +133,44 @@ def _batching(model, settings: StepSettings) -> dict:
     return dict(max_tokens=settings.max_tokens_per_micro_batch, micro_batch_size=settings.micro_batch_size,
                 multiple=settings.pad_multiple,
                 count_multiple=pp if vpp else 1,  # the interleaved schedule needs M % PP == 0
-                uniform=pp > 1 and not config.variable_seq_lengths)  # stages cannot exchange shapes
+                # stages that cannot exchange shapes, or EP ranks gathering each other's tokens
+                uniform=(pp > 1 and not config.variable_seq_lengths) or _same_shape_over_dp(config))
+
+
+def _same_shape_over_dp(config) -> bool:
+    """Whether every data-parallel rank must run micro-batches of one [b, s]: megatron's allgather token
+    dispatcher gathers the hidden states of the EP ranks (taken from the DP ranks) in every MoE layer,
+    which needs as many tokens on each. Under expert parallelism the DP ranks also run as many micro-batches
+    (each MoE layer's forward is a collective), which ``_micro_batches`` and ``compute_log_probs`` agree on."""
+    return config.expert_model_parallel_size > 1 and config.moe_token_dispatcher_type == "allgather"
 
 
 def _local_counts(model, samples: list[Sample], settings: StepSettings) -> torch.Tensor:
-    """[3] float64: this DP rank's (valid tokens, valid sequences, micro-batches) for ``samples``, from
-    the samples (their loss masks: rollout correction's rejections included) and the micro-batch plan."""
+    """[5] float64: this DP rank's (valid tokens, valid sequences, micro-batches, samples, longest sample's
+    tokens) for ``samples``, from the samples (their loss masks: rollout correction's rejections
+    included) and the micro-batch plan."""
     valid = [float(x.loss_mask.sum()) if x.loss_mask is not None else float(x.num_response_tokens)
              for x in samples]
     return torch.tensor([sum(valid), sum(1.0 for v in valid if v > 0),
-                         float(count_micro_batches(samples, **_batching(model, settings)))], dtype=torch.float64)
+                         float(count_micro_batches(samples, **_batching(model, settings))), float(len(samples)),
+                         float(max((x.num_tokens for x in samples), default=0))], dtype=torch.float64)
+
+
+def _dp_agreement(model, table: torch.Tensor, kwargs: dict) -> tuple[int, int]:
+    """(micro-batches, uniform length) every DP rank uses, from the ranks' ``_local_counts`` rows ``table``:
+    the most micro-batches any rank needs; under ``_same_shape_over_dp`` one [b, s] for all, fitting the
+    longest sample of any rank (and then as many micro-batches as that b needs for the most samples)."""
+    count = int(table[:, 2].max())
+    if not _same_shape_over_dp(model[0].config):
+        return count, 0
+    length = int(table[:, 4].max())
+    rows, _ = uniform_shape(length, max_tokens=kwargs["max_tokens"], micro_batch_size=kwargs["micro_batch_size"],
+                            multiple=kwargs["multiple"])
+    return max(count, -(-int(table[:, 3].max()) // rows)), length
 
 
 def batch_counts(model, batches: list[list[Sample]], settings: StepSettings) -> list[torch.Tensor]:
-    """Each mini-batch's count table, [DP, 3] float64 (``_local_counts`` of every DP rank's share),
+    """Each mini-batch's count table, [DP, 5] float64 (``_local_counts`` of every DP rank's share),
     from one all-gather over DP for all of them: the loop gathers a step's tables up front (an
     update then needs no exchange before its schedule; one per update was a visible share of an
     update at DP=2 on the CPU demo) and hands each update its own (``train_step(counts_table=)``)."""
@@ -149,7 +178,7 @@ def batch_counts(model, batches: list[list[Sample]], settings: StepSettings) -> 
         return []
     dp_group, _ = _groups()
     local = torch.stack([_local_counts(model, b, settings) for b in batches]).to(compute_device())
-    table = all_gather_rows(local.reshape(-1), dp_group).view(-1, len(batches), 3).cpu()
+    table = all_gather_rows(local.reshape(-1), dp_group).view(-1, len(batches), local.shape[1]).cpu()
     return [table[:, k] for k in range(len(batches))]
 
 
@@ -161,9 +190,14 @@ def _micro_batches(model, samples: list[Sample], settings: StepSettings,
     kwargs = _batching(model, settings)
     if table is None:
         table = batch_counts(model, [samples], settings)[0]
-    num_mbs = int(table[:, 2].max())
-    mbs = make_micro_batches(samples, min_count=num_mbs, **kwargs)
+    num_mbs, length = _dp_agreement(model, table, kwargs)
+    mbs = make_micro_batches(samples, min_count=num_mbs, uniform_length=length, **kwargs)
     return mbs, table[:, :2].sum(0).float().to(compute_device())
+
+
+def _has_tokens(mb: MicroBatch) -> bool:
+    """Whether a micro-batch holds a sample (not only the padding that evens out the DP ranks' counts)."""
+    return any(i >= 0 for i in mb.sample_index)
 
 
 def _forward_step(settings: StepSettings, counts, scale: float, mismatch: bool, data_iterator, model):
@@ -173,8 +207,15 @@ def _forward_step(settings: StepSettings, counts, scale: float, mismatch: bool, 
                                           valid_vocab_size=settings.valid_vocab_size,
                                           chunk_tokens=settings.chunk_tokens,
                                           grad_hint=_loss_grad_hint(settings, counts, mb, device))
-    # Last stage: (log_probs, entropy), each [b, s] fp32; other stages: hidden states.
-    output = model(mb.input_ids.to(device), mb.position_ids.to(device), None, output_processor=processor)
+    # Last stage: (log_probs, entropy), each [b, s] fp32; other stages: hidden states. An MoE router
+    # keeps padding out of its load-balancing loss.
+    moe = {"padding_mask": padding_mask(mb).to(device)} if model.config.num_moe_experts else {}
+    if model.config.moe_enable_routing_replay:  # R3: the engine's experts for this micro-batch's tokens
+        replay(model, mb.routed_experts)
+    with without_router_losses(model.config, off=bool(moe) and not _has_tokens(mb)):
+        output = model(mb.input_ids.to(device), mb.position_ids.to(device), None, output_processor=processor, **moe)
+    if moe and isinstance(output, tuple):  # the last stage's (log_probs, entropy)
+        output = TokenOutputs(*output)
     return output, functools.partial(_loss_func, settings, counts, scale, mismatch, mb)
 
 
@@ -383,6 +424,7 @@ def train_step(model: list, optimizer, scheduler, samples: list[Sample], setting
         raise NotImplementedError("context parallelism needs per-rank sequence slicing, not implemented yet")
     mbs, counts = _micro_batches(model, samples, settings, counts_table)
     before = SHORTCUT_STATS.snapshot()
+    AGREEMENT.take()  # this update's replays only (a log-prob pass replays too)
     if forward_only:
         with torch.no_grad():
             per_mb = _run_schedule(model, mbs, settings, counts, forward_only=True, mismatch=mismatch)
@@ -393,6 +435,9 @@ def train_step(model: list, optimizer, scheduler, samples: list[Sample], setting
         per_mb = _run_schedule(model, mbs, settings, counts, forward_only=False, mismatch=mismatch)
     pending = _local_metrics(per_mb, settings, SHORTCUT_STATS.since(before), mismatch)
     metrics = pending.known
+    if model[0].config.num_moe_experts:  # the router's own losses (none in a forward-only pass), R3's agreement
+        clear_replay(model)
+        metrics.update(moe_metrics(model[0].config, sum(map(_has_tokens, mbs)), compute_device()))
     metrics["actor/num_tokens"], metrics["actor/num_seqs"] = counts[0], counts[1]
     metrics["actor/num_micro_batches"] = torch.tensor(float(len(mbs)))
     if not forward_only:
@@ -414,9 +459,14 @@ def compute_log_probs(model: list, samples: list[Sample], settings: StepSettings
     ``old_log_probs`` / advantages of the samples are not read."""
     from megatron.core import parallel_state as ps
 
-    mbs = make_micro_batches(samples, **_batching(model, settings))
+    kwargs = _batching(model, settings)
+    if model[0].config.expert_model_parallel_size > 1:  # the DP ranks run as many micro-batches (of one shape)
+        num_mbs, length = _dp_agreement(model, batch_counts(model, [samples], settings)[0], kwargs)
+        kwargs.update(min_count=num_mbs, uniform_length=length)
+    mbs = make_micro_batches(samples, **kwargs)
     with torch.no_grad():
         collected = _run_schedule(model, mbs, settings, None, forward_only=True, collect_non_loss_data=True)
+    clear_replay(model)
     lengths = [x.num_response_tokens for x in samples]
     flat = torch.empty(2, sum(lengths), dtype=torch.float32, device=compute_device())
     if collected:  # the last stage: [2, b, s] per micro-batch -> [2, sum R]

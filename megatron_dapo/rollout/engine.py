@@ -108,6 +108,10 @@ class Rollout:
     pieces: list[list[int]] = field(default_factory=list)
     """rollout.partial: [weight version, tokens] of each piece in order (the first is weight_version's);
     empty: the response is one piece, of weight_version (rollout/partial.py)."""
+    routed_experts: list[int] = field(default_factory=list)
+    """An MoE model's routes, when the engine was asked for them (moe.router_replay=R3): the experts each
+    layer sent each token to, flat over [prompt + response - 1 tokens, layers, top-k] (the last token is
+    never fed to the engine); empty otherwise."""
 
     def __post_init__(self):
         if self.logprobs and len(self.logprobs) != len(self.response_ids):
@@ -123,18 +127,25 @@ class EngineSpec:
 
     model_path: str  # model.hf_path: the checkpoint the engine loads (its weights come with the first sync)
     rollout: Any  # config.RolloutConfig
-    dtype: str  # model.dtype
+    dtype: str  # rollout.dtype, or model.dtype when that is auto
     seed: int
     max_model_len: int  # data.max_prompt_length + rollout.max_response_length
     num_threads: int = 0  # torch threads of an engine rank (num_threads; 0: torch's default)
+    return_routed_experts: bool = False  # moe.router_replay=R3: every Rollout carries its routes
 
     @classmethod
     def of(cls, cfg: Any, *, model_path: str | None = None) -> EngineSpec:
         """The engine's part of a run's resolved config.DAPOConfig (``model_path``: another checkpoint
         than model.hf_path)."""
         return cls(model_path=str(cfg.model.hf_path if model_path is None else model_path), rollout=cfg.rollout,
-                   dtype=cfg.model.dtype, seed=cfg.seed, num_threads=cfg.num_threads,
-                   max_model_len=cfg.data.max_prompt_length + cfg.rollout.max_response_length)
+                   dtype=engine_dtype(cfg), seed=cfg.seed, num_threads=cfg.num_threads,
+                   max_model_len=cfg.data.max_prompt_length + cfg.rollout.max_response_length,
+                   return_routed_experts=cfg.moe.router_replay == "R3")
+
+
+def engine_dtype(cfg: Any) -> str:
+    """The engine's dtype setting ("auto", "bf16", "fp32"): rollout.dtype, or the trainer's model.dtype."""
+    return cfg.model.dtype if cfg.rollout.dtype == "auto" else cfg.rollout.dtype
 
 
 class GenerationAborted(RuntimeError):
@@ -151,7 +162,8 @@ class RolloutEngine(Protocol):
     a response, so that the response goes on from there: rollout.partial needs it), an
     ``fp32_logprobs_are_the_trainers`` one (whether, at fp32 from the trainer's weights, its
     log-probs of a response are the trainer's to round-off: train.old_log_probs=auto takes them as
-    pi_old then), and is chosen by name through ENGINES."""
+    pi_old then), a ``returns_routed_experts`` one (whether it can hand back an MoE model's routes,
+    Rollout.routed_experts, for moe.router_replay=R3), and is chosen by name through ENGINES."""
 
     def generate(self, prompt_ids: Sequence[Sequence[int]], n: int, params: SamplingParams, *,
                  prompt_indices: Sequence[int] | None = None) -> list[list[Rollout]]:

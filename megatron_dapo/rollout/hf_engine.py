@@ -26,6 +26,7 @@ checking the vLLM engine.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import threading
 from collections.abc import Iterable, Sequence
@@ -33,6 +34,8 @@ from collections.abc import Iterable, Sequence
 import torch
 from transformers import DynamicCache
 
+from megatron_dapo.convert import fused_experts
+from megatron_dapo.precision import resolve_dtype
 from megatron_dapo.rollout.engine import (
     EngineSpec,
     GenerationAborted,
@@ -61,10 +64,11 @@ class HFEngine:
     reads_hf_weights = True  # from_spec loads model.hf_path; the first sync replaces them
     continues_prefixes = True  # token ids in, token ids out: prompt + a response's prefix continues it
     fp32_logprobs_are_the_trainers = True  # the same math as the trainer's forward (max |diff| ~5e-6 at fp32)
+    returns_routed_experts = True  # an MoE model's router indices, read from its gates as it decodes (RouteRecorder)
     aborts = True  # its decode loop checks for abort() at every token
 
     def __init__(self, model: torch.nn.Module, *, eos_token_ids: Sequence[int] | None = None,
-                 pad_token_id: int | None = None, max_batch_size: int = 256):
+                 pad_token_id: int | None = None, max_batch_size: int = 256, return_routed_experts: bool = False):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         self.model = model.eval()
@@ -78,6 +82,7 @@ class HFEngine:
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
         self._aborted = threading.Event()
         self.on_progress: ProgressSink | None = None  # rollout/gen_progress.py
+        self._routes = RouteRecorder(model) if return_routed_experts else None
 
     @classmethod
     def from_pretrained(cls, path: str, *, dtype: torch.dtype = torch.float32, **kwargs) -> HFEngine:
@@ -95,7 +100,9 @@ class HFEngine:
         """The engine of a training run: the checkpoint in fp32 on the CPU, every rank a whole copy
         (no tensor parallelism: with rollout.tensor_parallel_size > 1 the ranks of a replica generate
         the same responses). Weights are replaced by the loop's first sync."""
-        return cls.from_pretrained(spec.model_path, **kwargs)
+        dtype = torch.bfloat16 if resolve_dtype(spec.dtype, torch.cuda.is_available()) == "bf16" else torch.float32
+        return cls.from_pretrained(spec.model_path, dtype=dtype, return_routed_experts=spec.return_routed_experts,
+                                   **kwargs)
 
     # ------------------------------------------------------------------ generation
     def generate(self, prompt_ids: Sequence[Sequence[int]], n: int, params: SamplingParams, *,
@@ -151,6 +158,10 @@ class HFEngine:
         if self._aborted.is_set():  # a batch queued behind an aborted one: not even its prefill
             raise GenerationAborted("the HF engine was aborted before generating")
         logits_BV = self._forward(ids_BL, mask_BL, pos_BL, cache)
+        routes = None
+        if self._routes is not None:  # per response: [tokens fed so far, layers, k]
+            prefill = self._routes.take(num_seqs)
+            routes = [[prefill[b, max_len - len(p):]] for b, p in enumerate(prompts)]
         race = _RaceBlocks(generators, params.max_tokens, logits_BV.shape[-1])
         for step in range(params.max_tokens):
             if self._aborted.is_set():
@@ -181,11 +192,17 @@ class HFEngine:
             mask_BL = torch.cat([mask_BL, torch.ones_like(mask_BL[:, :1])], dim=1)
             pos_BL = pos_BL[:, -1:] + 1
             logits_BV = self._forward(next_B1.to(device), mask_BL, pos_BL, cache)
+            if routes is not None:  # the token each live row was fed (finished rows were fed padding)
+                fed = self._routes.take(len(rows))
+                for i, r in enumerate(rows):
+                    if not done_B[i]:
+                        routes[r].append(fed[i])  # [1, layers, k]
 
+        flat = [torch.cat(rs).flatten().tolist() for rs in routes] if routes is not None else [[]] * num_seqs
         return [
             Rollout(prompt_ids=list(p), response_ids=r, logprobs=lp if params.logprobs else [],
-                    finish_reason="stop" if done else "length")
-            for p, r, lp, done in zip(prompts, responses, logprobs, finished)
+                    finish_reason="stop" if done else "length", routed_experts=re)
+            for p, r, lp, done, re in zip(prompts, responses, logprobs, finished, flat)
         ]
 
     def _forward(self, ids_BS: torch.Tensor, mask_BL: torch.Tensor, pos_BS: torch.Tensor,
@@ -204,15 +221,17 @@ class HFEngine:
         converted by copy_. For tied embeddings, ``lm_head.weight`` and
         ``model.embed_tokens.weight`` name the same tensor and either may be sent.
         """
-        targets = self.model.state_dict(keep_vars=True)
+        params = self.model.state_dict(keep_vars=True)
         items = list(weights)
-        unknown = [name for name, _ in items if name not in targets]
+        # checkpoint names; an MoE layer's per-expert tensors fill views of its fused parameters
+        targets = {name: fused_experts.target(params, name) for name, _ in items}
+        unknown = [name for name, _ in items if targets[name] is None]
         mismatched = [f"{name}: got {tuple(t.shape)}, model has {tuple(targets[name].shape)}"
-                      for name, t in items if name in targets and t.shape != targets[name].shape]
+                      for name, t in items if targets[name] is not None and t.shape != targets[name].shape]
         if unknown or mismatched:
             raise ValueError(
                 "update_weights rejected the whole call (nothing copied): "
-                + (f"unknown names {unknown} (model names look like {sorted(targets)[:3]}); "
+                + (f"unknown names {unknown} (model names look like {sorted(params)[:3]}); "
                    if unknown else "")
                 + (f"shape mismatches {mismatched}" if mismatched else ""))
         with torch.no_grad():
@@ -342,3 +361,27 @@ def _model_eos_ids(model: torch.nn.Module) -> tuple[int, ...]:
         if eos is not None:
             return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
     return ()
+
+
+class RouteRecorder:
+    """The experts an MoE model's gates choose, read with forward hooks on every layer's router
+    (transformers' Qwen3-MoE ``mlp.gate`` returns (logits, weights, indices), indices [B x S, k] batch-major).
+    ``take`` gives the last forward's as [B, S, layers, k] int16 and forgets them."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.gates = [m for name, m in model.named_modules() if name.endswith(".mlp.gate")]
+        if not self.gates:
+            raise ValueError(f"{type(model).__name__} has no MoE router (.mlp.gate): nothing to record for "
+                             "moe.router_replay=R3")
+        self._last: list[torch.Tensor | None] = [None] * len(self.gates)
+        for layer, gate in enumerate(self.gates):
+            gate.register_forward_hook(functools.partial(self._keep, layer))
+
+    def _keep(self, layer: int, module, inputs, outputs) -> None:
+        self._last[layer] = outputs[2]
+
+    def take(self, batch: int) -> torch.Tensor:
+        """The last forward's routes of its ``batch`` rows: [batch, S, layers, k]."""
+        stacked = torch.stack([t.to(torch.int16) for t in self._last], dim=1)  # [B x S, layers, k]
+        self._last = [None] * len(self.gates)
+        return stacked.view(batch, -1, *stacked.shape[1:]).cpu()

@@ -63,7 +63,9 @@ def extend(prefix: Rollout, piece: Rollout) -> Rollout:
     return Rollout(prompt_ids=prefix.prompt_ids, response_ids=prefix.response_ids + piece.response_ids,
                    logprobs=prefix.logprobs + piece.logprobs, finish_reason=piece.finish_reason,
                    weight_version=prefix.weight_version,
-                   pieces=pieces + [[piece.weight_version, len(piece.response_ids)]])
+                   pieces=pieces + [[piece.weight_version, len(piece.response_ids)]],
+                   # the piece's engine fed prompt + prefix + piece: its routes cover the whole response
+                   routed_experts=piece.routed_experts)
 
 
 def merge(fresh: Sequence[int], n: int, carried: Sequence[Carried], outputs: Sequence[Sequence[Rollout]],

@@ -148,6 +148,9 @@ class VLLMEngine:
     reads_hf_weights = False  # a run's engine starts with dummy weights (load_format="dummy")
     continues_prefixes = True  # token ids in, token ids out: prompt + a response's prefix continues it
     fp32_logprobs_are_the_trainers = False  # kernels of its own (attention, sampling), whatever the dtype
+    # vLLM returns routed experts (enable_return_routed_experts) only from its V2 model runner: on the
+    # CPU build 0.32 that needs Triton, which has no CPU backend; 0.33 lifts that (docs/moe.md)
+    returns_routed_experts = False
     aborts = True  # generate() steps the engine itself and ends its requests after abort()
 
     def __init__(self, model_path: str, *, mode: Literal["colocated", "standalone"] = "colocated",

@@ -1,8 +1,9 @@
-"""The tiny base model of the CPU demo: a Qwen2 (or Qwen3) architecture that knows the format, not the task.
+"""The tiny base model of the CPU demo: a Qwen2 (or Qwen3, Qwen3-MoE) architecture that knows the format, not the task.
 
 ``make_toy_base`` builds a ``transformers.Qwen2ForCausalLM`` from scratch (grouped-query attention,
 QKV bias, RMSNorm, RoPE, SwiGLU: the Qwen2.5 layout at toy width; ``toy.architecture=qwen3``: a
-``Qwen3ForCausalLM``, no biases, per-head query/key RMSNorm) and trains it for a few seconds
+``Qwen3ForCausalLM``, no biases, per-head query/key RMSNorm; ``qwen3_moe``: a ``Qwen3MoeForCausalLM``,
+every MLP a router over toy.num_experts experts) and trains it for a few seconds
 by supervised warm-up on toy prompts whose responses have the right FORMAT (optional reasoning
 line, then "Answer: N", then <|im_end|>) but a uniformly RANDOM digit as the answer. Cross-entropy
 on random labels teaches the answer marginal (uniform over 0..9) and nothing about the question,
@@ -44,8 +45,10 @@ _CLI_SKIP = ("enable",)
 
 
 def toy_hf_config(cfg: ToyConfig, tokenizer) -> Any:
-    """The base's transformers config: Qwen2 (toy.architecture=qwen2) or Qwen3 dense (qwen3)."""
-    from transformers import Qwen2Config, Qwen3Config
+    """The base's transformers config: Qwen2 (toy.architecture=qwen2), Qwen3 dense (qwen3) or Qwen3-MoE
+    (qwen3_moe: toy.num_experts experts of toy.moe_intermediate_size, top toy.num_experts_per_tok,
+    renormalised as Qwen3-30B-A3B's router is)."""
+    from transformers import Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     common = dict(
         vocab_size=len(tokenizer), hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
@@ -55,9 +58,14 @@ def toy_hf_config(cfg: ToyConfig, tokenizer) -> Any:
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, use_sliding_window=False,
         bos_token_id=None, eos_token_id=stop_token_ids(tokenizer), pad_token_id=tokenizer.pad_token_id,
     )
-    if cfg.architecture == "qwen3":  # its config's own default head size is 128, whatever the width
-        head_dim = cfg.head_dim or cfg.hidden_size // cfg.num_attention_heads
+    head_dim = cfg.head_dim or cfg.hidden_size // cfg.num_attention_heads  # Qwen3's own default is 128
+    if cfg.architecture == "qwen3":
         return Qwen3Config(**common, head_dim=head_dim, attention_bias=False, architectures=["Qwen3ForCausalLM"])
+    if cfg.architecture == "qwen3_moe":
+        return Qwen3MoeConfig(**common, head_dim=head_dim, attention_bias=False, num_experts=cfg.num_experts,
+                              num_experts_per_tok=cfg.num_experts_per_tok,
+                              moe_intermediate_size=cfg.moe_intermediate_size, norm_topk_prob=True,
+                              decoder_sparse_step=1, mlp_only_layers=[], architectures=["Qwen3MoeForCausalLM"])
     return Qwen2Config(**common, architectures=["Qwen2ForCausalLM"])
 
 

@@ -49,6 +49,7 @@ from tests.helpers.planted import registered as planted_registered
 
 pytestmark = [pytest.mark.slow]
 TOY = {"toy.warmup_steps": "1"}  # runs that make their own base
+MOE = {**TOY, "toy.architecture": "qwen3_moe"}  # a base of its own, every MLP a router over experts
 TWO = {"train.total_steps": "2"}
 FILTER = {"algorithm.filter_groups.enable": "true"}
 KV = {"rollout.kv_cache_memory_mb": "64"}  # 2-process runs: vLLM on CPU needs it, the hf engine ignores it
@@ -130,6 +131,7 @@ CASES: dict[str, Case] = {
     "parallel.tensor_model_parallel_size": C("2", ckpt("layout", "tp"), KV, via="dist"),
     "parallel.pipeline_model_parallel_size": C("2", ckpt("layout", "pp"), KV, via="dist"),
     "parallel.use_distributed_optimizer": C("true", ckpt("distributed_optimizer")),
+    "parallel.expert_model_parallel_size": C("2", ckpt("layout", "ep"), {**MOE, **KV}, via="dist"),
     "data.dedup": C("false", ckpt("sampler", "num_items", file="trainer_state.json"),
                     REAL | {"data.on_bad_row": "skip"}),
     "data.on_bad_row": C("skip", lambda a, b: ok(a, b) and b.rc == 2 and "line 3" in b.err, REAL),
@@ -269,6 +271,14 @@ CASES: dict[str, Case] = {
     "toy.hidden_size": C("32", ckpt("model_shape", "hidden_size"), TOY),
     "toy.head_dim": C("16", ckpt("model_shape", "kv_channels"), {**TOY, "toy.architecture": "qwen3"}),  # 0: 64 / 2
     "toy.intermediate_size": C("96", ckpt("model_shape", "ffn_hidden_size"), TOY),
+    "toy.num_experts": C("4", ckpt("model_shape", "num_moe_experts"), MOE),
+    "toy.num_experts_per_tok": C("1", prefix("actor/"), MOE),
+    "toy.moe_intermediate_size": C("32", ckpt("model_shape", "moe_ffn_hidden_size"), MOE),
+    "moe.load_balancing": C("none", prefix("moe/"), MOE),  # its loss leaves the metrics
+    "moe.aux_loss_coeff": C("0.5", metric("actor/grad_norm"), MOE),
+    "moe.z_loss_coeff": C("0.01", prefix("moe/"), MOE),  # moe/z_loss appears
+    "moe.router_replay": C("R3", prefix("moe/"), MOE),  # moe/route_agreement appears
+    "rollout.dtype": C("bf16", metric("rollout/logprob_abs_diff_max")),
     "toy.num_layers": C("1", ckpt("model_shape", "num_layers"), TOY),
     "toy.num_attention_heads": C("4", ckpt("model_shape", "num_attention_heads"), TOY),
     "toy.num_key_value_heads": C("2", ckpt("model_shape", "num_query_groups"), TOY),

@@ -18,6 +18,7 @@ REFUSED: dict[str, tuple[str, dict]] = {  # key -> (value, context)
     "rollout.num_ranks": ("1", {}),  # engines' ranks in a colocated run
     # Stale rollouts need engines of their own; with them tests/functional/test_async_rollouts.py.
     "rollout.max_staleness": ("1", {}),
+    "moe.token_dispatcher": ("alltoall", {}),  # CUDA streams; on CPU the allgather dispatcher
 }
 
 GPU_ONLY: dict[str, str] = {

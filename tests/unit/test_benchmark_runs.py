@@ -40,7 +40,7 @@ def test_every_benchmark_has_run(name):
 
 
 @pytest.mark.parametrize("name", ["async_rollout", "async_save", "checkpoint_save", "fault_campaign", "losses",
-                                  "reward_fuzz", "rollout", "rollout_corrections", "table1"])
+                                  "moe_r3", "reward_fuzz", "rollout", "rollout_corrections", "table1"])
 def test_quick_is_smaller_than_full(name):
     """No size of the quick run exceeds the full run's and at least one is smaller: QUICK != FULL
     alone would pass a quick run larger than the full one. A skip_* flag counts as smaller when
@@ -255,3 +255,22 @@ def test_async_rollout_model_and_figures():
     assert figs["step seconds, separate k=1 / colocated"]["ratio"] == pytest.approx(7.0 / 11.0)
     assert figs["32B projected step minutes, separate k=1 (modelled, base scenario)"]["ratio"] == pytest.approx(1.2)
     assert "12.0 min (0.83x, 96/32)" in m.markdown(res, proj)
+
+
+def test_moe_r3_figures():
+    m = _load("moe_r3")
+    runs = [dict(_table1_run(f"{setting}, {name}", seed, 0.5), kl=kl * seed, chi2=0.1, truncated=0.01,
+                 agreement=None if name == "trainer routes" else 0.9, lag=0.0, setting=setting)
+            for setting, _, _ in m.SETTINGS for name, kl in (("trainer routes", 2e-4), ("R3", 5e-5)) for seed in (1, 2)]
+    same = [dict(responses=512, tokens=4000, flipped_tokens=40, route_agreement=0.99,
+                 abs_diff_mean={"trainer routes": 0.006, "R3": 0.0055},
+                 abs_diff_mean_flipped={"trainer routes": 0.024, "R3": 0.006},
+                 abs_diff_max={"trainer routes": 0.24, "R3": 0.24}, kl_k3={"trainer routes": 8e-5, "R3": 6e-5})] * 2
+    result = dict(budget=1280, wall_s=1.0, runs=runs, same_weights=same)
+    md = m.markdown(result) + "\n\n" + m.same_weights_markdown(same)
+    figs = list(_check(dict(name="moe_r3", figures=m.figures(result), markdown=md), "moe_r3").values())
+    assert figs[0]["ratio"] == pytest.approx(0.006 / 0.024)  # R3 over routing itself, on flipped tokens
+    assert figs[1]["ratio"] == pytest.approx(6e-5 / 8e-5)
+    assert [f["ratio"] for f in figs[2:]] == pytest.approx([0.25, 0.25])  # both settings' per-step KL
+    assert "| bf16 engine | R3 | 7.5e-05 ± 3.5e-05 |" in md
+    assert "| R3 | 0.0055 ± 0 | 0.006 ± 0 | 0.24 ± 0 | 6e-05 ± 0 |" in md

@@ -98,7 +98,7 @@ def test_resolved_config_round_trips(tmp_path):
     ("lr=1", "unknown config key lr"),
     ("optim.lr", "is not of the form key.path=value"),
     ("loss=3", "loss must be a mapping"),
-    ("toy.architecture=qwen4", "toy.architecture must be one of qwen2, qwen3, got qwen4"),
+    ("toy.architecture=qwen4", "toy.architecture must be one of qwen2, qwen3, qwen3_moe, got qwen4"),
     ("toy.head_dim=32", "toy.head_dim=32 needs toy.architecture=qwen3"),  # vLLM's Qwen2 reads no head_dim
 ])
 def test_bad_values_fail_early_with_the_fix(override, message):

@@ -90,7 +90,8 @@ def test_cli_refuses_non_empty_out_and_unsupported_architecture(tmp_path, capsys
     (hf / "config.json").write_text(json.dumps({**config, "architectures": ["MistralForCausalLM"]}))
     assert hf_to_megatron_cli.main(["--hf-dir", str(hf), "--out", str(tmp_path / "new")]) == 2
     err = capsys.readouterr().err
-    assert "unsupported architecture MistralForCausalLM; supported: ['Qwen2ForCausalLM', 'Qwen3ForCausalLM']" in err
+    assert ("unsupported architecture MistralForCausalLM; supported: "
+            "['Qwen2ForCausalLM', 'Qwen3ForCausalLM', 'Qwen3MoeForCausalLM']") in err
 
 
 def test_misshapen_checkpoint_fails_before_writing(tmp_path):

@@ -112,7 +112,8 @@ def test_vocab_padding_is_zero_and_truncated_on_export():
 
 
 def test_unsupported_architecture_lists_supported_ones():
-    expected = r"unsupported architecture LlamaForCausalLM; supported: \['Qwen2ForCausalLM', 'Qwen3ForCausalLM'\]"
+    expected = (r"unsupported architecture LlamaForCausalLM; supported: "
+                r"\['Qwen2ForCausalLM', 'Qwen3ForCausalLM', 'Qwen3MoeForCausalLM'\]")
     with pytest.raises(ConversionError, match=expected):
         conversion_table({**TINY, "architectures": ["LlamaForCausalLM"]})
     assert "Qwen2ForCausalLM" in supported_architectures()

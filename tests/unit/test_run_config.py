@@ -85,3 +85,11 @@ def test_a_layout_that_fits_and_one_given_by_hand_are_kept(tmp_path):
     for spelled in ("parallel.tensor_model_parallel_size=2", "++parallel.tensor_model_parallel_size=2"):
         assert load_job_config(None, [str(run), spelled], world_size=1).parallel.tensor_model_parallel_size == 2
     assert load_job_config(None, [str(run)], world_size=1).parallel.tensor_model_parallel_size == 1
+
+
+def test_expert_parallelism_that_does_not_fit_the_job_becomes_one_rank_per_model():
+    cfg = load_config(ROOT / "conf" / "cpu_tiny_moe.yaml")  # EP 2, for two processes
+    fitted, changes = fit_to_job(cfg, 1)
+    assert fitted.parallel.expert_model_parallel_size == 1
+    assert [d.key for d in changes] == ["parallel.expert_model_parallel_size"]
+    assert fit_to_job(cfg, 2)[0].parallel.expert_model_parallel_size == 2  # DP 2: it fits

@@ -19,6 +19,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ckpt", required=True, help="checkpoint dir written by hf_to_megatron.py")
     p.add_argument("--tp", type=int, default=1, help="tensor parallel size to load the checkpoint at")
     p.add_argument("--pp", type=int, default=1, help="pipeline parallel size to load the checkpoint at")
+    p.add_argument("--ep", type=int, default=1,
+                   help="expert parallel size to load an MoE checkpoint at (of the data-parallel processes)")
     p.add_argument("--atol", type=float, help="max allowed |logit difference|")
     p.add_argument("--seq-len", type=int, default=16, help="tokens per prompt")
     return p.parse_args(argv)
@@ -31,7 +33,8 @@ def main(argv=None) -> int:
 
         from megatron_dapo.mcore.logit_check import verify
 
-        report = verify(args.hf_dir, args.ckpt, tp=args.tp, pp=args.pp, atol=args.atol, seq_len=args.seq_len)
+        report = verify(args.hf_dir, args.ckpt, tp=args.tp, pp=args.pp, ep=args.ep, atol=args.atol,
+                        seq_len=args.seq_len)
     except ConversionError as e:
         print(f"verify: error: {e}", file=sys.stderr)
         return 2
