@@ -86,11 +86,13 @@ def test_ep2_weights_bit_exact_and_logits_match(converted):
     spawn(_worker, *map(str, converted), 1, 1, 2, world_size=2)
 
 
-@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)], ids=["tp2_ep2", "pp2_ep2"])
+# PP 2 x EP 2 is extended: EP's expert broadcast is TP 2 x EP 2's, and PP's stage broadcast every dense PP test's
+@pytest.mark.parametrize("tp,pp", [(2, 1), pytest.param(1, 2, marks=pytest.mark.extended)], ids=["tp2_ep2", "pp2_ep2"])
 def test_ep2_with_tp2_or_pp2_on_four_processes(converted, tp, pp):
     spawn(_worker, *map(str, converted), tp, pp, 2, world_size=4)
 
 
+@pytest.mark.extended  # the routing rule in one process: tests/unit/test_moe_logits.py
 def test_norm_topk_prob_false_through_the_verify_cli_at_ep2(tmp_path):
     """Without renormalisation the top-k weights are the full softmax's (megatron's moe_router_pre_softmax):
     swapped, the logits differ by ~6e-3 and verify fails."""
