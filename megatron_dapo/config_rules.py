@@ -108,10 +108,10 @@ def _check_router_replay(cfg: Any) -> None:
 
     if cfg.moe.router_replay != "R3" or cfg.rollout.engine not in ENGINES:
         return
-    if not get_engine_cls(cfg.rollout.engine).returns_routed_experts:
+    if not getattr(get_engine_cls(cfg.rollout.engine), "returns_routed_experts", False):
         _fail(f"moe.router_replay=R3 needs an engine that returns the experts it routed each token to; "
-              f"rollout.engine={cfg.rollout.engine} does not (vLLM captures them only in its V2 model runner, which "
-              "its CPU build 0.32 cannot run); set rollout.engine=hf or moe.router_replay=disabled")
+              f"rollout.engine={cfg.rollout.engine} does not; set rollout.engine=hf or vllm, or "
+              "moe.router_replay=disabled")
     if cfg.model.recompute != "none":
         # a recomputed router would replay from megatron's backward list, which the interleaved 1F1B
         # order of forwards and backwards does not keep in step with the micro-batches

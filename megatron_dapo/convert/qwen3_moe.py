@@ -32,5 +32,5 @@ def check_qwen3_moe_config(config: dict[str, Any]) -> None:
                               "mlp_only_layers=[] and decoder_sparse_step=1)")
 
 
-register_architecture("Qwen3MoeForCausalLM", model_type="qwen3_moe", check_config=check_qwen3_moe_config,
+register_architecture("Qwen3MoeForCausalLM", model_type="qwen3_moe", check_config=check_qwen3_moe_config, moe=True,
                       **ATTENTION)(functools.partial(dense_decoder_table, moe=True, **ATTENTION))

@@ -33,6 +33,7 @@ class Architecture:
     check: ConfigCheck | None
     qkv_bias: bool  # biases on the q/k/v projections (Qwen2) or none (Qwen3)
     qk_layernorm: bool  # RMSNorm over each head's query and key before RoPE (Qwen3)
+    moe: bool = False  # MLPs of routed experts (Qwen3-MoE): a dense architecture's config reads as 0 experts
 
 
 _ARCHITECTURES: dict[str, Architecture] = {}
@@ -40,14 +41,14 @@ _MODEL_TYPES: dict[str, str] = {}
 
 
 def register_architecture(architecture: str, *, model_type: str, check_config: ConfigCheck | None = None,
-                          qkv_bias: bool, qk_layernorm: bool):
+                          qkv_bias: bool, qk_layernorm: bool, moe: bool = False):
     """Decorator registering a mapping-table function for an HF architecture (``Qwen2ForCausalLM``)."""
 
     def wrap(fn: TableFn) -> TableFn:
         if architecture in _ARCHITECTURES:
             raise ValueError(f"architecture {architecture} is already registered")
         _ARCHITECTURES[architecture] = Architecture(architecture, model_type, fn, check_config, qkv_bias,
-                                                    qk_layernorm)
+                                                    qk_layernorm, moe)
         _MODEL_TYPES[model_type] = architecture
         return fn
 

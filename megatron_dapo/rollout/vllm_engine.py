@@ -148,9 +148,9 @@ class VLLMEngine:
     reads_hf_weights = False  # a run's engine starts with dummy weights (load_format="dummy")
     continues_prefixes = True  # token ids in, token ids out: prompt + a response's prefix continues it
     fp32_logprobs_are_the_trainers = False  # kernels of its own (attention, sampling), whatever the dtype
-    # vLLM returns routed experts (enable_return_routed_experts) only from its V2 model runner: on the
-    # CPU build 0.32 that needs Triton, which has no CPU backend; 0.33 lifts that (docs/moe.md)
-    returns_routed_experts = False
+    # vLLM returns routed experts (enable_return_routed_experts) from its Model Runner V2 only: 0.33 on
+    # CUDA; its CPU build 0.32 cannot run V2 without Triton, refused in preflight (docs/moe.md)
+    returns_routed_experts = True
     aborts = True  # generate() steps the engine itself and ends its requests after abort()
 
     def __init__(self, model_path: str, *, mode: Literal["colocated", "standalone"] = "colocated",
@@ -160,7 +160,7 @@ class VLLMEngine:
                  enable_sleep_mode: bool | None = None, sleep_level: int = 1,
                  logprobs_mode: LogprobsMode = "raw_logprobs", eos_token_ids: Sequence[int] | None = None,
                  load_format: str = "auto", enable_prefix_caching: bool = True,
-                 in_process: bool | None = None, **llm_kwargs: Any):
+                 in_process: bool | None = None, return_routed_experts: bool = False, **llm_kwargs: Any):
         # Every check below is cheap and comes before vLLM builds anything.
         if mode not in ("colocated", "standalone"):
             raise ValueError(f"mode must be 'colocated' or 'standalone', got {mode!r}")
@@ -225,6 +225,10 @@ class VLLMEngine:
             # generation_config (Qwen's would silently change top_p / top_k).
             skip_tokenizer_init=True, generation_config="vllm", load_format=load_format,
             enable_prefix_caching=enable_prefix_caching)
+        self.return_routed_experts = return_routed_experts
+        if return_routed_experts:  # vLLM >= 0.33: Model Runner V2 (needed by the capture) only when asked for
+            os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
+            kwargs["enable_return_routed_experts"] = True
         if not on_gpu:
             # A prefill split over scheduler steps discards its sampled token and rewinds the
             # request's generator offset, which CPU generators do not have ("CPU Generator does not
@@ -261,6 +265,10 @@ class VLLMEngine:
         if not torch.cuda.is_available():
             mb = spec.rollout.kv_cache_memory_mb
             check_cpu_kv_cache(mb << 20 if mb > 0 else None)
+            if spec.return_routed_experts:
+                raise ConfigError("moe.router_replay=R3 with rollout.engine=vllm needs CUDA: vLLM returns the experts "
+                                  "it routed each token to from its Model Runner V2, which its CPU build cannot run "
+                                  "(it needs Triton's CPU backend); use rollout.engine=hf on CPU")
 
     @classmethod
     def from_spec(cls, spec: EngineSpec, *, mode: Literal["colocated", "standalone"] = "colocated",
@@ -280,7 +288,8 @@ class VLLMEngine:
         kwargs = rollout_kwargs(spec.rollout)
         on_gpu = torch.cuda.is_available()
         kwargs.update(mode=mode, dtype=vllm_dtype(spec.dtype, on_gpu), seed=spec.seed, max_model_len=spec.max_model_len,
-                      load_format="dummy" if mode == "colocated" else "auto")
+                      load_format="dummy" if mode == "colocated" else "auto",
+                      return_routed_experts=spec.return_routed_experts)
         kwargs.update(overrides)
         return cls(spec.model_path, **kwargs)
 
@@ -316,7 +325,8 @@ class VLLMEngine:
         outputs = self._run(ids)
         result: list[list[Rollout]] = [[] for _ in prompt_ids]
         for (i, _), out in zip(requests, outputs, strict=True):
-            result[i].append(to_rollout(prompt_ids[i], out.outputs[0], params.logprobs))
+            result[i].append(to_rollout(prompt_ids[i], out.outputs[0], params.logprobs,
+                                        routes=self.return_routed_experts))
         return result
 
     def _run(self, ids: list[str]) -> list[Any]:

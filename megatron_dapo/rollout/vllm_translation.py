@@ -67,16 +67,26 @@ def to_vllm_params(vllm: Any, params: SamplingParams, *, seed: int,
         detokenize=False)
 
 
-def to_rollout(prompt_ids: Sequence[int], completion: Any, want_logprobs: bool) -> Rollout:
-    """One vLLM CompletionOutput -> Rollout."""
+def to_rollout(prompt_ids: Sequence[int], completion: Any, want_logprobs: bool, *, routes: bool = False) -> Rollout:
+    """One vLLM CompletionOutput -> Rollout. ``routes``: the engine was built to return routed experts;
+    vLLM's ``routed_experts`` [tokens executed, layers, k] (prompt + response - 1, as the HF engine's)
+    becomes Rollout.routed_experts, flat."""
     token_ids = list(completion.token_ids)
     if completion.finish_reason not in ("stop", "length"):
         raise RuntimeError(f"vLLM finished a response with {completion.finish_reason!r} (aborted?)")
     logprobs: list[float] = []
     if want_logprobs:
         logprobs = [float(pos[tok].logprob) for tok, pos in zip(token_ids, completion.logprobs)]
+    routed: list[int] = []
+    if routes:
+        fed = len(prompt_ids) + len(token_ids) - 1
+        got = getattr(completion, "routed_experts", None)
+        if got is None or len(got) != fed:
+            raise RuntimeError(f"vLLM returned routed experts for {None if got is None else len(got)} tokens, "
+                               f"not the {fed} it was fed (prompt + response - 1)")
+        routed = [int(e) for e in got.reshape(-1).tolist()]
     return Rollout(prompt_ids=list(prompt_ids), response_ids=token_ids, logprobs=logprobs,
-                   finish_reason=completion.finish_reason)
+                   finish_reason=completion.finish_reason, routed_experts=routed)
 
 
 def rollout_kwargs(rollout: Any) -> dict[str, Any]:

@@ -62,6 +62,11 @@ def test_resolved_config_round_trips(tmp_path):
     assert to_dict(cfg)["data"]["train_files"] == ["a.parquet"]
 
 
+def test_routing_replay_refuses_recompute():
+    with pytest.raises(ConfigError, match="moe.router_replay=R3 with model.recompute=full is not supported"):
+        load_config(None, ["moe.router_replay=R3", "model.recompute=full", "rollout.engine=hf"])
+
+
 @pytest.mark.parametrize("override, message", [
     ("loss.clip_ratio_hgih=0.3", "unknown config key loss.clip_ratio_hgih; did you mean loss.clip_ratio_high"),
     ("lossx.a=1", "unknown config key lossx"),
@@ -100,6 +105,8 @@ def test_resolved_config_round_trips(tmp_path):
     ("loss=3", "loss must be a mapping"),
     ("toy.architecture=qwen4", "toy.architecture must be one of qwen2, qwen3, qwen3_moe, got qwen4"),
     ("toy.head_dim=32", "toy.head_dim=32 needs toy.architecture=qwen3"),  # vLLM's Qwen2 reads no head_dim
+    ("toy.num_experts_per_tok=9", "toy.num_experts_per_tok=9 exceeds toy.num_experts=8"),
+    ("moe.aux_loss_coeff=-1", "moe.aux_loss_coeff must be >= 0 or auto, got -1"),
 ])
 def test_bad_values_fail_early_with_the_fix(override, message):
     if message is None:

@@ -288,6 +288,23 @@ def test_a_qwen2_checkpoint_is_refused_under_a_qwen3_model_and_an_older_one_stil
         check_model_shape(tmp_path, older, _shape(tiny_hf_config(head_dim=32)))
 
 
+def test_an_moe_checkpoint_is_refused_under_a_dense_model_and_the_reverse(tmp_path):
+    """The shape records the experts (num_moe_experts, moe_ffn_hidden_size; 0 for a dense model): a Qwen3-MoE
+    checkpoint under a Qwen3 dense model of the same attention is refused in one line naming them, and the
+    reverse."""
+    from megatron_dapo.errors import InputError
+    from megatron_dapo.mcore.checkpoint import check_model_shape
+    from megatron_dapo.run import _shape
+    from tests.helpers.moe import TINY_MOE
+
+    moe = {**TINY_MOE, "model_type": "qwen3_moe", "rms_norm_eps": 1e-6, "max_position_embeddings": 64}
+    dense = {**moe, "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"]}
+    for saved, run, diff in ((moe, dense, "num_moe_experts 4 -> 0, moe_ffn_hidden_size 32 -> 0"),
+                             (dense, moe, "num_moe_experts 0 -> 4, moe_ffn_hidden_size 0 -> 32")):
+        with pytest.raises(InputError, match=rf"another model shape \({diff}; checkpoint -> this run's model\)"):
+            check_model_shape(tmp_path, {"model_shape": _shape(saved)}, _shape(run))
+
+
 def test_a_checkpoint_of_another_vocabulary_is_refused_in_one_line_and_an_older_one_still_loads(world_of_one,
                                                                                                    tmp_path):
     """A run resumed under a model.hf_path of another vocab_size is refused before anything is built,

@@ -20,9 +20,10 @@ import pytest
 import torch
 
 from megatron_dapo.config import (
-    DAPOConfig, DataConfig, OverlongBufferConfig, RewardConfig, RolloutConfig,
+    DAPOConfig, DataConfig, MoEConfig, OverlongBufferConfig, RewardConfig, RolloutConfig,
     TrainConfig,
 )
+from megatron_dapo.errors import ConfigError
 from megatron_dapo.rollout import SamplingParams, get_engine_cls, score_logprobs, sync_weights
 from megatron_dapo.rollout import vllm_checks
 from megatron_dapo.rollout import vllm_engine as ve
@@ -71,6 +72,32 @@ def test_dtype_layout_and_memory_rules():
 def test_to_rollout_rejects_aborted():
     with pytest.raises(RuntimeError, match="abort"):
         ve.to_rollout([1], SimpleNamespace(token_ids=[3], logprobs=None, finish_reason="abort"), False)
+
+
+@needs_vllm
+def test_routed_experts_become_the_rollouts_flat_routes():
+    """vLLM's CompletionOutput.routed_experts [prompt + response - 1, layers, k] (uint8 for <= 256 experts)
+    -> Rollout.routed_experts, flat in that order, as the HF engine gives them; a count that is not the
+    tokens fed is refused (what the trainer would replay misaligned)."""
+    import numpy as np
+    from vllm.outputs import CompletionOutput
+
+    routes = np.arange(4 * 2 * 3, dtype=np.uint8).reshape(4, 2, 3) % 8  # prompt 2 + response 3 - 1 tokens
+    out = CompletionOutput(index=0, text="", token_ids=[5, 6, 7], cumulative_logprob=None, logprobs=None,
+                           routed_experts=routes, finish_reason="stop")
+    rollout = ve.to_rollout([1, 2], out, False, routes=True)
+    assert rollout.routed_experts == routes.reshape(-1).tolist()
+    assert ve.to_rollout([1, 2], out, False).routed_experts == []  # not asked for: none kept
+    short = CompletionOutput(index=0, text="", token_ids=[5, 6, 7], cumulative_logprob=None, logprobs=None,
+                             routed_experts=routes[:3], finish_reason="stop")
+    with pytest.raises(RuntimeError, match="routed experts for 3 tokens, not the 4 it was fed"):
+        ve.to_rollout([1, 2], short, False, routes=True)
+
+
+def test_routing_replay_with_vllm_on_cpu_is_refused_before_anything_is_built():
+    cfg = dataclasses.replace(tiny_cfg(), moe=MoEConfig(router_replay="R3"))
+    with pytest.raises(ConfigError, match="moe.router_replay=R3 with rollout.engine=vllm needs CUDA"):
+        ve.VLLMEngine.preflight(EngineSpec.of(cfg, model_path="unused"))
 
 
 def test_missing_vllm_names_the_fix(monkeypatch):
