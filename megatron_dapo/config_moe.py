@@ -1,6 +1,7 @@
 """The mixture-of-experts section of the config schema (``moe``): how tokens reach their experts, the
-router's auxiliary losses, and rollout routing replay. Every key is read only for a model with
-experts (Qwen3-MoE); the expert-parallel size is ``parallel.expert_model_parallel_size``."""
+router's auxiliary losses, and rollout routing replay. The keys act only on a model with experts
+(Qwen3-MoE); two are checked for any: alltoall without CUDA and R3 on a dense model are refused in one
+line. The expert-parallel size is ``parallel.expert_model_parallel_size``."""
 
 from dataclasses import dataclass
 from typing import Literal

@@ -375,7 +375,7 @@ def load_checkpoint(path: str | os.PathLike, *, model: list, optimizer=None, sch
         scheduler.num_steps = 0  # load_state_dict advances by the saved count: from 0, not from here
         scheduler.load_state_dict(state["opt_param_scheduler"])
     if load_rng:
-        if meta["layout"] == _layout():
+        if {"ep": 1, **meta["layout"]} == _layout():  # checkpoints before EP was recorded: EP 1
             with open(path / "rng" / f"rank_{dist.get_rank():05d}.pt", "rb") as f:
                 _set_rng_state(torch.load(f, weights_only=False))
         else:

@@ -67,7 +67,7 @@ def _finish_hf_dir(out_dir: Path, hf_config: dict[str, Any], side_files_from,
 
 def write_hf_checkpoint(chunks, table: ConversionTable, out_dir: str | os.PathLike, *,
                         hf_config: dict[str, Any], side_files_from: str | os.PathLike | None = None,
-                        tp_group=None, pp_group=None, dtype: torch.dtype | None = None,
+                        tp_group=None, pp_group=None, ep_group=None, dtype: torch.dtype | None = None,
                         max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
                         bucket_bytes: int = DEFAULT_BUCKET_BYTES, progress: bool = True) -> list[Path]:
     """Stream a live (possibly sharded) model into an HF dir; rank 0 writes, every rank must call.
@@ -83,7 +83,7 @@ def write_hf_checkpoint(chunks, table: ConversionTable, out_dir: str | os.PathLi
                   else StreamingSafetensorsWriter(out_dir, _hf_layout(table, dtype),
                                                   max_shard_bytes=max_shard_bytes))
     written = dtype
-    stream = export_hf_weights(chunks, table, tp_group=tp_group, pp_group=pp_group,
+    stream = export_hf_weights(chunks, table, tp_group=tp_group, pp_group=pp_group, ep_group=ep_group,
                                bucket_bytes=bucket_bytes, device="cpu", dtype=dtype)
     for name, tensor in tqdm(stream, total=len(table.hf_names()), desc="Megatron -> HF", unit="tensor",
                              disable=not progress or ranks.rank() != 0):

@@ -47,12 +47,16 @@ TRACKED = {"moe/load_balancing_loss": ("load_balancing_loss", "seq_load_balancin
 @contextlib.contextmanager
 def without_router_losses(config, off: bool):
     """``off``: a micro-batch with no real token (one that evens out the DP ranks' micro-batch counts) runs
-    without the router's losses. Under a padding mask megatron divides them by the real tokens, zero
-    there: 0 / 0 would make the router's gradient NaN. The TP ranks of a micro-batch agree (same data),
-    so the losses' own TP reduction is skipped by all of them alike."""
+    without the router's per-micro-batch losses. Under a padding mask megatron divides them by the real
+    tokens, zero there: 0 / 0 would make the router's gradient NaN. The TP ranks of a micro-batch agree
+    (same data), so the losses' own TP reduction is skipped by all of them alike."""
     saved = config.moe_aux_loss_coeff, config.moe_z_loss_coeff
     if off:
-        config.moe_aux_loss_coeff, config.moe_z_loss_coeff = 0.0, None
+        # the global load-balancing loss stays: it all-reduces its token counts over DP inside the forward
+        # (every DP rank must join), and a slot that is padding here is real on the busiest rank (0 < total)
+        if config.moe_router_load_balancing_type != "global_aux_loss":
+            config.moe_aux_loss_coeff = 0.0
+        config.moe_z_loss_coeff = None
     try:
         yield
     finally:
@@ -69,43 +73,52 @@ def logged_router_losses(config) -> list[str]:
     return names
 
 
-def moe_metrics(config, num_microbatches: int, device) -> dict[str, torch.Tensor]:
+def moe_metrics(config, real_microbatches: int, device) -> dict[str, torch.Tensor]:
     """``router_losses`` and, under R3, moe/route_agreement: the fraction of (token, layer) pairs whose
-    replayed experts the trainer's router would have chosen itself, over the update's forwards."""
-    out = router_losses(config, num_microbatches, device)
-    if config.moe_enable_routing_replay:
-        from megatron.core import parallel_state as ps
+    replayed experts the trainer's router would have chosen itself, over the update's forwards (a TP rank
+    counts its sequence-parallel slice: summed over TP, PP and DP). Collective over TP, PP and DP."""
+    from megatron.core import parallel_state as ps
 
-        counts = torch.tensor(AGREEMENT.take(), dtype=torch.float64, device=device)
-        for group in (ps.get_pipeline_model_parallel_group(), ps.get_data_parallel_group()):
+    out = router_losses(config, real_microbatches, device)
+    if config.moe_enable_routing_replay:
+        counts = AGREEMENT.take(device)
+        for group in (ps.get_tensor_model_parallel_group(), ps.get_pipeline_model_parallel_group(),
+                      ps.get_data_parallel_group()):
             if dist.get_world_size(group) > 1:
                 dist.all_reduce(counts, group=group)
         out["moe/route_agreement"] = (counts[0] / counts[1].clamp(min=1)).float().cpu()
     return out
 
 
-def router_losses(config, num_microbatches: int, device) -> dict[str, torch.Tensor]:
-    """The update's router losses before their coefficients, each the mean over the model's layers,
-    the micro-batches with a real token (``num_microbatches``) and the data-parallel ranks; the tracker
-    is cleared for the next schedule.
-    Collective over the pipeline and data-parallel groups (every rank of them calls it)."""
+def router_losses(config, real_microbatches: int, device) -> dict[str, torch.Tensor]:
+    """The update's router losses before their coefficients, each the mean over the model's layers and the
+    micro-batches with a real token of every DP rank (``real_microbatches``: this rank's); the tracker is
+    cleared for the next schedule. Under sequence parallelism a TP rank's load-balancing loss is its
+    slice's share (summed over TP, as megatron's own report does) and its z-loss a mean over its slice
+    (averaged over TP). Collective over TP, PP and DP (every rank of them calls it)."""
     from megatron.core import parallel_state as ps
     from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 
     tracker = get_moe_metrics_tracker()
     names = logged_router_losses(config)
-    sums = torch.zeros(len(names), dtype=torch.float32, device=device)
+    sums = torch.zeros(len(names) + 1, dtype=torch.float64, device=device)  # + the real micro-batches
     for i, name in enumerate(names):
         for kind in TRACKED[name]:
             if (entry := tracker.metrics.get(kind)) is not None:
-                sums[i] += entry.values.detach().float().sum().to(device)
+                sums[i] += entry.values.detach().double().sum().to(device)
     tracker.clear()
-    # a rank holds its stage's layers: sum the stages; the DP ranks' micro-batches differ: average them
+    tp = ps.get_tensor_model_parallel_group()
+    if dist.get_world_size(tp) > 1:
+        dist.all_reduce(sums, group=tp)
+        sums[:-1] /= torch.tensor([1.0 if n == "moe/load_balancing_loss" else dist.get_world_size(tp)
+                                   for n in names], dtype=torch.float64, device=device)
+    sums[-1] += real_microbatches / max(dist.get_world_size(ps.get_pipeline_model_parallel_group()), 1)
+    # a rank holds its stage's layers: sum the stages (each adds 1 / PP of its micro-batch count); sum DP
     for group in (ps.get_pipeline_model_parallel_group(), ps.get_data_parallel_group()):
         if dist.get_world_size(group) > 1:
             dist.all_reduce(sums, group=group)
-    sums /= config.num_layers * max(num_microbatches, 1) * dist.get_world_size(ps.get_data_parallel_group())
-    return {name: sums[i].cpu() for i, name in enumerate(names)}
+    per = sums[:-1] / (config.num_layers * sums[-1].clamp(min=1))
+    return {name: per[i].float().cpu() for i, name in enumerate(names)}
 
 
 def routers(chunk) -> list:
@@ -119,7 +132,7 @@ class RouteAgreement:
     would choose itself (same set), and the tokens replayed; only tokens with an engine route count."""
 
     def __init__(self):
-        self.agree, self.total = 0.0, 0.0
+        self.counts: torch.Tensor | None = None  # [agree, total] on the device: no host sync per router
 
     def count(self, router, args, kwargs, output) -> None:
         target = router.router_replay.target_topk_idx
@@ -130,12 +143,14 @@ class RouteAgreement:
             own = torch.topk(logits, router.topk, dim=-1).indices.sort(-1).values
             same = (own == target.to(own.device).sort(-1).values).all(-1)
             valid = router.r3_known.to(same.device)  # tokens with an engine route (replay)
-            self.agree += float((same & valid).sum())
-            self.total += float(valid.sum())
+            step = torch.stack([(same & valid).sum(), valid.sum()]).double()
+            self.counts = step if self.counts is None else self.counts + step.to(self.counts.device)
 
-    def take(self) -> tuple[float, float]:
-        counts, (self.agree, self.total) = (self.agree, self.total), (0.0, 0.0)
-        return counts
+    def take(self, device=None) -> torch.Tensor:
+        """The counts so far ([agree, total] float64) and a fresh start."""
+        counts = torch.zeros(2, dtype=torch.float64) if self.counts is None else self.counts
+        self.counts = None
+        return counts if device is None else counts.to(device)
 
 
 AGREEMENT = RouteAgreement()
@@ -148,35 +163,55 @@ def install_replay(chunks) -> None:
             router.register_forward_hook(AGREEMENT.count, with_kwargs=True)
 
 
-def replay(chunk, routes: torch.Tensor | None) -> None:
-    """Give each replaying router of ``chunk`` its layer's experts of a micro-batch: ``routes`` [b, s,
-    layers x k] (batching.MicroBatch.routed_experts, -1 where none) for REPLAY_FORWARD."""
+def replay(chunk, routes: torch.Tensor | None, shape: tuple[int, int], *, has_samples: bool = True) -> None:
+    """Give each replaying router of ``chunk`` its layer's experts of a micro-batch of ``shape`` [b, s]:
+    ``routes`` [b, s, layers x k] (batching.MicroBatch.routed_experts, -1 where none; None for a micro-batch
+    of padding only, ``has_samples`` False) for REPLAY_FORWARD. Positions without a route replay experts
+    spread over all (token t: t x k .. t x k + k - 1, mod E), so that padding loads no EP rank alone."""
     from megatron.core import parallel_state as ps
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
     chunk_routers = routers(chunk)
     if not chunk_routers:
         return
-    if routes is None:
+    if routes is None and has_samples:
         raise ValueError("moe.router_replay=R3 but the micro-batch's samples carry no routed experts (the "
                          "engine returned none)")
-    k = chunk_routers[0].topk
-    b, s, width = routes.shape
-    if width != chunk_routers[0].config.num_layers * k:
-        raise ValueError(f"routed experts of width {width} for {chunk_routers[0].config.num_layers} layers x top-{k}")
-    filler = torch.arange(k).expand(b, s, k)
-    tp, sp = ps.get_tensor_model_parallel_world_size(), chunk_routers[0].config.sequence_parallel
+    config, k = chunk_routers[0].config, chunk_routers[0].topk
+    b, s = shape
+    if routes is not None and routes.shape[2] != config.num_layers * k:
+        raise ValueError(f"routed experts of width {routes.shape[2]} for {config.num_layers} layers x top-{k}")
+    filler = (torch.arange(s * b).view(s, b, 1) * k + torch.arange(k)) % config.num_moe_experts  # [s, b, k]
+    tp = ps.get_tensor_model_parallel_world_size()
+    rows = slice(None)
+    if config.sequence_parallel and tp > 1:  # this TP rank routes its contiguous s / TP positions
+        per = s // tp
+        rows = slice(ps.get_tensor_model_parallel_rank() * per, (ps.get_tensor_model_parallel_rank() + 1) * per)
     for router in chunk_routers:
         layer = router.layer_number - 1
-        idx = routes[:, :, layer * k:(layer + 1) * k].transpose(0, 1)  # [s, b, k]: megatron's token order
-        if sp and tp > 1:
-            rank, per = ps.get_tensor_model_parallel_rank(), s // tp
-            idx = idx[rank * per:(rank + 1) * per]
-        known = idx[..., 0] >= 0
+        idx = filler if routes is None else routes[:, :, layer * k:(layer + 1) * k].transpose(0, 1)  # [s, b, k]
+        known = (idx[..., 0] >= 0) if routes is not None else torch.zeros(s, b, dtype=torch.bool)
+        idx, known = torch.where(known[..., None], idx, filler)[rows], known[rows]
         router.r3_known = known.reshape(-1)  # for RouteAgreement
-        idx = torch.where(known[..., None], idx, filler.transpose(0, 1)[:idx.shape[0]])
         router.router_replay.set_target_indices(idx.reshape(-1, k).contiguous())
         router.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+
+
+def stage_padding_mask(chunk, mask: torch.Tensor) -> torch.Tensor:
+    """GPTModel's ``padding_mask`` [b, s] as ``chunk`` needs it: the first stage scatters it over the
+    sequence-parallel ranks itself (gpt_model.py), a later stage gets hidden states already scattered and
+    needs this TP rank's contiguous s / TP columns."""
+    from megatron.core import parallel_state as ps
+
+    inner = chunk
+    while hasattr(inner, "module"):
+        inner = inner.module
+    tp = ps.get_tensor_model_parallel_world_size()
+    if not inner.config.sequence_parallel or tp == 1 or inner.pre_process:
+        return mask
+    per = mask.shape[1] // tp
+    rank = ps.get_tensor_model_parallel_rank()
+    return mask[:, rank * per:(rank + 1) * per]
 
 
 def clear_replay(chunks) -> None:

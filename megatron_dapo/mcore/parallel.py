@@ -134,6 +134,7 @@ def _fitting_tps(hf_config, parallel: ParallelConfig, world_size: int) -> list[i
     rest = parallel.pipeline_model_parallel_size * parallel.context_parallel_size
     return [tp for tp in _divisors(arch.num_attention_heads)
             if _tp_fault(arch, tp) is None and world_size % (tp * rest) == 0
+            and (world_size // (tp * rest)) % parallel.expert_model_parallel_size == 0  # EP takes DP ranks
             and not (tp == 1 and parallel.sequence_parallel)  # the config refuses sequence parallelism at TP 1
             and not (arch.num_moe_experts and tp > 1 and not parallel.sequence_parallel)  # check_moe_layout's rule
             and not _tied_state_shift(hf_config, tp, parallel.pipeline_model_parallel_size,

@@ -77,13 +77,15 @@ def export_run(cfg: DAPOConfig, out_dir: str | os.PathLike, *, step: int | None 
     write_hf_checkpoint(chunks, table, out_dir, hf_config=hf_config, side_files_from=src,
                         tp_group=ps.get_tensor_model_parallel_group() if p.tensor_model_parallel_size > 1 else None,
                         pp_group=ps.get_pipeline_model_parallel_group() if p.pipeline_model_parallel_size > 1 else None,
+                        ep_group=ps.get_expert_model_parallel_group() if p.expert_model_parallel_size > 1 else None,
                         dtype=DTYPES[dtype] if dtype else None, progress=progress)
     if dist.get_rank() == 0:
         (out_dir / "warmup.json").unlink(missing_ok=True)  # the toy base's warm-up report: not this model's
         meta = {"checkpoint": str(ckpt.resolve()), "step": state.get("step"),
                 "run_dir": str(Path(cfg.logging.dir).resolve()),
                 "hf_source": str(src.resolve()), "tensor_model_parallel_size": p.tensor_model_parallel_size,
-                "pipeline_model_parallel_size": p.pipeline_model_parallel_size}
+                "pipeline_model_parallel_size": p.pipeline_model_parallel_size,
+                "expert_model_parallel_size": p.expert_model_parallel_size}
         (out_dir / EXPORT_META).write_text(json.dumps(meta, indent=2) + "\n")
     dist.barrier()
     if own:

@@ -65,7 +65,7 @@ from megatron_dapo.batching import (
 )
 from megatron_dapo.mcore.logprobs import SHORTCUT_STATS, GradHint, ShortcutStats, logprobs_output_processor
 from megatron_dapo.mcore.moe import (
-    AGREEMENT, TokenOutputs, clear_replay, moe_metrics, replay, without_router_losses,
+    AGREEMENT, TokenOutputs, clear_replay, moe_metrics, replay, stage_padding_mask, without_router_losses,
 )
 from megatron_dapo.mcore.optimizer import current_lr
 from megatron_dapo.mcore.parallel import all_gather_rows
@@ -209,9 +209,10 @@ def _forward_step(settings: StepSettings, counts, scale: float, mismatch: bool, 
                                           grad_hint=_loss_grad_hint(settings, counts, mb, device))
     # Last stage: (log_probs, entropy), each [b, s] fp32; other stages: hidden states. An MoE router
     # keeps padding out of its load-balancing loss.
-    moe = {"padding_mask": padding_mask(mb).to(device)} if model.config.num_moe_experts else {}
+    moe = {"padding_mask": stage_padding_mask(model, padding_mask(mb)).to(device)} if model.config.num_moe_experts \
+        else {}
     if model.config.moe_enable_routing_replay:  # R3: the engine's experts for this micro-batch's tokens
-        replay(model, mb.routed_experts)
+        replay(model, mb.routed_experts, tuple(mb.input_ids.shape), has_samples=_has_tokens(mb))
     with without_router_losses(model.config, off=bool(moe) and not _has_tokens(mb)):
         output = model(mb.input_ids.to(device), mb.position_ids.to(device), None, output_processor=processor, **moe)
     if moe and isinstance(output, tuple):  # the last stage's (log_probs, entropy)

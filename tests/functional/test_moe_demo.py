@@ -36,10 +36,10 @@ def moe_base(tmp_path_factory) -> Path:
     return make_demo_base(tmp_path_factory.mktemp("moe_base"), CONFIG, *TOY)
 
 
-def _train(base: Path, run_dir: Path, ep: int, overrides: list[str] = SHORT) -> list[dict]:
+def _train(base: Path, run_dir: Path, ep: int, overrides: list[str] = SHORT, nproc: int = 2) -> list[dict]:
     copy_demo_base(base, run_dir)
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS} | {"OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m",
            "megatron_dapo.cli", "train", "--config", str(CONFIG), f"logging.dir={run_dir}", *TOY, *overrides,
            f"parallel.expert_model_parallel_size={ep}"]
     out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
@@ -64,10 +64,43 @@ def test_the_moe_demo_learns_as_the_dense_demo_is_required_to(moe_base, tmp_path
     near chance, held-out avg@4 up by more than 0.2 (measured: 0.076 -> 0.801; the dense demo 0.113 ->
     0.539, docs/moe.md)."""
     records = _train(moe_base, tmp_path / "learn", 2, ["train.total_steps=30", "eval.every=30",
-                                                         "checkpoint.save_every=0", "logging.tensorboard=false"])
+                                                         "checkpoint.save_every=30", "logging.tensorboard=false"])
     evals = [r for r in records if r.get("eval/avg@4") is not None]
     assert [r["step"] for r in evals] == [0, 30]
     before, after = evals[0]["eval/avg@4"], evals[-1]["eval/avg@4"]
     assert before < 0.3, f"the base should start near chance (1/10), got {before}"
     assert after - before > 0.2, f"held-out avg@4 went {before:.3f} -> {after:.3f}"
     assert all(r["moe/load_balancing_loss"] > 0 for r in records if r["step"] > 0)  # the router's loss is on
+
+    _export_at_ep2_equals_ep1(tmp_path / "learn", tmp_path)
+
+
+def _export_at_ep2_equals_ep1(run: Path, tmp_path: Path) -> None:
+    """The trained run exported by 2 processes (EP 2: each holds half the experts) is byte for byte the
+    export of 1 (every expert on it), and transformers loads it: its experts come out under their global
+    numbers."""
+    from transformers import AutoModelForCausalLM
+
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS} | {"OMP_NUM_THREADS": "1"}
+    export = ["-m", "megatron_dapo.cli", "export", str(run)]
+    for name, launch in (("one", []), ("two", ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"])):
+        out = subprocess.run([sys.executable, *launch, *export, "--out", str(tmp_path / name)], cwd=ROOT, env=env,
+                             capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-5000:]
+    assert json.loads((tmp_path / "two" / "export.json").read_text())["expert_model_parallel_size"] == 2
+    one, two = ((tmp_path / name / "model.safetensors").read_bytes() for name in ("one", "two"))
+    assert one == two
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "two")
+    assert model.config.num_experts == 8
+
+
+def test_tensor_and_pipeline_parallel_train_with_the_router_losses(moe_base, tmp_path):
+    """4 processes, TP 2 (sequence parallel) x PP 2, the load-balancing loss on: the second stage gets the
+    padding mask cut to its TP rank's positions (mcore/moe.stage_padding_mask). Uncut, its router met
+    [s x b] mask rows against [s / TP x b] logits and the run crashed ("size of tensor a (1088) must match
+    ... (2176)")."""
+    layout = ["parallel.tensor_model_parallel_size=2", "parallel.pipeline_model_parallel_size=2",
+              "parallel.sequence_parallel=true"]
+    records = _train(moe_base, tmp_path / "tp2pp2", 1, [*SHORT[:-1], *layout], nproc=4)
+    assert [r["step"] for r in records] == [1, 2]
+    assert all(r["moe/load_balancing_loss"] > 0 and r["actor/grad_norm"] > 0 for r in records)

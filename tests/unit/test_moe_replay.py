@@ -166,3 +166,32 @@ def test_replay_without_routes_is_one_line(actor):
     bare = [Sample(prompt_ids=torch.tensor([1, 2]), response_ids=torch.tensor([3, 4]))]
     with pytest.raises(ValueError, match="moe.router_replay=R3 but the micro-batch's samples carry no routed experts"):
         actor.get_inference_log_probs(bare)
+
+
+def test_a_micro_batch_of_padding_replays_spread_experts_and_counts_nothing(actor):
+    """A DP rank needing one more micro-batch than this one (its count in the table) makes this rank run a
+    micro-batch of padding only, which has no routes: it replays experts spread over all of them (token t:
+    t x k .., mod E) and adds nothing to the agreement. Before, it raised on that rank alone (its peers
+    then waited in their collectives)."""
+    from megatron_dapo.mcore.moe import routers
+    from megatron_dapo.mcore.train_step import batch_counts, train_step
+
+    model = tiny_moe_model(seed=3)
+    own, _, _ = _samples(model)
+    old = actor.get_inference_log_probs(own)
+    xs = [dataclasses.replace(x, old_log_probs=lp) for x, lp in zip(own, old)]
+    table = batch_counts(actor.model, [xs], actor.settings)[0]
+    table[:, 2] += 1  # the busiest DP rank's count: one more than this rank needs
+    seen = []
+    hooks = [r.register_forward_hook(lambda m, a, k, o: seen.append(m.router_replay.target_topk_idx.clone()),
+                                     with_kwargs=True) for r in routers(actor.model[0])]
+    try:
+        metrics = train_step(actor.model, actor.optimizer, actor.scheduler, xs, actor.settings, forward_only=True,
+                             counts_table=table)
+    finally:
+        for h in hooks:
+            h.remove()
+    assert metrics["actor/num_micro_batches"] == int(table[0, 2])
+    assert metrics["moe/route_agreement"] == 1.0  # the samples' own routes; the padding counted nowhere
+    last = seen[-1]  # the padding micro-batch's replay, last layer
+    assert torch.equal(last, (torch.arange(len(last))[:, None] * K + torch.arange(K)) % EXPERTS)
