@@ -25,7 +25,7 @@ class ToyConfig:
                             "num_attention_heads (Qwen3 sets its own: 0.6B has 16 heads of 128 over a width of 1024)")
     intermediate_size: int = setting(192, "SwiGLU MLP width")
     num_experts: int = setting(8, "with architecture=qwen3_moe: routed experts per layer")
-    num_experts_per_tok: int = setting(2, "with architecture=qwen3_moe: experts each token is routed to")
+    num_experts_per_tok: int = setting(2, "with architecture=qwen3_moe: experts each token is routed to (>= 2)")
     moe_intermediate_size: int = setting(96, "with architecture=qwen3_moe: one expert's SwiGLU width (top-2 of 96: the "
                                              "dense toy's 192 active)")
     num_layers: int = setting(2, "transformer layers")
@@ -45,7 +45,8 @@ class ToyConfig:
                 max_position_embeddings=one, warmup_steps=at_least(0), warmup_batch_size=one,
                  warmup_lr=above(0), reasoning_prob=((lambda v: 0 <= v <= 1), "in [0, 1]"), head_dim=at_least(0),
                  architecture=((lambda v: v in TOY_ARCHITECTURES), f"one of {', '.join(TOY_ARCHITECTURES)}"))
-        require("toy", self, num_experts=one, num_experts_per_tok=one, moe_intermediate_size=one)
+        # at least 2: the toy renormalises the top-k weights, and one renormalised weight is a constant 1
+        require("toy", self, num_experts=one, num_experts_per_tok=at_least(2), moe_intermediate_size=one)
         if self.num_experts_per_tok > self.num_experts:
             fail(f"toy.num_experts_per_tok={self.num_experts_per_tok} exceeds toy.num_experts={self.num_experts}")
         if self.head_dim and self.architecture == "qwen2":

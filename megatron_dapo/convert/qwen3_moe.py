@@ -23,6 +23,11 @@ def check_qwen3_moe_config(config: dict[str, Any]) -> None:
         raise ConversionError(f"Qwen3-MoE config.json lacks {missing + ([] if experts else ['num_experts'])}")
     if config["num_experts_per_tok"] > experts:
         raise ConversionError(f"num_experts_per_tok={config['num_experts_per_tok']} exceeds num_experts={experts}")
+    if config["num_experts_per_tok"] == 1 and config.get("norm_topk_prob"):
+        # the renormalised weight of one expert is a constant 1: the router would get no gradient
+        raise ConversionError("num_experts_per_tok=1 with norm_topk_prob=true is unsupported: megatron-core refuses a "
+                              "top-1 softmax after the top-k (its weight is 1, the router learns nothing); set "
+                              "norm_topk_prob=false or route to 2 or more experts")
     # transformers makes a layer dense when it is in mlp_only_layers or (layer + 1) % decoder_sparse_step:
     # the released checkpoints have every layer sparse, and so does the Megatron model built here.
     dense, step = config.get("mlp_only_layers") or [], config.get("decoder_sparse_step", 1)

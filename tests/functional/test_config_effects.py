@@ -272,7 +272,7 @@ CASES: dict[str, Case] = {
     "toy.head_dim": C("16", ckpt("model_shape", "kv_channels"), {**TOY, "toy.architecture": "qwen3"}),  # 0: 64 / 2
     "toy.intermediate_size": C("96", ckpt("model_shape", "ffn_hidden_size"), TOY),
     "toy.num_experts": C("4", ckpt("model_shape", "num_moe_experts"), MOE),
-    "toy.num_experts_per_tok": C("1", prefix("actor/"), MOE),
+    "toy.num_experts_per_tok": C("3", prefix("actor/"), MOE),
     "toy.moe_intermediate_size": C("32", ckpt("model_shape", "moe_ffn_hidden_size"), MOE),
     "moe.load_balancing": C("none", prefix("moe/"), MOE),  # its loss leaves the metrics
     "moe.aux_loss_coeff": C("0.5", metric("actor/grad_norm"), MOE),

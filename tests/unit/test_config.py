@@ -106,6 +106,7 @@ def test_routing_replay_refuses_recompute():
     ("toy.architecture=qwen4", "toy.architecture must be one of qwen2, qwen3, qwen3_moe, got qwen4"),
     ("toy.head_dim=32", "toy.head_dim=32 needs toy.architecture=qwen3"),  # vLLM's Qwen2 reads no head_dim
     ("toy.num_experts_per_tok=9", "toy.num_experts_per_tok=9 exceeds toy.num_experts=8"),
+    ("toy.num_experts_per_tok=1", "toy.num_experts_per_tok must be >= 2, got 1"),
     ("moe.aux_loss_coeff=-1", "moe.aux_loss_coeff must be >= 0 or auto, got -1"),
 ])
 def test_bad_values_fail_early_with_the_fix(override, message):

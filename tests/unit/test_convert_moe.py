@@ -174,6 +174,10 @@ def test_refusals_name_the_value(saved):
     with pytest.raises(ConversionError) as e:
         conversion_table({**config, "num_experts_per_tok": 5})
     assert _one_line(e) == "num_experts_per_tok=5 exceeds num_experts=4"
+    with pytest.raises(ConversionError) as e:  # megatron-core refuses it: the one weight would be a constant 1
+        conversion_table({**config, "num_experts_per_tok": 1, "norm_topk_prob": True})
+    assert _one_line(e).startswith("num_experts_per_tok=1 with norm_topk_prob=true is unsupported")
+    conversion_table({**config, "num_experts_per_tok": 1, "norm_topk_prob": False})  # the softmax's probability
     for change, named in (({"mlp_only_layers": [1]}, "mlp_only_layers=[1], decoder_sparse_step=1"),
                           ({"decoder_sparse_step": 2}, "mlp_only_layers=[], decoder_sparse_step=2")):
         with pytest.raises(ConversionError) as e:
