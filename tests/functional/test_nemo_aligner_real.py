@@ -40,8 +40,9 @@ def test_one_step_equals_whole_batch_token_mean(tmp_path, nproc):
     assert r["grad_max_rel"] < 1e-5, r["grad_max_rel"]  # measured 4.0e-7 (1 rank), 4.7e-7 (2 ranks)
     assert r["grad_norm"] == pytest.approx(r["ref_grad_norm"], rel=1e-6)
     # Adam's first step is lr * g / (|g| + eps): elements with |g| near eps amplify the 4e-7 of the
-    # gradients; measured 4.4e-4 at most.
-    assert r["update_max_rel"] < 2e-3, r["update_max_rel"]
+    # gradients (4.4e-4 on one machine, 2.3e-3 on another): compared where |g| > 100 eps (probe_step.py;
+    # measured there 7.5e-6 at 1 and 2 ranks)
+    assert r["update_max_rel"] < 1e-3, r["update_max_rel"]
     assert r["all_changed"] and r["optimizer"] == "AdamW"
     if nproc == 1:  # upstream's PPO loss_func on the same rows: per-micro-batch means, averaged
         assert r["upstream_loss"] == pytest.approx(r["upstream_hand_loss"], rel=1e-6)
