@@ -8,7 +8,10 @@ computed from it, whose summation order depends on the layout); wall times are n
 import json
 from pathlib import Path
 
-ROUND_OFF = ("actor/", "rollout/logprob")
+# rollout/token_prob_mean: the engine's probabilities of the sampled tokens, whose logits move by fp32
+# round-off with the batch a response is decoded in (hf_engine.py: ~1e-7); on one machine they came out
+# bit-identical across layouts, on another (2026-12-05, the code of a6c445f too) 2e-10 apart
+ROUND_OFF = ("actor/", "rollout/logprob", "rollout/token_prob_mean")
 # Counts of micro-batches per DP rank: another layout splits a batch into other micro-batches.
 LAYOUT_COUNTS = ("actor/num_micro_batches", "actor/grad_shortcut_used", "actor/grad_shortcut_fallbacks")
 WALL_TIME = ("timing", "time")
