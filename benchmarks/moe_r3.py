@@ -122,6 +122,7 @@ def same_weights(prep: Path, *, prompts: int = 64, n: int = 8, seed: int = 1) ->
 
     from megatron_dapo.batching import Sample
     from megatron_dapo.config_loading import load_config
+    from megatron_dapo.groups import routes_of
     from megatron_dapo.convert.safetensors_io import read_hf_config
     from megatron_dapo.mcore.actor import MegatronActor
     from megatron_dapo.mcore.cpu_compat import apply_cpu_compat
@@ -157,8 +158,7 @@ def same_weights(prep: Path, *, prompts: int = 64, n: int = 8, seed: int = 1) ->
                        "moe.router_replay=R3", "rollout.temperature=1.0", f"logging.dir={prep / 'same_weights'}"])
     actor = MegatronActor(cfg, read_hf_config(hf_dir))
     actor.load_hf_weights(str(hf_dir))
-    engine_routes = [torch.tensor(r.routed_experts, dtype=torch.int16).view(len(r.prompt_ids) + len(r.response_ids)
-                                                                            - 1, -1) for r in rollouts]
+    engine_routes = [routes_of(r) for r in rollouts]
     trainer_routes = [own_routes(r) for r in rollouts]
 
     def samples(routes):

@@ -174,14 +174,14 @@ def to_samples(groups: list[Group], cfg: DAPOConfig):
     with_lp = [bool(r.logprobs) for r in rollouts]
     engine = iter(torch.tensor([lp for r in rollouts for lp in r.logprobs], dtype=torch.float32).split(
         [n for n, has in zip(resp_n, with_lp) if has]))
-    routes = [_routes(r) for r in rollouts]
+    routes = [routes_of(r) for r in rollouts]
     return [Sample(prompt_ids=p, response_ids=resp, advantages=adv, loss_mask=mask,
                    rollout_log_probs=next(engine) if has else None, routed_experts=route)
             for p, resp, adv, mask, has, route in zip(prompts, responses, advantages.reshape(-1).tolist(), masks,
                                                       with_lp, routes)]
 
 
-def _routes(rollout: Rollout) -> torch.Tensor | None:
+def routes_of(rollout: Rollout) -> torch.Tensor | None:
     """The engine's routes of a rollout as [tokens fed, layers x k] (Rollout.routed_experts), None without."""
     if not rollout.routed_experts:
         return None

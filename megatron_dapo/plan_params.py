@@ -36,11 +36,10 @@ class Experts:
 
 def experts(hf: dict) -> Experts | None:
     """The routed experts of ``hf`` (None: a dense model, whatever a stray num_experts in it says)."""
-    from megatron_dapo.convert import architecture
-    from megatron_dapo.convert.mapping import hf_sizes
+    from megatron_dapo.convert.table import model_sizes
 
-    sizes = hf_sizes(hf)  # the one reader of either spelling of the expert count
-    if not sizes["num_moe_experts"] or not architecture(hf).moe:
+    sizes = model_sizes(hf)  # either spelling of the expert count; a dense architecture's is 0
+    if not sizes["num_moe_experts"]:
         return None
     return Experts(sizes["num_moe_experts"], int(hf["num_experts_per_tok"]), sizes["moe_ffn_hidden_size"])
 

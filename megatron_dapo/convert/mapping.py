@@ -38,7 +38,7 @@ class ConversionError(ValueError):
 
 @dataclass(frozen=True, kw_only=True)
 class ModelDims:
-    """The sizes a conversion table needs, read from an HF config (see ``from_hf_config``)."""
+    """The sizes a conversion table needs, read from an HF config (see ``from_sizes``)."""
 
     num_layers: int
     hidden_size: int
@@ -61,9 +61,8 @@ class ModelDims:
                                   f"vocab_size={self.vocab_size}")
 
     @classmethod
-    def from_hf_config(cls, config: dict[str, Any], *, padded_vocab_size: int | None = None) -> "ModelDims":
-        """Dims of a Llama-like HF config dict (config.json contents)."""
-        sizes = hf_sizes(config)
+    def from_sizes(cls, sizes: dict[str, Any], *, padded_vocab_size: int | None = None) -> "ModelDims":
+        """Dims from ``hf_sizes``' reading of a config (table.model_sizes: with its architecture's experts)."""
         return cls(num_layers=sizes["num_layers"], hidden_size=sizes["hidden_size"],
                    num_attention_heads=sizes["num_attention_heads"], num_query_groups=sizes["num_query_groups"],
                    head_dim=sizes["kv_channels"], ffn_hidden_size=sizes["ffn_hidden_size"],
@@ -82,9 +81,11 @@ class ModelDims:
 _HF_SIZE_KEYS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "vocab_size")
 
 
-def hf_sizes(config: dict[str, Any]) -> dict[str, Any]:
+def hf_sizes(config: dict[str, Any], *, experts: bool = True) -> dict[str, Any]:
     """The sizes in a Llama-like HF config dict, under Megatron's names: the package's one reader of
-    them (ModelDims here; mcore.model.hf_arch adds the architecture's checks and the rest of the model)."""
+    them (table.model_sizes tells it whether the architecture has experts; mcore.model.hf_arch adds the
+    architecture's checks and the rest of the model). ``experts=False``: 0 experts, whatever a stray
+    num_experts in a dense config.json says."""
     missing = [k for k in _HF_SIZE_KEYS if config.get(k) is None]
     if missing:
         raise ConversionError(f"HF config lacks {missing}, needed for {config.get('architectures')}")
@@ -97,8 +98,9 @@ def hf_sizes(config: dict[str, Any]) -> dict[str, Any]:
             "tie_word_embeddings": bool(config.get("tie_word_embeddings", False)),
             # Qwen3-MoE: routed experts (none shared) of moe_intermediate_size each; the released
             # config.json files say num_experts, transformers >= 5 writes num_local_experts
-            "num_moe_experts": int(config.get("num_experts") or config.get("num_local_experts") or 0),
-            "moe_ffn_hidden_size": int(config.get("moe_intermediate_size") or 0)}
+            "num_moe_experts": int(config.get("num_experts") or config.get("num_local_experts") or 0)
+            if experts else 0,
+            "moe_ffn_hidden_size": int(config.get("moe_intermediate_size") or 0) if experts else 0}
 
 
 def _fill(pattern: str, layer: int | None, expert: int | None = None) -> str:

@@ -10,14 +10,14 @@ import functools
 from typing import Any
 
 from megatron_dapo.convert.decoder import dense_decoder_table
-from megatron_dapo.convert.mapping import ConversionError
+from megatron_dapo.convert.mapping import ConversionError, hf_sizes
 from megatron_dapo.convert.qwen3 import ATTENTION, check_qwen3_config
 from megatron_dapo.convert.table import register_architecture
 
 
 def check_qwen3_moe_config(config: dict[str, Any]) -> None:
     check_qwen3_config(config)
-    experts = config.get("num_experts") or config.get("num_local_experts")  # hf_sizes: either spelling
+    experts = hf_sizes(config)["num_moe_experts"]  # either spelling
     missing = [k for k in ("num_experts_per_tok", "moe_intermediate_size") if not config.get(k)]
     if missing or not experts:
         raise ConversionError(f"Qwen3-MoE config.json lacks {missing + ([] if experts else ['num_experts'])}")

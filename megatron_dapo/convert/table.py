@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 from torch import Tensor
 
-from megatron_dapo.convert.mapping import ConversionError, ModelDims, ParamMapping
+from megatron_dapo.convert.mapping import ConversionError, ModelDims, ParamMapping, hf_sizes
 
 TableFn = Callable[[ModelDims], list[ParamMapping]]
 ConfigCheck = Callable[[dict[str, Any]], None]
@@ -189,11 +189,18 @@ def _expand_experts(mapping: ParamMapping, layer: int, num_experts: int) -> list
     return [Task(mapping, layer, expert) for expert in range(num_experts)]
 
 
+def model_sizes(config: Any) -> dict[str, Any]:
+    """``hf_sizes`` of a config whose architecture is checked (``architecture``): a dense one has no
+    experts whatever its config.json says. What the table, the model and the planner read."""
+    config = config_dict(config)
+    return hf_sizes(config, experts=architecture(config).moe)
+
+
 def conversion_table(config: Any, *, padded_vocab_size: int | None = None) -> ConversionTable:
     """Resolve the registered table for an HF config (dict or PretrainedConfig)."""
     config = config_dict(config)
     found = architecture(config)
-    dims = ModelDims.from_hf_config(config, padded_vocab_size=padded_vocab_size)
+    dims = ModelDims.from_sizes(model_sizes(config), padded_vocab_size=padded_vocab_size)
     return ConversionTable(found.name, dims, found.table(dims))
 
 

@@ -33,8 +33,7 @@ import torch.nn.functional as F
 from megatron_dapo.errors import ConfigError
 from megatron_dapo.config import ModelConfig, ParallelConfig
 from megatron_dapo.config_moe import MoEConfig
-from megatron_dapo.convert.mapping import hf_sizes
-from megatron_dapo.convert.table import architecture
+from megatron_dapo.convert.table import architecture, model_sizes
 from megatron_dapo.mcore.cpu_compat import require_cpu_compat
 from megatron_dapo.precision import resolve_dtype
 
@@ -83,11 +82,8 @@ def hf_arch(hf_config: Mapping[str, Any] | Any) -> HFArch:
         if rope_type != "default":
             raise ValueError(f"RoPE scaling {rope_type!r} (rope_scaling / rope_parameters) is not "
                              "supported; remove it from config.json for contexts within the trained length")
-    sizes = hf_sizes(cfg)
-    if not found.moe:  # a stray num_experts in a dense config.json builds no experts
-        sizes.update(num_moe_experts=0, moe_ffn_hidden_size=0)
     return HFArch(
-        **sizes,
+        **model_sizes(cfg),
         norm_eps=cfg["rms_norm_eps"],
         rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
         max_position_embeddings=cfg["max_position_embeddings"],

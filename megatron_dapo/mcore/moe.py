@@ -20,6 +20,7 @@ recomputed backward from a list the 1F1B order does not keep in step: R3 refuses
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import NamedTuple
 
 import torch
@@ -121,10 +122,15 @@ def router_losses(config, real_microbatches: int, device) -> dict[str, torch.Ten
     return {name: per[i].float().cpu() for i, name in enumerate(names)}
 
 
+_ROUTERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # chunk -> its replaying routers
+
+
 def routers(chunk) -> list:
     """The TopKRouters of a model chunk that replay routes (megatron builds them with a RouterReplay
-    when moe_enable_routing_replay is set)."""
-    return [m for m in chunk.modules() if getattr(m, "router_replay", None) is not None]
+    when moe_enable_routing_replay is set); found once per chunk, not on every micro-batch."""
+    if chunk not in _ROUTERS:
+        _ROUTERS[chunk] = [m for m in chunk.modules() if getattr(m, "router_replay", None) is not None]
+    return _ROUTERS[chunk]
 
 
 class RouteAgreement:
