@@ -186,6 +186,10 @@ CUT = ["algorithm.filter_groups.enable=false", "train.total_steps=6", "checkpoin
        "checkpoint.stop_grace_s=10", "eval.every=0", "eval.before_train=false"]
 
 
+# In CI: the cut and its exact resume with the HF engine colocated at 1 and 2 processes (test_faults.py),
+# a stop on the separate engines releasing their batch (above) and vLLM's abort of the batch its
+# engine ranks generate (test_async_rollouts_vllm.py). This one (~75 s) puts them together.
+@pytest.mark.extended
 def test_a_stop_while_the_engines_generate_cuts_the_step_and_resumes_exactly(demo_base, tmp_path_factory):
     """SIGTERM to every rank while both engine ranks stall in step 4's batch (separate placement,
     DP=2 trainers): trainer rank 0's wait for the batch is cut short, the engines abort it and serve

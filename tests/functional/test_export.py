@@ -88,7 +88,10 @@ destroy_parallel()  # gloo left alive can abort the interpreter at exit
     return torch.load(out)
 
 
-@pytest.mark.parametrize("which", ["run", "qwen3_run"])
+# Qwen3's export in CI: its live export equal to the offline conversion and its logits to
+# transformers' at TP 2 x PP 2 (tests/distributed/test_convert_parallel.py); its trained run is the
+# Qwen3 demo below. The trained Qwen3 run exported at TP 1 and 2 (~45 s) is the extended tier's.
+@pytest.mark.parametrize("which", ["run", pytest.param("qwen3_run", marks=pytest.mark.extended)])
 def test_export_at_any_tp_loads_in_transformers_with_the_trainers_logits(which, request, tmp_path):
     run = request.getfixturevalue(which)
     config = str(run / "config.yaml")

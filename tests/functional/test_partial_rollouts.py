@@ -76,6 +76,11 @@ def reference(demo_base, tmp_path_factory) -> Path:
     return reference_run(demo_base, tmp_path_factory, "partial_reference", *STALE1)
 
 
+# In CI: a stop then a kill of the separate placement resuming to the uninterrupted run's records
+# (test_async_rollouts.py), the stop's held groups in the checkpoint (test_resume_carry.py) and the
+# carried pieces' state written out by hand (tests/unit/test_partial_rollouts.py). This one (~80 s
+# with its reference run) puts them together with partial rollouts.
+@pytest.mark.extended
 def test_a_kill_then_a_stop_resume_partial_rollouts_to_the_same_records(reference, tmp_path):
     """A kill of every process after step 6 resumes from step 4's checkpoint, which holds groups
     still growing; SIGTERM to every rank after step 5 then stops the run after step 6 (or 7) with

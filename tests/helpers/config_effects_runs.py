@@ -204,13 +204,19 @@ def signalled(runs: Runs, *settings: dict) -> list[Result]:
         procs.append((run_dir, subprocess.Popen([sys.executable, "-m", "megatron_dapo.cli", "train", "--config", CONFIG,
                                                  *runs.args(s, run_dir)], cwd=ROOT, env=env, text=True,
                                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)))
+    # Each run is watched at once, not one after the other: a run that starts faster than the one
+    # before it could otherwise finish every step before its turn to be signalled.
+    waiting, deadline = dict(procs), time.time() + 120
+    while waiting:
+        for run_dir, proc in list(waiting.items()):
+            metrics = run_dir / "metrics.jsonl"
+            if metrics.exists() and metrics.read_text():
+                proc.send_signal(signal.SIGTERM)
+                del waiting[run_dir]
+            else:
+                assert proc.poll() is None and time.time() < deadline, proc.communicate()[1][-3000:]
+        time.sleep(0.02)
     results = []
-    for run_dir, proc in procs:
-        deadline = time.time() + 120
-        while not (run_dir / "metrics.jsonl").exists() or not (run_dir / "metrics.jsonl").read_text():
-            assert proc.poll() is None and time.time() < deadline, proc.communicate()[1][-3000:]
-            time.sleep(0.02)
-        proc.send_signal(signal.SIGTERM)
     for run_dir, proc in procs:
         out, err = proc.communicate(timeout=120)
         results.append(Result(proc.returncode, out, err, err, "", run_dir))
