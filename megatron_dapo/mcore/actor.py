@@ -27,15 +27,10 @@ from megatron_dapo.mcore.moe import install_replay
 from megatron_dapo.mcore.offload import StateOffloader
 from megatron_dapo.mcore.optimizer import build_optimizer, build_scheduler, wrap_model
 from megatron_dapo.mcore.parallel import all_gather_rows, initialize_parallel
-from megatron_dapo.mcore.train_step import (
-    PendingMetrics,
-    StepSettings,
-    batch_counts,
-    compute_device,
-    compute_log_probs,
-    reduce_metrics,
-    train_step,
-)
+from megatron_dapo.mcore.micro_batches import batch_counts
+from megatron_dapo.mcore.step_metrics import PendingMetrics, reduce_metrics
+from megatron_dapo.mcore.step_settings import StepSettings, compute_device
+from megatron_dapo.mcore.train_step import compute_log_probs, train_step
 
 
 class MegatronActor:

@@ -38,7 +38,7 @@ from typing import Iterator
 
 import torch
 
-from megatron_dapo.mcore.train_step import compute_device
+from megatron_dapo.mcore.step_settings import compute_device
 
 logger = logging.getLogger(__name__)
 

@@ -26,7 +26,9 @@ SHARDS = ([3, 6], [0, 1, 2, 4, 5, 7])  # unequal tokens and micro-batch counts p
 
 
 def _updates(actor, xs, rank: int, defer: bool) -> list[dict]:
-    from megatron_dapo.mcore.train_step import batch_counts, reduce_metrics, train_step
+    from megatron_dapo.mcore.micro_batches import batch_counts
+    from megatron_dapo.mcore.step_metrics import reduce_metrics
+    from megatron_dapo.mcore.train_step import train_step
 
     local = [xs[i] for i in SHARDS[rank]]
     plan = [(local, True), (local[::-1], False), (local[:1], False)]

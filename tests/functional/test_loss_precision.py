@@ -81,7 +81,7 @@ def update_and_check(actor, xs: list[Sample], seen: list) -> dict:
 def test_bf16_update_keeps_loss_math_fp32(world_of_one, loss_probe, tmp_path, dist_opt):
     """Also: every parameter on the compute device (without the distributed optimizer no buffer
     re-homes the params; the first GPU run found the local spec's norms left on the CPU)."""
-    from megatron_dapo.mcore.train_step import compute_device
+    from megatron_dapo.mcore.step_settings import compute_device
 
     actor = bf16_actor(bf16_hf_dir(tmp_path), transformer_impl="local", dist_opt=dist_opt)
     params = dict(actor.model[0].named_parameters())

@@ -169,7 +169,7 @@ def test_file_errors(tmp_path):
 
 def test_the_logprob_chunk_setting_reaches_the_train_step():
     from megatron_dapo.config import TrainConfig
-    from megatron_dapo.mcore.train_step import StepSettings
+    from megatron_dapo.mcore.step_settings import StepSettings
 
     assert StepSettings.from_config(DAPOConfig(), 1000).chunk_tokens is None  # logprobs.py's default
     assert StepSettings.from_config(DAPOConfig(train=TrainConfig(logprob_chunk_tokens=64)), 1000).chunk_tokens == 64

@@ -174,7 +174,8 @@ def test_a_micro_batch_of_padding_replays_spread_experts_and_counts_nothing(acto
     t x k .., mod E) and adds nothing to the agreement. Before, it raised on that rank alone (its peers
     then waited in their collectives)."""
     from megatron_dapo.mcore.moe import routers
-    from megatron_dapo.mcore.train_step import batch_counts, train_step
+    from megatron_dapo.mcore.micro_batches import batch_counts
+    from megatron_dapo.mcore.train_step import train_step
 
     model = tiny_moe_model(seed=3)
     own, _, _ = _samples(model)

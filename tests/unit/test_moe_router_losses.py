@@ -150,7 +150,8 @@ def test_router_losses_is_the_mean_over_layers_and_micro_batches(actor):
 def test_an_all_padding_micro_batch_adds_no_nan(actor):
     """One DP rank needing 3 micro-batches where this one needs 2 (counts_table: what batch_counts would
     gather from it) makes this rank run an all-padding third one."""
-    from megatron_dapo.mcore.train_step import batch_counts, train_step
+    from megatron_dapo.mcore.micro_batches import batch_counts
+    from megatron_dapo.mcore.train_step import train_step
 
     xs = _samples(actor)
     weights = [p.detach().clone() for p in actor.model[0].parameters()]
