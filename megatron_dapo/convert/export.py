@@ -211,17 +211,20 @@ def hf_targets(model_chunks: Sequence[nn.Module], table: ConversionTable,
     return targets
 
 
-def hf_shard(table: ConversionTable, megatron_name: str, task: Task, param: Tensor, reader: SafetensorsReader,
-             *, tp_size: int, tp_rank: int) -> Tensor:
+def hf_shard_rows(table: ConversionTable, megatron_name: str, task: Task, param: Tensor,
+                  reader: SafetensorsReader, *, tp_size: int, tp_rank: int) -> list[Tensor]:
     """The value ``param`` (this rank's TP shard of ``megatron_name``) takes from the HF checkpoint, in
-    the parameter's dtype; possibly a view of a tensor just read."""
-    full = task.mapping.to_megatron([reader.get(n, param.dtype) for n in task.hf_names], table.dims)
-    shard = task.mapping.tp_split(full, tp_size)[tp_rank]
-    if shard.shape != param.shape:
-        raise ConversionError(f"{megatron_name}: converted TP shard has shape {tuple(shard.shape)}, the "
+    the parameter's dtype, as row blocks whose concatenation is that value
+    (``ParamMapping.tp_shard_rows``): views of the tensors just read where the layout allows (fc1's
+    gate and up halves), so that no caller needs a concatenated copy."""
+    rows = task.mapping.tp_shard_rows([reader.get(n, param.dtype) for n in task.hf_names], table.dims,
+                                      tp_size, tp_rank)
+    shape = (sum(r.shape[0] for r in rows),) + tuple(rows[0].shape[1:])
+    if shape != tuple(param.shape) or any(tuple(r.shape[1:]) != shape[1:] for r in rows):
+        raise ConversionError(f"{megatron_name}: converted TP shard has shape {shape}, the "
                               f"model's parameter {tuple(param.shape)} (model built from another config "
                               f"or with another vocabulary padding?)")
-    return shard
+    return rows
 
 
 @torch.no_grad()
@@ -236,8 +239,10 @@ def load_hf_weights(model_chunks: Sequence[nn.Module], table: ConversionTable, r
     check_hf_checkpoint(table, reader)
     targets = hf_targets(model_chunks, table, ep_group)
     for megatron_name, (task, param) in targets.items():
-        param.copy_(hf_shard(table, megatron_name, task, param, reader, tp_size=_size(tp_group),
-                             tp_rank=_rank(tp_group)))
+        rows = hf_shard_rows(table, megatron_name, task, param, reader, tp_size=_size(tp_group),
+                             tp_rank=_rank(tp_group))
+        for part, row in zip(param.split([r.shape[0] for r in rows]), rows, strict=True):
+            part.copy_(row)
         if progress is not None:
             progress()
     return len(targets)

@@ -157,6 +157,12 @@ class ParamMapping:
                                   f"is not divisible by TP={tp_size}")
         return list(torch.chunk(full, tp_size, dim=self.tp_axis))
 
+    def tp_shard_rows(self, hf: Sequence[Tensor], dims: ModelDims, tp_size: int, tp_rank: int) -> list[Tensor]:
+        """TP rank ``tp_rank``'s shard of ``to_megatron(hf)`` as row blocks (dim 0) whose
+        concatenation is the shard: a mapping whose shard is several HF tensors side by side (fc1's
+        [gate_r; up_r]) gives them as they are, so a caller writing the shard part by part copies none."""
+        return [self.tp_split(self.to_megatron(hf, dims), tp_size)[tp_rank]]
+
     def tp_merge(self, shards: Sequence[Tensor]) -> Tensor:
         """Inverse of ``tp_split``; replicated tensors are taken from rank 0."""
         if self.tp_axis is None:
@@ -280,6 +286,13 @@ class GatedMLP(ParamMapping):
                                   f"TP={tp_size}")
         pairs = zip(torch.chunk(gate, tp_size), torch.chunk(up, tp_size))
         return [torch.cat([g, u], dim=0) for g, u in pairs]
+
+    def tp_shard_rows(self, hf, dims, tp_size, tp_rank):
+        gate, up = hf
+        if gate.shape[0] % tp_size:
+            raise ConversionError(f"{self.megatron}: ffn size {gate.shape[0]} is not divisible by "
+                                  f"TP={tp_size}")
+        return [torch.chunk(gate, tp_size)[tp_rank], torch.chunk(up, tp_size)[tp_rank]]
 
     def tp_merge(self, shards):
         halves = [torch.chunk(s, 2, dim=0) for s in shards]

@@ -13,15 +13,17 @@ megatron's own saver writes from a loaded model (.metadata differs only in its r
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from megatron_dapo import ranks
-from megatron_dapo.convert.export import check_hf_checkpoint, hf_shard, hf_targets
+from megatron_dapo.convert.export import check_hf_checkpoint, hf_shard_rows, hf_targets
 from megatron_dapo.convert.mapping import ConversionError
 from megatron_dapo.convert.safetensors_io import SafetensorsReader, copy_side_files, read_hf_config
 from megatron_dapo.convert.table import ConversionTable, conversion_table
@@ -118,14 +120,19 @@ class _HFValues:
         self._last: tuple[str, torch.Tensor] | None = None
         self.error: Exception | None = None
 
-    def _value(self, name: str, task, param) -> torch.Tensor:
+    def _value(self, name: str, task, param) -> tuple[list[torch.Tensor], list[int]]:
+        """The parameter's value as contiguous row blocks, and the flat element offset of each."""
         if self._last is None or self._last[0] != name:
             self._last = None  # free the previous value before reading the next
-            shard = hf_shard(self.table, name, task, param, self.reader, tp_size=self.tp_size,
-                             tp_rank=self.tp_rank).contiguous()
-            self._last = (name, shard)
+            rows = [r.contiguous() for r in hf_shard_rows(self.table, name, task, param, self.reader,
+                                                          tp_size=self.tp_size, tp_rank=self.tp_rank)]
+            starts, at = [], 0
+            for r in rows:
+                starts.append(at)
+                at += r.numel()
+            self._last = (name, rows, starts)
             self.progress()
-        return self._last[1]
+        return self._last[1], self._last[2]
 
     @torch.no_grad()
     def view_of(self, saved: torch.Tensor) -> torch.Tensor:
@@ -135,15 +142,60 @@ class _HFValues:
                 raise ConversionError(f"megatron's saver asked for a tensor {tuple(saved.shape)} that is no "
                                       "view of a parameter")
             name, task, param = found
-            value = self._value(name, task, param)
-            # value may itself start inside a larger storage (a TP shard of a full tensor just read)
-            offset = value.storage_offset() + saved.storage_offset() - param.storage_offset()
-            view = value.as_strided(saved.shape, saved.stride(), offset)
+            rows, starts = self._value(name, task, param)
+            first = saved.storage_offset() - param.storage_offset()
+            view = None
+            if saved.is_contiguous():  # within one row block (fc1's gate or up half): a view of it
+                for row, start in zip(rows, starts):
+                    if start <= first and first + saved.numel() <= start + row.numel():
+                        view = row.reshape(-1)[first - start:first - start + saved.numel()].view(saved.shape)
+                        break
+            if view is None:
+                value = rows[0] if len(rows) == 1 else torch.cat(rows)
+                # value may itself start inside a larger storage (a TP shard of a full tensor just read)
+                view = value.as_strided(saved.shape, saved.stride(), value.storage_offset() + first)
             # torch.save writes a view's whole storage: keep just these bytes (as megatron's writer does)
             return view if view.untyped_storage().nbytes() == view.nbytes else view.clone()
         except Exception as e:
             self.error = e
             raise
+
+
+class _BackgroundFlush:
+    """Starts the written file's writeback while the writer goes on: every ``step`` bytes handed to
+    the writer, a thread fdatasyncs what is written so far (another descriptor of the same file), so
+    that the writer's own closing fsync finds little left to flush. The bytes are unchanged."""
+
+    def __init__(self, path: str, step: int = 256 * 2**20):
+        self.path, self.step, self._pending, self._fd = path, step, 0, None
+        self._wake, self._stop = threading.Event(), False
+        self._thread = threading.Thread(target=self._run, name="hf_to_megatron-flush", daemon=True)
+
+    def _run(self):
+        while True:
+            self._wake.wait()
+            self._wake.clear()
+            if self._fd is not None:
+                with contextlib.suppress(OSError):  # an early start only: the writer's own fsync reports
+                    os.fdatasync(self._fd)
+            if self._stop:
+                return
+
+    def wrote(self, nbytes: int) -> None:
+        if self._fd is None:  # the writer has created the file by the time it asks for its first item
+            self._fd = os.open(self.path, os.O_RDONLY)
+            self._thread.start()
+        self._pending += nbytes
+        if self._pending >= self.step:
+            self._pending = 0
+            self._wake.set()
+
+    def close(self) -> None:
+        if self._fd is not None:
+            self._stop = True
+            self._wake.set()
+            self._thread.join()
+            os.close(self._fd)
 
 
 def _streaming_save_strategy(values: _HFValues):
@@ -170,14 +222,20 @@ def _streaming_save_strategy(values: _HFValues):
     class LazyItems:
         """(write item, tensor) pairs, each tensor resolved when the writer reaches it."""
 
-        def __init__(self, items, planner):
-            self.items, self.planner = items, planner
+        def __init__(self, items, planner, flush):
+            self.items, self.planner, self.flush = items, planner, flush
 
         def __iter__(self):
+            previous = None
             for item in self.items:
-                yield item, self.planner.resolve_data(item)
+                if previous is not None:  # the previous item is written: its bytes can go to disk
+                    self.flush.wrote(previous.nbytes)
+                previous = self.planner.resolve_data(item)
+                yield item, previous
 
     class Writer(fs_async.FileSystemWriterAsync):
+        flush: _BackgroundFlush | None = None
+
         def prepare_write_data(self, plan, planner):
             # thread_count=1: one file per rank, byte items first, tensors in plan order (as megatron)
             items = plan.items
@@ -185,8 +243,9 @@ def _streaming_save_strategy(values: _HFValues):
                 self.write_buckets, self.results_queue = [], None
                 return
             name = f"{plan.storage_data.prefix}0{dcp_fs.DEFAULT_SUFFIX}"
+            self.flush = _BackgroundFlush(os.path.join(self.checkpoint_dir, name))
             data = ([(i, planner.resolve_data(i)) for i in items if i.type == WriteItemType.BYTE_IO],
-                    LazyItems([i for i in items if i.type != WriteItemType.BYTE_IO], planner))
+                    LazyItems([i for i in items if i.type != WriteItemType.BYTE_IO], planner, self.flush))
             self.write_buckets = [(os.path.join(self.checkpoint_dir, name), name, data)]
             self.results_queue = fs_async.get_write_results_queue()
 
@@ -201,7 +260,11 @@ def _streaming_save_strategy(values: _HFValues):
                 mcore_torch.mcore_to_pyt_state_dict(sharded, False), writer, None, 0, planner=planner)[0]
             write, _, args = writer.get_save_function_and_args()
             if write is not None:
-                write(*args)
+                try:
+                    write(*args)
+                finally:
+                    if writer.flush is not None:
+                        writer.flush.close()
             torch.distributed.barrier()
             state_dict_saver.save_state_dict_async_finalize(*planned)
 

@@ -42,6 +42,7 @@ from megatron_dapo.mcore.converted_checkpoint import (
     read_checkpoint_meta,
 )
 from megatron_dapo.mcore.cpu_compat import apply_cpu_compat
+from megatron_dapo.mcore.dcp_in_place import records_read_in_place
 
 _HF_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
 # megatron_to_hf: parameters read from the checkpoint (or gathered over TP / PP) per step. Memory
@@ -151,7 +152,8 @@ def _stream_checkpoint_to_hf(model, table: ConversionTable, ckpt_dir: Path, out_
             request = {str(i): r for i, r in enumerate(regions)}
             # A part of the checkpoint: "every shard accessed exactly once" (validate_access_integrity)
             # holds only for all of it; each region's global shape is still checked.
-            loaded = dist_checkpointing.load(request, str(ckpt_dir), validate_access_integrity=False)
+            with records_read_in_place():
+                loaded = dist_checkpointing.load(request, str(ckpt_dir), validate_access_integrity=False)
             for key, r in request.items():
                 if loaded[key].data_ptr() != r.data.data_ptr():  # torch DCP loads in place; if not, copy
                     r.data.copy_(loaded[key])

@@ -102,6 +102,25 @@ def test_fc1_tp_shards_are_gate_r_then_up_r():
     assert torch.equal(m.tp_merge(shards), torch.cat([gate, up]))
 
 
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+@pytest.mark.parametrize("tp", [1, 2])
+def test_row_blocks_of_every_shard_concatenate_to_the_shard(arch, tp):
+    """tp_shard_rows (what the converter writes part by part, copying nothing for fc1) against the
+    concatenated shard tp_split gives, for every tensor of the table; fc1's blocks are views of the
+    HF tensors themselves."""
+    config, sd = hf_state_dict(arch)
+    table = conversion_table(config, padded_vocab_size=128)
+    for task in table.tasks:
+        hf = [sd[n] for n in task.hf_names]
+        whole = task.mapping.tp_split(task.mapping.to_megatron(hf, table.dims), tp)
+        for rank in range(tp):
+            rows = task.mapping.tp_shard_rows(hf, table.dims, tp, rank)
+            assert torch.equal(torch.cat(rows), whole[rank]), (task.megatron_name(), rank)
+            if len(task.hf_names) == 2 and len(rows) == 2:  # fc1: gate then up, untouched
+                assert all(r.untyped_storage().data_ptr() == h.untyped_storage().data_ptr()
+                           for r, h in zip(rows, hf)), task.megatron_name()
+
+
 def test_vocab_padding_is_zero_and_truncated_on_export():
     config, sd = hf_state_dict()
     table = conversion_table(config, padded_vocab_size=112)
