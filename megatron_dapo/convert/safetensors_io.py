@@ -148,10 +148,22 @@ def _name_shards(out_dir: Path, shards: list[list[str]], total_bytes: int) -> li
 _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 
 
+def plan_shards(layout: list[tuple[str, tuple[int, ...], torch.dtype]], max_shard_bytes: int) -> list[list[str]]:
+    """The tensor names of each shard for ``layout``'s (name, shape, dtype) in order:
+    ShardedSafetensorsWriter's packing; an empty layout is one empty shard, as there."""
+    sizes = [(name, math.prod(shape) * dtype.itemsize) for name, shape, dtype in layout]
+    return [[name for name, _ in group] for group in pack_consecutive(sizes, lambda s: s[1], max_shard_bytes)] or [[]]
+
+
 class StreamingSafetensorsWriter:
     """``ShardedSafetensorsWriter``'s output (the same shards, names and index) for tensors known
     in advance: ``layout`` lists (name, shape, dtype) in the order ``add`` will receive them.
     Each shard's header is written when the shard is opened, each tensor's bytes as it is added.
+
+    ``part`` / ``parts``: this writer writes shards ``part``, ``part + parts``, ... of the plan
+    only (``wants`` says which tensors); several processes write one checkpoint side by side, and
+    ``name_parts`` names the shards and writes the index once every part is closed. The files are
+    those one writer writes.
 
     The file format (https://github.com/huggingface/safetensors#format): an 8-byte little-endian
     header length, a JSON header with every tensor's dtype, shape and byte range, space-padded
@@ -159,28 +171,30 @@ class StreamingSafetensorsWriter:
     """
 
     def __init__(self, out_dir: str | os.PathLike, layout: list[tuple[str, tuple[int, ...], torch.dtype]], *,
-                 max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES):
+                 max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, part: int = 0, parts: int = 1):
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         unsupported = {str(dtype) for _, _, dtype in layout if dtype not in _SAFETENSORS_DTYPES}
         if unsupported:
             raise ConversionError(f"cannot write {sorted(unsupported)} tensors")
         self._layout = {name: (tuple(shape), dtype) for name, shape, dtype in layout}
-        sizes = [(name, math.prod(shape) * dtype.itemsize) for name, shape, dtype in layout]
-        # ShardedSafetensorsWriter's packing; an empty layout is one empty shard, as there
-        self._shards = [[name for name, _ in group]
-                        for group in pack_consecutive(sizes, lambda s: s[1], max_shard_bytes)] or [[]]
-        self._order = [name for name, _ in sizes]
+        self._shards = plan_shards(layout, max_shard_bytes)
+        self.part, self.parts = part, parts
         self._shard_of = {name: i for i, shard in enumerate(self._shards) for name in shard}
+        self._order = [name for name, _, _ in layout if self._shard_of[name] % parts == part]
         self._next = 0
         self._file = None
         self._shard_index = -1
-        self.total_bytes = sum(nbytes for _, nbytes in sizes)
+        self.total_bytes = sum(math.prod(shape) * dtype.itemsize for _, shape, dtype in layout)
 
-    def _open_next_shard(self) -> None:
+    def wants(self, name: str) -> bool:
+        """Whether ``name`` is one of this part's tensors."""
+        return self._shard_of[name] % self.parts == self.part
+
+    def _open_shard(self, index: int) -> None:
         if self._file is not None:
             self._file.close()
-        self._shard_index += 1
+        self._shard_index = index
         header: dict = {"__metadata__": {"format": "pt"}}
         offset = 0
         for name in self._shards[self._shard_index]:
@@ -204,22 +218,28 @@ class StreamingSafetensorsWriter:
             raise ConversionError(f"tensor {name!r} is {tuple(tensor.shape)} {tensor.dtype}, the layout says "
                                   f"{shape} {dtype}")
         if self._shard_of[name] != self._shard_index:
-            self._open_next_shard()
+            self._open_shard(self._shard_of[name])
         flat = tensor.detach().to("cpu").contiguous().reshape(-1)
         self._file.write(flat.view(torch.uint8).numpy().data)
         self._next += 1
 
     def close(self) -> list[Path]:
-        """Check that every tensor of the layout came, give the shards their final names, write
-        the index (as ``ShardedSafetensorsWriter.close``)."""
+        """Check that every tensor of the layout (of this part) came; one part: give the shards their
+        final names and write the index (as ``ShardedSafetensorsWriter.close``), else ``name_parts``
+        does once every part is closed."""
         if self._next != len(self._order):
             raise ConversionError(f"{len(self._order) - self._next} tensors of the layout were never added, "
                                   f"the first {self._order[self._next]!r}")
-        if self._shard_index < 0:  # an empty layout: one empty shard, as ShardedSafetensorsWriter
-            self._open_next_shard()
+        for index in range(self.part, len(self._shards), self.parts):
+            if not self._shards[index]:  # an empty layout: one empty shard, as ShardedSafetensorsWriter
+                self._open_shard(index)
         if self._file is not None:
             self._file.close()
             self._file = None
+        return self.name_parts() if self.parts == 1 else []
+
+    def name_parts(self) -> list[Path]:
+        """Every part's shards under transformers' names, and the index: after every part closed."""
         return _name_shards(self.out_dir, self._shards, self.total_bytes)
 
 

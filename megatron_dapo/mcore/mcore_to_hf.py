@@ -30,6 +30,7 @@ from megatron_dapo.convert.safetensors_io import (
     ShardedSafetensorsWriter,
     StreamingSafetensorsWriter,
     copy_side_files,
+    plan_shards,
 )
 from megatron_dapo.convert.table import ConversionTable
 from megatron_dapo.mcore.converted_checkpoint import (
@@ -127,21 +128,29 @@ def _region_requests(entry, buffer: torch.Tensor) -> list:
 
 def _stream_checkpoint_to_hf(model, table: ConversionTable, ckpt_dir: Path, out_dir: Path, *,
                              hf_config: dict[str, Any], dtype: torch.dtype, max_shard_bytes: int,
-                             bucket_bytes: int, progress: bool) -> list[Path]:
+                             bucket_bytes: int, progress: bool, part: int = 0, parts: int = 1) -> list[Path]:
     """One process: read the checkpoint a bucket of parameters at a time (megatron's loader, asked
     for just those parameters' regions, into one reused arena) and write each HF tensor straight
-    to its file. Memory: one bucket, not the model (``model``'s weights stay untouched)."""
+    to its file. Memory: one bucket, not the model (``model``'s weights stay untouched).
+
+    ``part`` of ``parts``: only the output shards of that part (StreamingSafetensorsWriter), from the
+    parameters they need; the caller names the shards and finishes the dir once every part is done."""
     from megatron.core import dist_checkpointing
     from tqdm import tqdm
 
     sharded = model.sharded_state_dict()
-    targets = hf_targets([model], table)
+    writer = StreamingSafetensorsWriter(out_dir, _hf_layout(table, dtype), max_shard_bytes=max_shard_bytes,
+                                        part=part, parts=parts)
+    targets = {name: (task, param) for name, (task, param) in hf_targets([model], table).items()
+               if any(map(writer.wants, task.hf_names))}
+    if not targets:  # more parts than output shards
+        return writer.close()
     buckets = pack_consecutive(list(targets), lambda name: targets[name][1].nbytes, bucket_bytes)
     # One arena for every bucket: fresh buffers per bucket would page-fault all of their memory again
     arena_bytes = max(sum(_aligned(targets[name][1].nbytes) for name in bucket) for bucket in buckets)
     arena = torch.empty(arena_bytes, dtype=torch.uint8, device=next(iter(targets.values()))[1].device)
-    writer = StreamingSafetensorsWriter(out_dir, _hf_layout(table, dtype), max_shard_bytes=max_shard_bytes)
-    with tqdm(total=len(table.hf_names()), desc="Megatron -> HF", unit="tensor", disable=not progress) as bar:
+    total = sum(map(writer.wants, table.hf_names()))
+    with tqdm(total=total, desc="Megatron -> HF", unit="tensor", disable=not progress) as bar:
         for bucket in buckets:
             buffers, offset = {}, 0
             for name in bucket:
@@ -161,9 +170,59 @@ def _stream_checkpoint_to_hf(model, table: ConversionTable, ckpt_dir: Path, out_
             for name in bucket:
                 task = targets[name][0]
                 for hf_name, tensor in zip(task.hf_names, task.mapping.to_hf(buffers.pop(name), table.dims)):
-                    writer.add(hf_name, tensor.to(dtype))
-                    bar.update()
+                    if writer.wants(hf_name):
+                        writer.add(hf_name, tensor.to(dtype))
+                        bar.update()
     files = writer.close()
+    if parts == 1:
+        _finish_hf_dir(out_dir, hf_config, ckpt_dir / HF_SUBDIR, dtype)
+    return files
+
+
+def default_workers(num_shards: int) -> int:
+    """Processes for a one-process conversion when none is asked for: one per four cores (each
+    process's reads and writes leave the core to the kernel half the time; the node's other work
+    keeps some), at most one per output shard and at most 8 (each holds a bucket and the largest
+    tensor)."""
+    return max(1, min(num_shards, (os.cpu_count() or 1) // 4, 8))
+
+
+def _stream_part(ckpt_dir: Path, out_dir: Path, dtype: torch.dtype, max_shard_bytes: int, bucket_bytes: int,
+                 part: int, parts: int) -> None:
+    """A worker process's part of ``megatron_to_hf`` (spawned: a fresh interpreter, its own
+    one-process group)."""
+    apply_cpu_compat()
+    chunks, table, _, _, _ = checkpoint_model(ckpt_dir, tp=1, pp=1)
+    _stream_checkpoint_to_hf(chunks[0], table, ckpt_dir, out_dir, hf_config={}, dtype=dtype,
+                             max_shard_bytes=max_shard_bytes, bucket_bytes=bucket_bytes, progress=False,
+                             part=part, parts=parts)
+
+
+def _stream_in_parts(model, table: ConversionTable, ckpt_dir: Path, out_dir: Path, *, hf_config: dict[str, Any],
+                     dtype: torch.dtype, max_shard_bytes: int, bucket_bytes: int, progress: bool,
+                     workers: int) -> list[Path]:
+    """``workers`` processes, each writing every ``workers``-th output shard: this one part 0, the
+    others spawned. The files are those one process writes."""
+    import multiprocessing
+
+    spawn = multiprocessing.get_context("spawn")
+    others = [spawn.Process(target=_stream_part, name=f"megatron_to_hf part {k}",
+                            args=(ckpt_dir, out_dir, dtype, max_shard_bytes, bucket_bytes, k, workers))
+              for k in range(1, workers)]
+    for process in others:
+        process.start()
+    try:
+        _stream_checkpoint_to_hf(model, table, ckpt_dir, out_dir, hf_config=hf_config, dtype=dtype,
+                                 max_shard_bytes=max_shard_bytes, bucket_bytes=bucket_bytes, progress=progress,
+                                 part=0, parts=workers)
+    finally:
+        for process in others:
+            process.join()
+    failed = [p.name for p in others if p.exitcode != 0]
+    if failed:
+        raise ConversionError(f"{', '.join(failed)} failed (its error is above); {out_dir} is incomplete")
+    files = StreamingSafetensorsWriter(out_dir, _hf_layout(table, dtype), max_shard_bytes=max_shard_bytes,
+                                       part=0, parts=workers).name_parts()
     _finish_hf_dir(out_dir, hf_config, ckpt_dir / HF_SUBDIR, dtype)
     return files
 
@@ -171,12 +230,14 @@ def _stream_checkpoint_to_hf(model, table: ConversionTable, ckpt_dir: Path, out_
 def megatron_to_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: str | None = None,
                    tp: int = 1, pp: int = 1, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
                    bucket_bytes: int = CONVERT_BUCKET_BYTES, force: bool = False,
-                   progress: bool = True) -> list[Path]:
+                   progress: bool = True, workers: int | None = None) -> list[Path]:
     """Convert a checkpoint written by ``hf_to_megatron`` to an HF dir; ``dtype`` defaults to the
     checkpoint's (local-spec norms are fp32 even in a bf16 model, and are cast back).
 
-    One process streams the checkpoint a bucket at a time; under torchrun every rank loads its
-    shard of the model and rank 0 writes what export_hf_weights gathers."""
+    Launched as one process it streams the checkpoint a bucket at a time, in ``workers`` processes
+    side by side (each writing every ``workers``-th output shard; default: ``default_workers``);
+    under torchrun every rank loads its shard of the model and rank 0 writes what
+    export_hf_weights gathers."""
     apply_cpu_compat()  # an entry point of the converter: before megatron.core is imported
     ckpt_dir, out_dir = Path(ckpt_dir), Path(out_dir)
     config, _ = read_checkpoint_meta(ckpt_dir)
@@ -185,6 +246,14 @@ def megatron_to_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *, d
     prepare_out_dir(out_dir, force)
     out_dtype = DTYPES[dtype or meta["dtype"]]
     if torch.distributed.get_world_size() == 1:
+        if workers is None:
+            workers = default_workers(len(plan_shards(_hf_layout(table, out_dtype), max_shard_bytes)))
+        if workers < 1:
+            raise ConversionError(f"workers={workers}: give 1 or more processes")
+        if workers > 1:
+            return _stream_in_parts(chunks[0], table, ckpt_dir, out_dir, hf_config=config, dtype=out_dtype,
+                                    max_shard_bytes=max_shard_bytes, bucket_bytes=bucket_bytes,
+                                    progress=progress, workers=workers)
         return _stream_checkpoint_to_hf(chunks[0], table, ckpt_dir, out_dir, hf_config=config,
                                         dtype=out_dtype, max_shard_bytes=max_shard_bytes,
                                         bucket_bytes=bucket_bytes, progress=progress)

@@ -52,6 +52,23 @@ def test_roundtrip_is_bit_exact(tmp_path, tied, dtype):
     assert loaded.dtype == dtype and loaded.config.tie_word_embeddings == tied
 
 
+@pytest.mark.slow  # two spawned interpreters import megatron-core
+def test_worker_processes_write_the_files_one_process_writes(tmp_path):
+    """megatron_to_hf in 3 processes side by side (this one and two spawned, each writing every third
+    output shard) against one process: every file byte for byte, the index and side files alike."""
+    hf = save_tiny_hf(tmp_path / "hf", tied=False, dtype=torch.bfloat16)
+    hf_to_megatron(hf, tmp_path / "ckpt", make_vocab_size_divisible_by=DIVISIBLE_BY, progress=False)
+    one = megatron_to_hf(tmp_path / "ckpt", tmp_path / "one", max_shard_bytes=15_000, progress=False, workers=1)
+    three = megatron_to_hf(tmp_path / "ckpt", tmp_path / "three", max_shard_bytes=15_000, progress=False,
+                           workers=3)
+    assert len(one) > 3 and [f.name for f in one] == [f.name for f in three]
+    names = sorted(p.name for p in (tmp_path / "one").iterdir())
+    assert names == sorted(p.name for p in (tmp_path / "three").iterdir())
+    for name in names:
+        assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "three" / name).read_bytes(), name
+    assert_same_checkpoint(hf, tmp_path / "three")
+
+
 @pytest.mark.parametrize("tied", [False, True])
 def test_qwen3_roundtrip_is_bit_exact_and_its_logits_match(tmp_path, tied):
     """Qwen3 dense (no q/k/v biases, q_norm / k_norm, head_dim 24 of its own): HF -> Megatron -> HF

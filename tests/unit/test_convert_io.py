@@ -90,3 +90,41 @@ def test_pack_consecutive_groups_in_order_by_bytes_and_key():
     keyed = [("x", 1), ("x", 1), ("y", 1), ("x", 1)]
     assert pack_consecutive(keyed, size, 100, same=lambda a, b: a[0] == b[0]) == [keyed[:2], [keyed[2]], [keyed[3]]]
     assert pack_consecutive([], size, 10) == []
+
+
+@pytest.mark.parametrize("parts", [2, 3])
+def test_parts_written_side_by_side_are_the_one_writers_files(tmp_path, parts):
+    """StreamingSafetensorsWriter in ``parts`` parts (as the conversion's worker processes write
+    them, here one after another, each adding only the tensors it wants) against one writer: the
+    same files, byte for byte; the shard names and the index also ShardedSafetensorsWriter's (whose
+    files order a shard's tensors by safetensors' own rule)."""
+    from megatron_dapo.convert.safetensors_io import StreamingSafetensorsWriter
+
+    gen = torch.Generator().manual_seed(0)
+    tensors = {f"t{i}": torch.randn(int(n), 8, generator=gen).to(dtype)
+               for i, (n, dtype) in enumerate(zip(torch.randint(1, 40, (11,), generator=gen),
+                                                  [torch.bfloat16, torch.float32] * 6))}
+    layout = [(name, tuple(t.shape), t.dtype) for name, t in tensors.items()]
+    reference = ShardedSafetensorsWriter(tmp_path / "reference", max_shard_bytes=600)
+    one = StreamingSafetensorsWriter(tmp_path / "one", layout, max_shard_bytes=600)
+    for name, t in tensors.items():
+        reference.add(name, t)
+        one.add(name, t)
+    reference.close()
+    one.close()
+    writers = [StreamingSafetensorsWriter(tmp_path / "parts", layout, max_shard_bytes=600, part=k, parts=parts)
+               for k in range(parts)]
+    for writer in writers:
+        for name, t in tensors.items():
+            if writer.wants(name):
+                writer.add(name, t)
+        assert writer.close() == []
+    assert sum(map(bool, (w._order for w in writers))) == parts  # every part wrote something
+    writers[0].name_parts()
+    files = sorted(p.name for p in (tmp_path / "one").iterdir())
+    assert len(files) > parts and files == sorted(p.name for p in (tmp_path / "parts").iterdir())
+    assert files == sorted(p.name for p in (tmp_path / "reference").iterdir())
+    for name in files:
+        assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "parts" / name).read_bytes(), name
+    index = "model.safetensors.index.json"
+    assert (tmp_path / "parts" / index).read_text() == (tmp_path / "reference" / index).read_text()

@@ -21,6 +21,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-shard-size", type=float, default=5.0, help="GB (10^9 bytes) per safetensors shard")
     p.add_argument("--tp", type=int, default=1, help="tensor parallel size of this conversion job")
     p.add_argument("--pp", type=int, default=1, help="pipeline parallel size of this conversion job")
+    p.add_argument("--workers", type=int, help="processes writing the output side by side when launched as one "
+                   "process (each writes every N-th shard, the same files); default: one per 4 cores, at most "
+                   "8 and one per output shard")
     p.add_argument("--force", action="store_true", help="overwrite a non-empty --out")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p.parse_args(argv)
@@ -33,7 +36,7 @@ def main(argv=None) -> int:
 
         files = megatron_to_hf(args.ckpt, args.out, dtype=args.dtype, tp=args.tp, pp=args.pp,
                                force=args.force, max_shard_bytes=int(args.max_shard_size * 1e9),
-                               progress=not args.no_progress)
+                               progress=not args.no_progress, workers=args.workers)
     except ConversionError as e:
         print(f"megatron_to_hf: error: {e}", file=sys.stderr)
         return 2
