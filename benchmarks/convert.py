@@ -7,11 +7,13 @@ this script):
   hf_to_megatron  megatron_dapo.mcore.hf_conversion.hf_to_megatron (torch_dist checkpoint); with
                   ``--workers 1 2 ...`` once per worker count: W processes under torchrun at PP=W,
                   each reading and writing its stages' tensors
-  megatron_to_hf  megatron_dapo.mcore.hf_conversion.megatron_to_hf (back to sharded safetensors;
-                  one process: under torchrun rank 0 writes what the others gather, no faster)
+  megatron_to_hf  megatron_dapo.mcore.hf_conversion.megatron_to_hf (back to sharded safetensors);
+                  with ``--workers`` once per count: W processes it spawns, each writing every W-th
+                  output shard
 then checks that the round trip is bit-exact. Each step runs in its own process; peak RSS is that
-process's ru_maxrss (rank 0's under torchrun), and "after imports" is its RSS before any weight is
-touched; the wall time excludes the imports. Ratios are against the baseline measured in the same run.
+process's ru_maxrss (rank 0's under torchrun, the first process's with spawned workers), and
+"after imports" is its RSS before any weight is touched; the wall time excludes the imports.
+Ratios are against the baseline measured in the same run.
 
 Targets: each direction's wall time at most 2x the baseline's (a direction reads and writes the
 bytes once, as the baseline does), and each step's peak RSS at most its own "after imports" plus
@@ -149,7 +151,7 @@ def _step(name: str, src: str, dst: str, size: str, shard_bytes: int, profile: b
             if name == "hf_to_megatron":
                 ckpt.hf_to_megatron(src, dst, pp=workers, progress=False)
             else:
-                ckpt.megatron_to_hf(src, dst, max_shard_bytes=shard_bytes, progress=False)
+                ckpt.megatron_to_hf(src, dst, max_shard_bytes=shard_bytes, progress=False, workers=workers)
 
         if profile:
             result = _profiled(convert)
@@ -168,12 +170,13 @@ def _step(name: str, src: str, dst: str, size: str, shard_bytes: int, profile: b
 
 
 def run_step(name: str, src, dst, size: str, shard_bytes: int, profile: bool = False, workers: int = 1) -> dict:
-    launch = [sys.executable] if workers == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
+    torchrun = workers > 1 and name == "hf_to_megatron"  # megatron_to_hf spawns its own workers
+    launch = [sys.executable] if not torchrun else [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                                     f"--nproc-per-node={workers}"]
     cmd = [*launch, __file__, "--step", name, "--src", str(src), "--dst", str(dst), "--sizes", size,
            "--shard-gb", str(shard_bytes / 1e9), "--workers", str(workers)] + (["--profile"] if profile else [])
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    if workers > 1:  # each process's share of the cores
+    if torchrun:  # each process's share of the cores
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // workers))
     done = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if done.returncode != 0:
@@ -200,6 +203,10 @@ def measure(sizes, shard_gb: float, workdir: str | None = None, profile: bool = 
                                                          shard_bytes, workers=w)
                 shutil.rmtree(d / f"ckpt{w}", ignore_errors=True)
             steps["hf_to_megatron"] = run_step("hf_to_megatron", d / "hf", d / "ckpt", size, shard_bytes, profile)
+            for w in sorted(set(workers) - {1}):
+                steps[f"megatron_to_hf x{w}"] = run_step("megatron_to_hf", d / "ckpt", d / f"out{w}", size,
+                                                         shard_bytes, workers=w)
+                shutil.rmtree(d / f"out{w}", ignore_errors=True)
             steps["megatron_to_hf"] = run_step("megatron_to_hf", d / "ckpt", d / "out", size, shard_bytes,
                                                profile)
             check = run_step("compare", d / "hf", d / "out", size, shard_bytes)
@@ -236,8 +243,9 @@ def render_markdown(result: dict) -> str:
                      f"round trip bit-exact: {s['bit_exact'] or s['mismatched']}")
     return "\n".join(lines) + (
         f"\n\nShards of at most {result['shard_gb']} GB. Memory bound = the step's RSS after imports + "
-        f"the largest input HF shard + the largest tensor. \"x W\": W processes under torchrun (PP=W), "
-        f"rank 0's RSS. The 32B projection scales this shape's seconds per GB to 65.5 GB.\n"
+        f"the largest input HF shard + the largest tensor. \"x W\": W processes (hf_to_megatron under torchrun "
+        f"at PP=W, megatron_to_hf spawning them), the first one's RSS. The 32B projection scales this shape's "
+        f"seconds per GB to 65.5 GB.\n"
         + "\n".join(f"- {n}" for n in notes) + "\n" + render_profiles(result))
 
 
@@ -295,7 +303,8 @@ def main(argv=None) -> int:
                    help="safetensors shard size of the made and exported dirs")
     p.add_argument("--workdir", help="where to write checkpoints (default: a temporary dir, deleted after)")
     p.add_argument("--workers", nargs="+", type=int, default=[1],
-                   help="hf_to_megatron's process counts to time (PP = the count; it must divide the layers)")
+                   help="process counts to time each direction at (hf_to_megatron: PP = the count, which must "
+                        "divide the layers)")
     p.add_argument("--profile", action="store_true",
                    help="profile each conversion (cProfile + RSS timeline): where time and memory go")
     p.add_argument("--step", help=argparse.SUPPRESS)

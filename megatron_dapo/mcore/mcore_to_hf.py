@@ -32,7 +32,7 @@ from megatron_dapo.convert.safetensors_io import (
     copy_side_files,
     plan_shards,
 )
-from megatron_dapo.convert.table import ConversionTable
+from megatron_dapo.convert.table import ConversionTable, conversion_table
 from megatron_dapo.mcore.converted_checkpoint import (
     DTYPES,
     HF_SUBDIR,
@@ -198,11 +198,10 @@ def _stream_part(ckpt_dir: Path, out_dir: Path, dtype: torch.dtype, max_shard_by
                              part=part, parts=parts)
 
 
-def _stream_in_parts(model, table: ConversionTable, ckpt_dir: Path, out_dir: Path, *, hf_config: dict[str, Any],
-                     dtype: torch.dtype, max_shard_bytes: int, bucket_bytes: int, progress: bool,
-                     workers: int) -> list[Path]:
-    """``workers`` processes, each writing every ``workers``-th output shard: this one part 0, the
-    others spawned. The files are those one process writes."""
+def _spawn_parts(ckpt_dir: Path, out_dir: Path, *, dtype: torch.dtype, max_shard_bytes: int, bucket_bytes: int,
+                 workers: int) -> list:
+    """Parts 1 .. workers - 1 of the output, each in a process of its own (part 0 is the caller's),
+    started first: their interpreters import while the caller builds its model."""
     import multiprocessing
 
     spawn = multiprocessing.get_context("spawn")
@@ -211,20 +210,18 @@ def _stream_in_parts(model, table: ConversionTable, ckpt_dir: Path, out_dir: Pat
               for k in range(1, workers)]
     for process in others:
         process.start()
-    try:
-        _stream_checkpoint_to_hf(model, table, ckpt_dir, out_dir, hf_config=hf_config, dtype=dtype,
-                                 max_shard_bytes=max_shard_bytes, bucket_bytes=bucket_bytes, progress=progress,
-                                 part=0, parts=workers)
-    finally:
-        for process in others:
-            process.join()
+    return others
+
+
+def _join_parts(others: list, layout, out_dir: Path, max_shard_bytes: int) -> list[Path]:
+    """Waits for the spawned parts; every part's shards named and the index written once all are in."""
+    for process in others:
+        process.join()
     failed = [p.name for p in others if p.exitcode != 0]
     if failed:
         raise ConversionError(f"{', '.join(failed)} failed (its error is above); {out_dir} is incomplete")
-    files = StreamingSafetensorsWriter(out_dir, _hf_layout(table, dtype), max_shard_bytes=max_shard_bytes,
-                                       part=0, parts=workers).name_parts()
-    _finish_hf_dir(out_dir, hf_config, ckpt_dir / HF_SUBDIR, dtype)
-    return files
+    return StreamingSafetensorsWriter(out_dir, layout, max_shard_bytes=max_shard_bytes, parts=len(others) + 1
+                                      ).name_parts()
 
 
 def megatron_to_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: str | None = None,
@@ -240,25 +237,35 @@ def megatron_to_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *, d
     export_hf_weights gathers."""
     apply_cpu_compat()  # an entry point of the converter: before megatron.core is imported
     ckpt_dir, out_dir = Path(ckpt_dir), Path(out_dir)
-    config, _ = read_checkpoint_meta(ckpt_dir)
+    config, meta = read_checkpoint_meta(ckpt_dir)
     check_out_dir(out_dir, force)
-    chunks, table, tp_group, pp_group, meta = checkpoint_model(ckpt_dir, tp=tp, pp=pp)
-    prepare_out_dir(out_dir, force)
     out_dtype = DTYPES[dtype or meta["dtype"]]
-    if torch.distributed.get_world_size() == 1:
-        if workers is None:
-            workers = default_workers(len(plan_shards(_hf_layout(table, out_dtype), max_shard_bytes)))
-        if workers < 1:
-            raise ConversionError(f"workers={workers}: give 1 or more processes")
-        if workers > 1:
-            return _stream_in_parts(chunks[0], table, ckpt_dir, out_dir, hf_config=config, dtype=out_dtype,
-                                    max_shard_bytes=max_shard_bytes, bucket_bytes=bucket_bytes,
-                                    progress=progress, workers=workers)
-        return _stream_checkpoint_to_hf(chunks[0], table, ckpt_dir, out_dir, hf_config=config,
-                                        dtype=out_dtype, max_shard_bytes=max_shard_bytes,
-                                        bucket_bytes=bucket_bytes, progress=progress)
-    load_into(chunks, ckpt_dir)
-    return write_hf_checkpoint(chunks, table, out_dir, hf_config=config,
-                               side_files_from=ckpt_dir / HF_SUBDIR, tp_group=tp_group, pp_group=pp_group,
-                               dtype=out_dtype, max_shard_bytes=max_shard_bytes,
-                               bucket_bytes=bucket_bytes, progress=progress)
+    if ranks.world_size() > 1:
+        chunks, table, tp_group, pp_group, _ = checkpoint_model(ckpt_dir, tp=tp, pp=pp)
+        prepare_out_dir(out_dir, force)
+        load_into(chunks, ckpt_dir)
+        return write_hf_checkpoint(chunks, table, out_dir, hf_config=config,
+                                   side_files_from=ckpt_dir / HF_SUBDIR, tp_group=tp_group, pp_group=pp_group,
+                                   dtype=out_dtype, max_shard_bytes=max_shard_bytes,
+                                   bucket_bytes=bucket_bytes, progress=progress)
+    layout = _hf_layout(conversion_table(config, padded_vocab_size=meta["padded_vocab_size"]), out_dtype)
+    workers = default_workers(len(plan_shards(layout, max_shard_bytes))) if workers is None else workers
+    if workers < 1:
+        raise ConversionError(f"workers={workers}: give 1 or more processes")
+    prepare_out_dir(out_dir, force)
+    others = _spawn_parts(ckpt_dir, out_dir, dtype=out_dtype, max_shard_bytes=max_shard_bytes,
+                          bucket_bytes=bucket_bytes, workers=workers) if workers > 1 else []
+    try:
+        chunks, table, _, _, _ = checkpoint_model(ckpt_dir, tp=tp, pp=pp)
+        files = _stream_checkpoint_to_hf(chunks[0], table, ckpt_dir, out_dir, hf_config=config, dtype=out_dtype,
+                                         max_shard_bytes=max_shard_bytes, bucket_bytes=bucket_bytes,
+                                         progress=progress, part=0, parts=workers)
+    except BaseException:
+        for process in others:  # the output is incomplete anyway: no part outlives the conversion
+            process.kill()
+            process.join()
+        raise
+    if others:
+        files = _join_parts(others, layout, out_dir, max_shard_bytes)
+        _finish_hf_dir(out_dir, config, ckpt_dir / HF_SUBDIR, out_dtype)
+    return files
