@@ -117,7 +117,21 @@ def _reader_class():
     from torch.futures import Future
 
     class InPlaceReader(FileSystemReader):
-        """torch DCP's reader; a request for a whole contiguous tensor record is read in place."""
+        """torch DCP's reader; a request for a whole contiguous tensor record is read in place.
+        ``metadata_cache``: the checkpoint's .metadata, unpickled once for every load that shares it."""
+
+        metadata_cache: dict | None = None
+
+        def read_metadata(self, *args, **kwargs):
+            if self.metadata_cache is None:
+                return super().read_metadata(*args, **kwargs)
+            key = (str(self.path), kwargs.get("rank"))
+            if key not in self.metadata_cache:
+                self.metadata_cache[key] = super().read_metadata(*args, **kwargs)
+            metadata = self.metadata_cache[key]
+            if getattr(metadata, "storage_meta", None) is not None:
+                metadata.storage_meta.load_id = self.load_id  # as the reader's own read sets it
+            return metadata
 
         def _read_in_place(self, file, request, planner) -> bool:
             info = self.storage_data[request.storage_index]
@@ -160,17 +174,20 @@ def _reader_class():
 @contextlib.contextmanager
 def records_read_in_place():
     """Within it, megatron's torch_dist loader (``dist_checkpointing.load``) reads through
-    ``InPlaceReader``. megatron-core 0.19.2 builds its reader in one module function
-    (strategies/torch.py ``_get_filesystem_reader``) and takes no reader from its caller; the
-    converter is one thread, and the function is restored on the way out."""
+    ``InPlaceReader``, and the loads share the checkpoint's metadata (a converter loads one
+    checkpoint a bucket at a time: unpickled once, not twice a bucket). megatron-core 0.19.2 builds
+    its reader in one module function (strategies/torch.py ``_get_filesystem_reader``) and takes no
+    reader from its caller; the converter is one thread, and the function is restored on the way out."""
     from megatron.core.dist_checkpointing.strategies import torch as strategy
 
-    built, reader = strategy._get_filesystem_reader, _reader_class()
+    built, reader, metadata = strategy._get_filesystem_reader, _reader_class(), {}
 
     def in_place(checkpoint_dir, cache_metadata: bool = False, **kwargs):
         if cache_metadata or strategy.MultiStorageClientFeature.is_enabled():
             return built(checkpoint_dir, cache_metadata=cache_metadata, **kwargs)
-        return reader(checkpoint_dir)
+        made = reader(checkpoint_dir)
+        made.metadata_cache = metadata
+        return made
 
     strategy._get_filesystem_reader = in_place
     try:

@@ -150,7 +150,8 @@ def _stream_checkpoint_to_hf(model, table: ConversionTable, ckpt_dir: Path, out_
     arena_bytes = max(sum(_aligned(targets[name][1].nbytes) for name in bucket) for bucket in buckets)
     arena = torch.empty(arena_bytes, dtype=torch.uint8, device=next(iter(targets.values()))[1].device)
     total = sum(map(writer.wants, table.hf_names()))
-    with tqdm(total=total, desc="Megatron -> HF", unit="tensor", disable=not progress) as bar:
+    with tqdm(total=total, desc="Megatron -> HF", unit="tensor", disable=not progress) as bar, \
+            records_read_in_place():
         for bucket in buckets:
             buffers, offset = {}, 0
             for name in bucket:
@@ -161,8 +162,7 @@ def _stream_checkpoint_to_hf(model, table: ConversionTable, ckpt_dir: Path, out_
             request = {str(i): r for i, r in enumerate(regions)}
             # A part of the checkpoint: "every shard accessed exactly once" (validate_access_integrity)
             # holds only for all of it; each region's global shape is still checked.
-            with records_read_in_place():
-                loaded = dist_checkpointing.load(request, str(ckpt_dir), validate_access_integrity=False)
+            loaded = dist_checkpointing.load(request, str(ckpt_dir), validate_access_integrity=False)
             for key, r in request.items():
                 if loaded[key].data_ptr() != r.data.data_ptr():  # torch DCP loads in place; if not, copy
                     r.data.copy_(loaded[key])

@@ -79,3 +79,26 @@ def test_a_megatron_checkpoint_loads_the_same_through_either_reader(tmp_path):
     done = dict(taken)
     assert done["w"] and done["b"] and done["scalar"], done  # (DCP reads nothing for an empty tensor)
     assert not done["t"], done  # saved with its strides: torch's reader lays it out
+
+
+def test_readers_sharing_a_cache_read_the_metadata_once(tmp_path):
+    """The converter's loads of one checkpoint share its .metadata: after the first reader read it,
+    a second reads nothing (here: the file is gone) and still loads the tensors."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"w": torch.arange(6.0)}, checkpoint_id=str(tmp_path), no_dist=True)
+    reader_class, cache = _reader_class(), {}
+    first = reader_class(str(tmp_path))
+    first.metadata_cache = cache
+    loaded = {"w": torch.zeros(6)}
+    dcp.load(loaded, storage_reader=first, no_dist=True)
+    (tmp_path / ".metadata").unlink()
+    second = reader_class(str(tmp_path))
+    second.metadata_cache = cache
+    again = {"w": torch.zeros(6)}
+    dcp.load(again, storage_reader=second, no_dist=True)
+    assert torch.equal(loaded["w"], torch.arange(6.0)) and torch.equal(again["w"], torch.arange(6.0))
+    alone = reader_class(str(tmp_path))  # no cache: reads the (now missing) file
+    with pytest.raises(dcp.api.CheckpointException) as failed:
+        dcp.load({"w": torch.zeros(6)}, storage_reader=alone, no_dist=True)
+    assert "No such file" in str(failed.value.failures)
