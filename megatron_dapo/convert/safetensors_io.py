@@ -146,6 +146,9 @@ def _name_shards(out_dir: Path, shards: list[list[str]], total_bytes: int) -> li
 
 
 _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+# save_file writes a file's tensors by dtype, the highest first in safetensors' Dtype order (F16 < BF16
+# < F32), then by name (safetensors 0.8's serialize: its sort before writing)
+_SAVE_FILE_RANK = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 
 
 def plan_shards(layout: list[tuple[str, tuple[int, ...], torch.dtype]], max_shard_bytes: int) -> list[list[str]]:
@@ -167,11 +170,15 @@ class StreamingSafetensorsWriter:
 
     The file format (https://github.com/huggingface/safetensors#format): an 8-byte little-endian
     header length, a JSON header with every tensor's dtype, shape and byte range, space-padded
-    to a multiple of 8 bytes, then the tensors' bytes back to back, here in ``layout`` order.
+    to a multiple of 8 bytes, then the tensors' bytes back to back, in ``layout`` order; with
+    ``as_save_file``, in the order safetensors' ``save_file`` puts a shard's tensors (by dtype,
+    the widest first, then by name), so that the files are ``ShardedSafetensorsWriter``'s byte
+    for byte: each tensor still goes to its place in the file as it arrives (no buffering).
     """
 
     def __init__(self, out_dir: str | os.PathLike, layout: list[tuple[str, tuple[int, ...], torch.dtype]], *,
-                 max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, part: int = 0, parts: int = 1):
+                 max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, part: int = 0, parts: int = 1,
+                 as_save_file: bool = False):
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         unsupported = {str(dtype) for _, _, dtype in layout if dtype not in _SAFETENSORS_DTYPES}
@@ -179,6 +186,9 @@ class StreamingSafetensorsWriter:
             raise ConversionError(f"cannot write {sorted(unsupported)} tensors")
         self._layout = {name: (tuple(shape), dtype) for name, shape, dtype in layout}
         self._shards = plan_shards(layout, max_shard_bytes)
+        if as_save_file:
+            self._shards = [sorted(shard, key=lambda name: (-_SAVE_FILE_RANK[self._layout[name][1]], name))
+                            for shard in self._shards]
         self.part, self.parts = part, parts
         self._shard_of = {name: i for i, shard in enumerate(self._shards) for name in shard}
         self._order = [name for name, _, _ in layout if self._shard_of[name] % parts == part]
@@ -205,6 +215,8 @@ class StreamingSafetensorsWriter:
             offset = end
         encoded = json.dumps(header, separators=(",", ":")).encode()
         encoded += b" " * (-len(encoded) % 8)
+        data_start = 8 + len(encoded)
+        self._at = {name: data_start + header[name]["data_offsets"][0] for name in self._shards[self._shard_index]}
         # open across add() calls, closed by the next shard or close()
         self._file = open(self.out_dir / f"shard-{self._shard_index:05d}.tmp", "wb")  # noqa: SIM115
         self._file.write(struct.pack("<Q", len(encoded)) + encoded)
@@ -220,6 +232,8 @@ class StreamingSafetensorsWriter:
         if self._shard_of[name] != self._shard_index:
             self._open_shard(self._shard_of[name])
         flat = tensor.detach().to("cpu").contiguous().reshape(-1)
+        if self._file.tell() != self._at[name]:  # as_save_file: not the next one in the file
+            self._file.seek(self._at[name])
         self._file.write(flat.view(torch.uint8).numpy().data)
         self._next += 1
 

@@ -68,8 +68,9 @@ from megatron_dapo.mcore.checkpoint_files import (
     is_complete, latest_checkpoint, list_checkpoints, read_meta, read_trainer_state, why_none_usable)
 
 __all__ = ["FORMAT_VERSION", "LATEST", "META", "SHAPE_FIELDS", "TRAINER_STATE", "PendingCheckpoint",
-           "check_model_shape", "checkpoint_name", "damage", "in_process_write_results", "is_complete",
-           "latest_checkpoint", "list_checkpoints", "load_checkpoint", "model_shape", "publish_checkpoint",
+           "check_loadable", "check_model_shape", "checkpoint_name", "damage", "in_process_write_results",
+           "is_complete", "latest_checkpoint", "list_checkpoints", "load_checkpoint", "model_shape",
+           "model_sharded_state_dict", "publish_checkpoint",
            "read_meta", "read_trainer_state", "rng_state", "save_checkpoint", "why_none_usable", "write_checkpoint",
            "write_finished"]
 
@@ -314,6 +315,35 @@ def in_process_write_results() -> None:
         filesystem_async._results_queue = queue.Queue()
 
 
+def model_sharded_state_dict(model: list) -> dict:
+    """The model's part of what a training checkpoint holds: {"model": ShardedTensors ...} (or
+    "model0", "model1", ... per virtual stage), as write_checkpoint saves it and load_checkpoint
+    asks for it. Its tensor keys are global: no "model." prefix, as a converted checkpoint's."""
+    return _sharded_state_dict(model, None, None, is_loading=True)
+
+
+def check_loadable(path: str | os.PathLike, *, model: list) -> dict:
+    """The manifest (checkpoint.json) of the complete checkpoint ``path`` once its weights are known
+    to load into ``model``: intact, of the model's shape and vocabulary padding; InputError
+    otherwise."""
+    path = Path(path)
+    if (why := damage(path)) is not None:
+        raise InputError(f"checkpoint {path} is damaged ({why}); load another one")
+    meta = read_meta(path)
+    check_model_shape(path, meta, model_shape(model))
+    if meta["padded_vocab_size"] != _unwrap(model[0]).vocab_size:
+        # The padding depends on make_vocab_size_divisible_by (and on TP when that does not
+        # divide it, model.padded_vocab_size); the dist-checkpoint loader would only report a
+        # shape mismatch deep inside. A checkpoint that records its vocab_size passed the
+        # comparison above, so only the padding differs; an older one may hold another model's.
+        padding = "model.make_vocab_size_divisible_by it was saved with (and a TP that divides it)"
+        fix = (f"load with the {padding}" if "vocab_size" in (meta.get("model_shape") or {}) else
+               f"load with the model it was trained with (model.hf_path: its vocab_size) and the {padding}")
+        raise InputError(f"checkpoint {path} holds a vocabulary padded to {meta['padded_vocab_size']} rows, this "
+                         f"model pads to {_unwrap(model[0]).vocab_size}: {fix}")
+    return meta
+
+
 def load_checkpoint(path: str | os.PathLike, *, model: list, optimizer=None, scheduler=None,
                     load_rng: bool = True) -> dict | None:
     """Load a checkpoint (a ``step_*`` directory, or a root: its latest) into ``model`` and, when
@@ -338,20 +368,7 @@ def load_checkpoint(path: str | os.PathLike, *, model: list, optimizer=None, sch
         path = latest_checkpoint(path)
         if path is None:
             return None
-    elif (why := damage(path)) is not None:
-        raise InputError(f"checkpoint {path} is damaged ({why}); load another one")
-    meta = read_meta(path)
-    check_model_shape(path, meta, model_shape(model))
-    if meta["padded_vocab_size"] != _unwrap(model[0]).vocab_size:
-        # The padding depends on make_vocab_size_divisible_by (and on TP when that does not
-        # divide it, model.padded_vocab_size); the dist-checkpoint loader would only report a
-        # shape mismatch deep inside. A checkpoint that records its vocab_size passed the
-        # comparison above, so only the padding differs; an older one may hold another model's.
-        padding = "model.make_vocab_size_divisible_by it was saved with (and a TP that divides it)"
-        fix = (f"load with the {padding}" if "vocab_size" in (meta.get("model_shape") or {}) else
-               f"load with the model it was trained with (model.hf_path: its vocab_size) and the {padding}")
-        raise InputError(f"checkpoint {path} holds a vocabulary padded to {meta['padded_vocab_size']} rows, this "
-                         f"model pads to {_unwrap(model[0]).vocab_size}: {fix}")
+    meta = check_loadable(path, model=model)
     if optimizer is not None and meta["distributed_optimizer"] is None:
         raise ValueError(f"{path} holds no optimizer state; load it without an optimizer")
     if optimizer is not None and meta["distributed_optimizer"] != _uses_distributed_optimizer(optimizer):

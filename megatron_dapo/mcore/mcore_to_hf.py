@@ -6,7 +6,8 @@ converted_checkpoint.py: it works through megatron's loader, asked for one bucke
 time, and through convert.export's gather of a live model.
 
 Memory: ``megatron_to_hf`` in one process asks megatron's loader for ``bucket_bytes`` of parameters
-at a time and writes each HF tensor straight into its output file (``StreamingSafetensorsWriter``);
+at a time and writes each HF tensor straight into its output file (``stream_checkpoint_to_hf``,
+also a one-process ``megatron-dapo export`` of a training checkpoint: mcore/run_export.py);
 under torchrun each rank loads its shard of the model and rank 0 writes what ``export_hf_weights``
 gathers (one bucket, one output shard).
 """
@@ -22,7 +23,7 @@ from typing import Any
 import torch
 
 from megatron_dapo import ranks
-from megatron_dapo.convert.export import DEFAULT_BUCKET_BYTES, export_hf_weights, hf_targets
+from megatron_dapo.convert.export import DEFAULT_BUCKET_BYTES, export_hf_weights, hf_targets, unwrap
 from megatron_dapo.convert.mapping import ConversionError
 from megatron_dapo.convert.packing import pack_consecutive
 from megatron_dapo.convert.safetensors_io import (
@@ -126,23 +127,52 @@ def _region_requests(entry, buffer: torch.Tensor) -> list:
     return requests
 
 
-def _stream_checkpoint_to_hf(model, table: ConversionTable, ckpt_dir: Path, out_dir: Path, *,
-                             hf_config: dict[str, Any], dtype: torch.dtype, max_shard_bytes: int,
-                             bucket_bytes: int, progress: bool, part: int = 0, parts: int = 1) -> list[Path]:
+def _stream_layout(table: ConversionTable, targets: dict, dtype: torch.dtype | None
+                   ) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    """``_hf_layout``, each tensor of its parameter's dtype where ``dtype`` is None (as
+    export_hf_weights yields them then)."""
+    if dtype is not None:
+        return _hf_layout(table, dtype)
+    own = {id(task): param.dtype for task, param in targets.values()}
+    missing = [task.megatron_name() for task in table.tasks if id(task) not in own]
+    if missing:
+        raise ConversionError(f"model lacks Megatron parameters {missing[:8]} that the {table.architecture} "
+                              "table expects")
+    return [(name, tuple(shape), own[id(task)]) for task in table.tasks
+            for name, shape in zip(task.hf_names, task.mapping.hf_shapes(table.dims))]
+
+
+def stream_checkpoint_to_hf(model, table: ConversionTable, ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike,
+                            *, hf_config: dict[str, Any], side_files_from: str | os.PathLike | None,
+                            dtype: torch.dtype | None, sharded: dict | None = None,
+                            max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+                            bucket_bytes: int = CONVERT_BUCKET_BYTES, progress: bool = True,
+                            part: int = 0, parts: int = 1) -> list[Path]:
     """One process: read the checkpoint a bucket of parameters at a time (megatron's loader, asked
     for just those parameters' regions, into one reused arena) and write each HF tensor straight
     to its file. Memory: one bucket, not the model (``model``'s weights stay untouched).
+
+    The files are ``write_hf_checkpoint``'s on the loaded model, byte for byte: ``dtype`` given,
+    every tensor cast to it, in the table's order; None, each of its parameter's dtype, laid out
+    as ``ShardedSafetensorsWriter`` lays them out, config.json's dtype the first tensor's.
+    ``sharded``: the model's ``sharded_state_dict()`` as the checkpoint was saved (the parameters'
+    entries, keyed by module name; default: the model's own, which is what ``hf_to_megatron``
+    saved); a training checkpoint's is mcore/checkpoint.py's ``model_sharded_state_dict``.
 
     ``part`` of ``parts``: only the output shards of that part (StreamingSafetensorsWriter), from the
     parameters they need; the caller names the shards and finishes the dir once every part is done."""
     from megatron.core import dist_checkpointing
     from tqdm import tqdm
 
-    sharded = model.sharded_state_dict()
-    writer = StreamingSafetensorsWriter(out_dir, _hf_layout(table, dtype), max_shard_bytes=max_shard_bytes,
-                                        part=part, parts=parts)
-    targets = {name: (task, param) for name, (task, param) in hf_targets([model], table).items()
-               if any(map(writer.wants, task.hf_names))}
+    ckpt_dir, out_dir = Path(ckpt_dir), Path(out_dir)
+    model = unwrap(model)
+    sharded = model.sharded_state_dict() if sharded is None else sharded
+    every = hf_targets([model], table)
+    layout = _stream_layout(table, every, dtype)
+    cast = {name: dt for name, _, dt in layout}
+    writer = StreamingSafetensorsWriter(out_dir, layout, max_shard_bytes=max_shard_bytes, part=part, parts=parts,
+                                        as_save_file=dtype is None)
+    targets = {name: (task, param) for name, (task, param) in every.items() if any(map(writer.wants, task.hf_names))}
     if not targets:  # more parts than output shards
         return writer.close()
     buckets = pack_consecutive(list(targets), lambda name: targets[name][1].nbytes, bucket_bytes)
@@ -171,11 +201,11 @@ def _stream_checkpoint_to_hf(model, table: ConversionTable, ckpt_dir: Path, out_
                 task = targets[name][0]
                 for hf_name, tensor in zip(task.hf_names, task.mapping.to_hf(buffers.pop(name), table.dims)):
                     if writer.wants(hf_name):
-                        writer.add(hf_name, tensor.to(dtype))
+                        writer.add(hf_name, tensor.to(cast[hf_name]))
                         bar.update()
     files = writer.close()
     if parts == 1:
-        _finish_hf_dir(out_dir, hf_config, ckpt_dir / HF_SUBDIR, dtype)
+        _finish_hf_dir(out_dir, hf_config, side_files_from, dtype or (layout[0][2] if layout else None))
     return files
 
 
@@ -193,7 +223,7 @@ def _stream_part(ckpt_dir: Path, out_dir: Path, dtype: torch.dtype, max_shard_by
     one-process group)."""
     apply_cpu_compat()
     chunks, table, _, _, _ = checkpoint_model(ckpt_dir, tp=1, pp=1)
-    _stream_checkpoint_to_hf(chunks[0], table, ckpt_dir, out_dir, hf_config={}, dtype=dtype,
+    stream_checkpoint_to_hf(chunks[0], table, ckpt_dir, out_dir, hf_config={}, side_files_from=None, dtype=dtype,
                              max_shard_bytes=max_shard_bytes, bucket_bytes=bucket_bytes, progress=False,
                              part=part, parts=parts)
 
@@ -257,9 +287,10 @@ def megatron_to_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *, d
                           bucket_bytes=bucket_bytes, workers=workers) if workers > 1 else []
     try:
         chunks, table, _, _, _ = checkpoint_model(ckpt_dir, tp=tp, pp=pp)
-        files = _stream_checkpoint_to_hf(chunks[0], table, ckpt_dir, out_dir, hf_config=config, dtype=out_dtype,
-                                         max_shard_bytes=max_shard_bytes, bucket_bytes=bucket_bytes,
-                                         progress=progress, part=0, parts=workers)
+        files = stream_checkpoint_to_hf(chunks[0], table, ckpt_dir, out_dir, hf_config=config,
+                                        side_files_from=ckpt_dir / HF_SUBDIR, dtype=out_dtype,
+                                        max_shard_bytes=max_shard_bytes, bucket_bytes=bucket_bytes,
+                                        progress=progress, part=0, parts=workers)
     except BaseException:
         for process in others:  # the output is incomplete anyway: no part outlives the conversion
             process.kill()

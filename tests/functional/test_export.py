@@ -124,6 +124,61 @@ def test_export_at_any_tp_loads_in_transformers_with_the_trainers_logits(which, 
         assert (base(input_ids=ids).logits - hf).abs().max().item() > 1e-3
 
 
+# Every export of one process, twice: streamed (the default: the checkpoint read a bucket at a time,
+# the model never loaded) and through the loaded model (the path of several ranks). Prints which paths ran.
+_BOTH_PATHS = """
+import json, sys
+from pathlib import Path
+from megatron_dapo.mcore import checkpoint, mcore_to_hf
+from megatron_dapo.mcore.run_export import export_run
+from megatron_dapo.run_config import load_job_config
+
+ran = []
+def spy(module, name):
+    real = getattr(module, name)
+    def called(*args, **kwargs):
+        ran.append(name)
+        return real(*args, **kwargs)
+    setattr(module, name, called)
+for module, name in [(mcore_to_hf, "stream_checkpoint_to_hf"), (mcore_to_hf, "write_hf_checkpoint"),
+                     (checkpoint, "load_checkpoint")]:
+    spy(module, name)
+cfg = load_job_config(sys.argv[1], [], world_size=1)
+out = Path(sys.argv[2])
+paths = {}
+for dtype in (None, "bf16"):
+    for stream in (None, False):
+        ran.clear()
+        export_run(cfg, out / f"{dtype}_{'loaded' if stream is False else 'default'}", dtype=dtype, stream=stream,
+                   progress=False)
+        paths[f"{dtype}_{stream}"] = list(ran)
+print(json.dumps(paths))
+"""
+
+
+def _files(d: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(d.iterdir())}
+
+
+def test_one_process_export_streams_the_checkpoint_to_the_loaded_models_bytes(run, tmp_path):
+    """One process streams the training checkpoint (mcore_to_hf.stream_checkpoint_to_hf, no
+    load_checkpoint) into the very files the loaded model gives (write_hf_checkpoint: the weights,
+    their order and sharding, config.json, the side files, export.json): in the parameters' own
+    dtype (fp32 here: safetensors' save_file order) and cast to bf16 (the table's order)."""
+    out = _ok([sys.executable, "-c", _BOTH_PATHS, str(run / "config.yaml"), str(tmp_path)])
+    paths = json.loads(out.stdout.strip().splitlines()[-1])
+    for dtype in ("None", "bf16"):
+        assert paths[f"{dtype}_None"] == ["stream_checkpoint_to_hf"], paths
+        assert paths[f"{dtype}_False"] == ["load_checkpoint", "write_hf_checkpoint"], paths
+        streamed, loaded = _files(tmp_path / f"{dtype}_default"), _files(tmp_path / f"{dtype}_loaded")
+        assert "model.safetensors" in streamed and "tokenizer.json" in streamed, sorted(streamed)
+        assert sorted(streamed) == sorted(loaded)
+        assert [n for n in streamed if streamed[n] != loaded[n]] == [], f"dtype {dtype}: streamed != loaded"
+    config = json.loads((tmp_path / "None_default" / "config.json").read_text())
+    assert config["dtype"] == "float32" and json.loads((tmp_path / "bf16_default" / "config.json").read_text())[
+        "dtype"] == "bfloat16"
+
+
 def test_eval_on_the_exported_dir_equals_eval_on_the_checkpoint(run, tmp_path):
     """Also: the exported dir is scored on held-out data alone (no data.train_files), as a downloaded
     model would be; and `export RUN` / `eval RUN --step N` read the run's own config.yaml where the run

@@ -128,3 +128,37 @@ def test_parts_written_side_by_side_are_the_one_writers_files(tmp_path, parts):
         assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "parts" / name).read_bytes(), name
     index = "model.safetensors.index.json"
     assert (tmp_path / "parts" / index).read_text() == (tmp_path / "reference" / index).read_text()
+
+
+@pytest.mark.parametrize("max_shard_bytes", [10**9, 40, 1])
+@pytest.mark.parametrize("as_save_file", [False, True])
+def test_streaming_writer_gives_the_sharded_writers_bytes(tmp_path, max_shard_bytes, as_save_file):
+    """StreamingSafetensorsWriter, told the layout up front, writes ShardedSafetensorsWriter's shards,
+    names and index; with ``as_save_file`` byte for byte (save_file's order: the widest dtype first,
+    then by name, each tensor written to its place as it arrives), else in the order added."""
+    from megatron_dapo.convert.safetensors_io import StreamingSafetensorsWriter
+
+    g = torch.Generator().manual_seed(0)
+    tensors = [(name, torch.randn(shape, generator=g).to(dtype)) for name, shape, dtype in [
+        ("z.weight", (3, 4), torch.bfloat16), ("a.norm", (4,), torch.float32), ("B.weight", (2, 2), torch.bfloat16),
+        ("c.x", (5,), torch.float16), ("m", (7,), torch.float32), ("e", (0,), torch.bfloat16)]]
+    sharded, streamed = tmp_path / "sharded", tmp_path / "streamed"
+    writer = ShardedSafetensorsWriter(sharded, max_shard_bytes=max_shard_bytes)
+    for name, t in tensors:
+        writer.add(name, t)
+    writer.close()
+    writer = StreamingSafetensorsWriter(streamed, [(n, tuple(t.shape), t.dtype) for n, t in tensors],
+                                        max_shard_bytes=max_shard_bytes, as_save_file=as_save_file)
+    for name, t in tensors:
+        writer.add(name, t)
+    writer.close()
+    files = sorted(p.name for p in sharded.iterdir())
+    assert files == sorted(p.name for p in streamed.iterdir())
+    same = [(sharded / f).read_bytes() == (streamed / f).read_bytes() for f in files]
+    if as_save_file or max_shard_bytes == 1:  # one tensor a shard: any order is save_file's
+        assert all(same)
+    else:
+        assert not all(same)  # the order added is not save_file's
+    with SafetensorsReader(streamed) as reader:  # the same tensors either way
+        assert sorted(reader.names()) == sorted(n for n, _ in tensors)
+        assert all(torch.equal(reader.get(n), t) for n, t in tensors)
