@@ -10,7 +10,10 @@ this script):
   megatron_to_hf  megatron_dapo.mcore.hf_conversion.megatron_to_hf (back to sharded safetensors);
                   with ``--workers`` once per count: W processes it spawns, each writing every W-th
                   output shard
-then checks that the round trip is bit-exact. Each step runs in its own process; peak RSS is that
+  export          ``megatron-dapo export`` (mcore/run_export.py) of a training run's checkpoint holding
+                  the same weights (written once, untimed, by the trainer's own save: bf16 model, no
+                  optimizer state), back to safetensors in bf16
+then checks that the round trip and the export are bit-exact. Each step runs in its own process; peak RSS is that
 process's ru_maxrss (rank 0's under torchrun, the first process's with spawned workers), and
 "after imports" is its RSS before any weight is touched; the wall time excludes the imports.
 Ratios are against the baseline measured in the same run.
@@ -44,6 +47,7 @@ import time
 from pathlib import Path
 
 SIZES = ("tiny", "0.5B", "1.5B", "7B")
+ROOT = Path(__file__).resolve().parents[1]
 # "tiny": the 0.5B config at a size a quick run converts in seconds (25 MB of bf16)
 TINY = dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=32000)
@@ -79,6 +83,31 @@ def _make(size: str, dst: str, shard_bytes: int) -> dict:
 
 PROFILE_TOP = 25  # functions listed per profiled step
 RSS_PERIOD_S = 0.02
+
+
+def _run_config(hf: str, run_dir: str):
+    from megatron_dapo.config_loading import load_config
+
+    return load_config(ROOT / "conf" / "cpu_tiny.yaml", ["toy.enable=false", f"model.hf_path={hf}",
+                                                         f"logging.dir={run_dir}", "model.dtype=bf16"])
+
+
+def _make_run(hf: str, run_dir: str) -> None:
+    """A training run's checkpoint of ``hf``'s weights, as the trainer saves it (step 1, no optimizer)."""
+    from megatron_dapo.convert.export import load_hf_weights
+    from megatron_dapo.convert.safetensors_io import SafetensorsReader, read_hf_config
+    from megatron_dapo.mcore.checkpoint import save_checkpoint
+    from megatron_dapo.mcore.model import build_model, conversion_table_for
+    from megatron_dapo.mcore.parallel import destroy_parallel, initialize_parallel
+
+    cfg, config = _run_config(hf, run_dir), read_hf_config(hf)
+    initialize_parallel(config, parallel=cfg.parallel, model=cfg.model, seed=0)
+    chunks = build_model(config, model=cfg.model, parallel=cfg.parallel, moe=cfg.moe, perform_initialization=False)
+    with SafetensorsReader(hf) as reader:
+        load_hf_weights(chunks, conversion_table_for(config, model=cfg.model, tp=1), reader)
+    save_checkpoint(cfg.checkpoint_root, 1, model=chunks, optimizer=None, scheduler=None,
+                    trainer_state={"step": 1}, keep_last=1)
+    destroy_parallel()
 
 
 def _profiled(fn) -> dict:
@@ -123,12 +152,13 @@ def _step(name: str, src: str, dst: str, size: str, shard_bytes: int, profile: b
           workers: int = 1) -> dict:
     import torch  # noqa: F401  (counted in "after imports" for every step)
 
-    if name in ("hf_to_megatron", "megatron_to_hf"):  # megatron.core too: part of "the imports"
+    if name in ("hf_to_megatron", "megatron_to_hf", "export", "make_run"):  # megatron.core: part of "the imports"
         from megatron_dapo.mcore.cpu_compat import apply_cpu_compat
         apply_cpu_compat()
         from megatron.core import dist_checkpointing  # noqa: F401
 
         from megatron_dapo.mcore import hf_conversion as ckpt
+        from megatron_dapo.mcore.run_export import export_run
     from safetensors import safe_open
     from safetensors.torch import save_file
 
@@ -146,9 +176,13 @@ def _step(name: str, src: str, dst: str, size: str, shard_bytes: int, profile: b
                 tensors = {k: f.get_tensor(k) for k in f.keys()}
             save_file(tensors, Path(dst) / file.name, metadata={"format": "pt"})
             del tensors
-    elif name in ("hf_to_megatron", "megatron_to_hf"):
+    elif name == "make_run":
+        _make_run(src, dst)
+    elif name in ("hf_to_megatron", "megatron_to_hf", "export"):
         def convert():
-            if name == "hf_to_megatron":
+            if name == "export":
+                export_run(_run_config(Path(src).parent / "hf", src), dst, dtype="bf16", progress=False)
+            elif name == "hf_to_megatron":
                 ckpt.hf_to_megatron(src, dst, pp=workers, progress=False)
             else:
                 ckpt.megatron_to_hf(src, dst, max_shard_bytes=shard_bytes, progress=False, workers=workers)
@@ -210,11 +244,16 @@ def measure(sizes, shard_gb: float, workdir: str | None = None, profile: bool = 
             steps["megatron_to_hf"] = run_step("megatron_to_hf", d / "ckpt", d / "out", size, shard_bytes,
                                                profile)
             check = run_step("compare", d / "hf", d / "out", size, shard_bytes)
+            shutil.rmtree(d / "ckpt", ignore_errors=True)
+            shutil.rmtree(d / "out", ignore_errors=True)
+            run_step("make_run", d / "hf", d / "run", size, shard_bytes)
+            steps["export"] = run_step("export", d / "run", d / "exported", size, shard_bytes)
+            exported = run_step("compare", d / "hf", d / "exported", size, shard_bytes)
             for r in steps.values():  # the memory target: imports + one input shard + the largest tensor
                 r["bound_gb"] = r["after_imports_gb"] + (made["largest_shard_bytes"]
                                                          + made["largest_tensor_bytes"]) / 1e9
-            shapes[size] = dict(made=made, steps=steps, bit_exact=check["bit_exact"],
-                                mismatched=check["mismatched"])
+            shapes[size] = dict(made=made, steps=steps, bit_exact=check["bit_exact"] and exported["bit_exact"],
+                                mismatched=check["mismatched"] + exported["mismatched"])
             shutil.rmtree(d, ignore_errors=True)
     finally:
         if not workdir:
@@ -240,7 +279,7 @@ def render_markdown(result: dict) -> str:
         notes.append(f"{size}: {m['bytes'] / 1e9:.3f} GB of bf16 weights, largest shard "
                      f"{m['largest_shard_bytes'] / 1e9:.3f} GB, largest tensor "
                      f"{m['largest_tensor_bytes'] / 1e9:.3f} GB; "
-                     f"round trip bit-exact: {s['bit_exact'] or s['mismatched']}")
+                     f"round trip and export bit-exact: {s['bit_exact'] or s['mismatched']}")
     return "\n".join(lines) + (
         f"\n\nShards of at most {result['shard_gb']} GB. Memory bound = the step's RSS after imports + "
         f"the largest input HF shard + the largest tensor. \"x W\": W processes (hf_to_megatron under torchrun "
@@ -276,13 +315,13 @@ def figures(result: dict) -> list[dict]:
             out.append(dict(figure=f"{size} {name}, wall", value=wall, unit="s",
                             baseline_name="plain safetensors read + write", baseline=base, ratio=wall / base,
                             target=f"<= {TIME_TARGET}x baseline", met=wall <= TIME_TARGET * base))
-        for name in ("hf_to_megatron", "megatron_to_hf"):
+        for name in ("hf_to_megatron", "megatron_to_hf", "export"):
             r = steps[name]
             out.append(dict(figure=f"{size} {name} peak RSS", value=r["peak_rss_gb"], unit="GB",
                             baseline_name="bound: imports + one input shard + largest tensor",
                             baseline=r["bound_gb"], ratio=r["peak_rss_gb"] / r["bound_gb"],
                             target="<= 1.0x bound", met=r["peak_rss_gb"] <= r["bound_gb"]))
-        out.append(dict(figure=f"{size} round trip bit-exact", value=float(s["bit_exact"]), unit="bool",
+        out.append(dict(figure=f"{size} round trip and export bit-exact", value=float(s["bit_exact"]), unit="bool",
                         baseline_name=None, baseline=None, ratio=None, target="bit-exact",
                         met=s["bit_exact"]))
     return out
