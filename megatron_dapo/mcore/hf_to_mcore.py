@@ -202,11 +202,12 @@ def _streaming_save_strategy(values: _HFValues):
     """megatron's torch_dist save strategy, with tensor data taken from ``values`` as each item is
     written instead of read from the model up front.
 
-    Planning (keys, offsets, replicas, the .metadata file), the write of each item (torch.save
-    records in ``__<rank>_0.distcp``, fsync) and metadata.json are megatron's own code
-    (strategies/torch.py ``TorchDistSaveShardedStrategy.async_save`` with the "mcore" writer,
-    run synchronously as ``save`` does); only ``prepare_write_data`` differs. Megatron's resolves
-    every item first (and clones views such as fc1's halves), so it holds the whole model.
+    Planning (keys, offsets, replicas, the .metadata file) and metadata.json are megatron's own
+    code (strategies/torch.py ``TorchDistSaveShardedStrategy.async_save`` with the "mcore" writer,
+    run synchronously as ``save`` does). ``prepare_write_data`` differs: megatron's resolves every
+    item first (and clones views such as fc1's halves), so it holds the whole model. So does the
+    write: the same torch.save records in ``__<rank>_0.distcp`` and fsync, but each item serialized
+    in a thread while the previous one is written (dcp_overlapped_write), as torch's writer does not.
     """
     import torch.distributed.checkpoint.filesystem as dcp_fs
     from megatron.core.dist_checkpointing.strategies import filesystem_async as fs_async
@@ -214,40 +215,45 @@ def _streaming_save_strategy(values: _HFValues):
     from megatron.core.dist_checkpointing.strategies import torch as mcore_torch
     from torch.distributed.checkpoint.planner import WriteItemType
 
+    from megatron_dapo.mcore.dcp_overlapped_write import largest_tensor_bytes, write_items
+
     class Planner(mcore_torch.MCoreSavePlanner):
         def resolve_data(self, write_item):
             data = super().resolve_data(write_item)
             return data if write_item.type == WriteItemType.BYTE_IO else values.view_of(data)
 
-    class LazyItems:
-        """(write item, tensor) pairs, each tensor resolved when the writer reaches it."""
-
-        def __init__(self, items, planner, flush):
-            self.items, self.planner, self.flush = items, planner, flush
-
-        def __iter__(self):
-            previous = None
-            for item in self.items:
-                if previous is not None:  # the previous item is written: its bytes can go to disk
-                    self.flush.wrote(previous.nbytes)
-                previous = self.planner.resolve_data(item)
-                yield item, previous
-
     class Writer(fs_async.FileSystemWriterAsync):
         flush: _BackgroundFlush | None = None
 
         def prepare_write_data(self, plan, planner):
-            # thread_count=1: one file per rank, byte items first, tensors in plan order (as megatron)
+            # thread_count=1: one file per rank, byte items first, tensors in plan order (as megatron);
+            # each item is resolved (read from the HF files) only when the serializer reaches it
             items = plan.items
             if not items:
                 self.write_buckets, self.results_queue = [], None
                 return
             name = f"{plan.storage_data.prefix}0{dcp_fs.DEFAULT_SUFFIX}"
-            self.flush = _BackgroundFlush(os.path.join(self.checkpoint_dir, name))
-            data = ([(i, planner.resolve_data(i)) for i in items if i.type == WriteItemType.BYTE_IO],
-                    LazyItems([i for i in items if i.type != WriteItemType.BYTE_IO], planner, self.flush))
-            self.write_buckets = [(os.path.join(self.checkpoint_dir, name), name, data)]
+            path = os.path.join(self.checkpoint_dir, name)
+            self.flush, self._planner = _BackgroundFlush(path), planner
+            self.write_buckets = [(path, name, [i for i in items if i.type == WriteItemType.BYTE_IO]
+                                   + [i for i in items if i.type != WriteItemType.BYTE_IO])]
             self.results_queue = fs_async.get_write_results_queue()
+
+        def get_save_function_and_args(self):
+            return (self._write_bucket, None, []) if self.write_buckets else (None, None, [])
+
+        def _write_bucket(self):
+            """megatron's ``write_preloaded_data`` for the one bucket (results or the error to the
+            results queue, fsync at the end), with dcp_overlapped_write's writer for torch's."""
+            path, name, items = self.write_buckets[0]
+            try:
+                with open(path, "wb") as stream:
+                    results = write_items(stream, items, self._planner.resolve_data, name, self.transforms,
+                                          max_in_flight=largest_tensor_bytes(items), wrote=self.flush.wrote)
+                    os.fsync(stream.fileno())
+                self.results_queue.put({0: results})
+            except Exception as e:  # noqa: BLE001 - reported by megatron's finalize, on every rank
+                self.results_queue.put(e)
 
     class Strategy(mcore_torch.TorchDistSaveShardedStrategy):
         def save(self, sharded_state_dict, checkpoint_dir):
