@@ -27,7 +27,7 @@ FP8_LOGPROBS_MEAN_ATOL = 0.2
 @pytest.fixture
 def loss_probe(monkeypatch):
     """Records, for every real call of the policy loss in the train step, the dtypes in and out."""
-    import megatron_dapo.mcore.train_step as ts
+    import megatron_dapo.mcore.step_settings as ts  # where StepSettings.policy_loss_fn finds the loss
 
     seen, real = [], ts.get_policy_loss_fn
 
