@@ -18,7 +18,11 @@ WALL_TIME = ("timing", "time")
 
 
 def records(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    """The run's records so far: complete lines only (polled while the trainer writes, the last line
+    may be half written); none before the file exists."""
+    path = Path(run_dir) / "metrics.jsonl"
+    lines = path.read_text().split("\n")[:-1] if path.exists() else []
+    return [json.loads(line) for line in lines if line]
 
 
 def timed(run_dir: Path, phase: str) -> bool:

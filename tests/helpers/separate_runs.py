@@ -4,7 +4,6 @@ started in a session of its own and acted on (a signal, a kill) after a given re
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -16,6 +15,7 @@ from pathlib import Path
 import psutil
 
 from tests.helpers.demo import LAUNCHER_VARS, copy_demo_base
+from tests.helpers.records import records
 
 ROOT = Path(__file__).resolve().parents[2]
 SEPARATE = ["rollout.placement=separate", "rollout.num_ranks=2", "train.old_log_probs=trainer",
@@ -46,11 +46,6 @@ def reference_run(demo_base: Path, tmp_path_factory, name: str, *overrides: str)
     run_dir = copy_demo_base(demo_base, tmp_path_factory.mktemp(name) / "run")
     run(run_dir, *overrides)
     return run_dir
-
-
-def records(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
 def values(recs: list[dict]) -> dict[int, dict]:
