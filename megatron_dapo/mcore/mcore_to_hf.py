@@ -33,7 +33,7 @@ from megatron_dapo.convert.safetensors_io import (
     copy_side_files,
     plan_shards,
 )
-from megatron_dapo.convert.table import ConversionTable, conversion_table
+from megatron_dapo.convert.table import ConversionTable
 from megatron_dapo.mcore.converted_checkpoint import (
     DTYPES,
     HF_SUBDIR,
@@ -230,8 +230,7 @@ def _stream_part(ckpt_dir: Path, out_dir: Path, dtype: torch.dtype, max_shard_by
 
 def _spawn_parts(ckpt_dir: Path, out_dir: Path, *, dtype: torch.dtype, max_shard_bytes: int, bucket_bytes: int,
                  workers: int) -> list:
-    """Parts 1 .. workers - 1 of the output, each in a process of its own (part 0 is the caller's),
-    started first: their interpreters import while the caller builds its model."""
+    """Parts 1 .. workers - 1 of the output, each in a process of its own (part 0 is the caller's)."""
     import multiprocessing
 
     spawn = multiprocessing.get_context("spawn")
@@ -278,15 +277,17 @@ def megatron_to_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *, d
                                    side_files_from=ckpt_dir / HF_SUBDIR, tp_group=tp_group, pp_group=pp_group,
                                    dtype=out_dtype, max_shard_bytes=max_shard_bytes,
                                    bucket_bytes=bucket_bytes, progress=progress)
-    layout = _hf_layout(conversion_table(config, padded_vocab_size=meta["padded_vocab_size"]), out_dtype)
-    workers = default_workers(len(plan_shards(layout, max_shard_bytes))) if workers is None else workers
-    if workers < 1:
+    if workers is not None and workers < 1:
         raise ConversionError(f"workers={workers}: give 1 or more processes")
+    # The model (and its checks of the checkpoint) before --out is touched: a refused checkpoint
+    # leaves a --force'd directory as it was.
+    chunks, table, _, _, _ = checkpoint_model(ckpt_dir, tp=tp, pp=pp)
+    layout = _hf_layout(table, out_dtype)
+    workers = default_workers(len(plan_shards(layout, max_shard_bytes))) if workers is None else workers
     prepare_out_dir(out_dir, force)
     others = _spawn_parts(ckpt_dir, out_dir, dtype=out_dtype, max_shard_bytes=max_shard_bytes,
                           bucket_bytes=bucket_bytes, workers=workers) if workers > 1 else []
     try:
-        chunks, table, _, _, _ = checkpoint_model(ckpt_dir, tp=tp, pp=pp)
         files = stream_checkpoint_to_hf(chunks[0], table, ckpt_dir, out_dir, hf_config=config,
                                         side_files_from=ckpt_dir / HF_SUBDIR, dtype=out_dtype,
                                         max_shard_bytes=max_shard_bytes, bucket_bytes=bucket_bytes,
