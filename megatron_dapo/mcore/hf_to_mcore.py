@@ -117,7 +117,7 @@ class _HFValues:
             if key in self._by_storage:
                 raise ConversionError(f"{name} shares its storage with {self._by_storage[key][0]}")
             self._by_storage[key] = (name, task, param)
-        self._last: tuple[str, torch.Tensor] | None = None
+        self._last: tuple[str, list[torch.Tensor], list[int]] | None = None  # name, row blocks, their starts
         self.error: Exception | None = None
 
     def _value(self, name: str, task, param) -> tuple[list[torch.Tensor], list[int]]:
