@@ -36,7 +36,7 @@ def _torchrun(run_dir: Path, nproc: int, *overrides: str, module: str = "megatro
     env = {**{k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}, **(env or {})}
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-5000:]
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return records(run_dir)
 
 
 def _values(record: dict) -> dict:

@@ -16,6 +16,7 @@ import pytest
 from megatron_dapo import cli
 from megatron_dapo.config import ToyConfig
 from megatron_dapo.toy import task as toy_task
+from tests.helpers.records import records
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = dict(hidden_size=32, intermediate_size=64, num_layers=1, num_attention_heads=2, num_key_value_heads=1,
@@ -205,7 +206,7 @@ def test_resuming_under_a_model_of_another_vocabulary_is_one_line(inputs, tmp_pa
                     "model shape (vocab_size 140 -> 268; checkpoint -> this run's model): resume with the model it "
                     "was trained with, or start a new logging.dir"), line
     rc, err = _train(capsys, run_dir, *one_step, "train.total_steps=2")
-    steps_logged = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps_logged = [r["step"] for r in records(run_dir)]
     assert rc == 0 and steps_logged == [0, 1, 2], (steps_logged, err[-3000:])  # each step once: resumed
 
 

@@ -20,6 +20,7 @@ import pytest
 from megatron_dapo.observe.alarms import read_events
 from megatron_dapo.observe.rows import alarm_file, read_rows
 from tests.helpers.demo import copy_demo_base
+from tests.helpers.records import records
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
@@ -28,10 +29,6 @@ pytestmark = pytest.mark.slow
 def _cmd(run_dir: Path, *overrides: str) -> list[str]:
     return [sys.executable, "-m", "megatron_dapo.cli", "train", "--config", str(ROOT / "conf" / "cpu_tiny.yaml"),
             f"logging.dir={run_dir}", "logging.tensorboard=false", *overrides]
-
-
-def _records(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +41,7 @@ def learned_run(demo_base, tmp_path_factory) -> Path:
 
 
 def test_short_run_learns(learned_run):
-    evals = [r for r in _records(learned_run) if r.get("eval/avg@4") is not None]
+    evals = [r for r in records(learned_run) if r.get("eval/avg@4") is not None]
     assert [r["step"] for r in evals] == [0, 30]
     before, after = evals[0]["eval/avg@4"], evals[-1]["eval/avg@4"]
     assert before < 0.3, f"the base should start near chance (1/10), got {before}"
@@ -52,7 +49,7 @@ def test_short_run_learns(learned_run):
 
 
 def test_engine_and_trainer_logprobs_agree_after_every_sync(learned_run):
-    steps = [r for r in _records(learned_run) if r["step"] > 0]
+    steps = [r for r in records(learned_run) if r["step"] > 0]
     assert len(steps) == 30
     for r in steps:
         assert r["rollout/logprob_abs_diff_max"] < 1e-4, r["step"]
@@ -89,11 +86,11 @@ def test_the_whole_demo_raises_no_alarm(demo_base, tmp_path):
     for event in events:
         rows = read_rows(alarm_file(run_dir, event["step"], "repeated_answer_label"))
         assert rows and all(r.acc for r in rows), event
-    assert _records(run_dir)[-1]["eval/avg@4"] > 0.9
+    assert records(run_dir)[-1]["eval/avg@4"] > 0.9
 
 
 def test_dynamic_sampling_counts_add_up(learned_run):
-    steps = [r for r in _records(learned_run) if r["step"] > 0]
+    steps = [r for r in records(learned_run) if r["step"] > 0]
     assert len(steps) == 30  # every step's record is checked, not an empty list
     for r in steps:
         kept, gen = r["dynamic_sampling/num_groups_kept"], r["dynamic_sampling/num_groups_generated"]
@@ -110,7 +107,7 @@ def test_eval_command_reproduces_the_final_evaluation(learned_run):
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-5000:]
     result = json.loads((learned_run / "eval.json").read_text())
-    final = [r for r in _records(learned_run) if r.get("eval/avg@4") is not None][-1]
+    final = [r for r in records(learned_run) if r.get("eval/avg@4") is not None][-1]
     assert result["step"] == 30
     assert result["eval/avg@4"] == pytest.approx(final["eval/avg@4"], abs=1e-9)
     assert result["eval/pass@4"] == pytest.approx(final["eval/pass@4"], abs=1e-9)
@@ -132,5 +129,5 @@ def test_killed_run_resumes_from_its_last_checkpoint(demo_base, tmp_path):
     assert out.returncode == 0, out.stderr[-5000:]
     step = int(saved.split("_")[-1])
     assert f"resumed from {run_dir / 'checkpoints'} at step {step}" in out.stderr
-    assert [r["step"] for r in _records(run_dir)] == list(range(1, 7))  # no gap, no duplicate
+    assert [r["step"] for r in records(run_dir)] == list(range(1, 7))  # no gap, no duplicate
     assert (run_dir / "checkpoints" / "latest").read_text().strip().endswith("00000006")

@@ -2,7 +2,6 @@
 replicas at rollout TP 1): it learns, and after every weight sync vLLM's log-probs of its own samples
 equal the Megatron trainer's to fp32 round-off (measured: abs diff at most 6.0e-5 over 80 steps)."""
 
-import json
 import shutil
 import subprocess
 import sys
@@ -29,8 +28,8 @@ def test_vllm_config_learns_under_torchrun(tmp_path):
            "logging.tensorboard=false"]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-5000:]
-    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    evals = [r for r in records if "eval/avg@4" in r]
+    recs = records(tmp_path)
+    evals = [r for r in recs if "eval/avg@4" in r]
     assert [r["step"] for r in evals] == [0, 40]
     before, after = evals[0]["eval/avg@4"], evals[-1]["eval/avg@4"]
     assert before < 0.3, f"the base should start near chance (1/10), got {before}"
@@ -38,7 +37,7 @@ def test_vllm_config_learns_under_torchrun(tmp_path):
     # 0f00b10 gives the same numbers; the clean-clone CI of f6f0679 on an earlier machine passed
     # +0.2. vLLM's CPU kernels are picked by ISA, so the trajectory is the machine's.
     assert after - before > 0.15 and after > 3 * before, f"held-out avg@4 went {before:.3f} -> {after:.3f}"
-    steps = [r for r in records if r["step"] > 0]
+    steps = [r for r in recs if r["step"] > 0]
     assert len(steps) == 40
     for r in steps:
         assert r["rollout/logprob_abs_diff_max"] < LOGPROB_ABS_TOL, r["step"]

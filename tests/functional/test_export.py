@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from tests.helpers.demo import copy_demo_base
+from tests.helpers.records import records
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
@@ -205,12 +206,12 @@ def test_the_qwen3_demo_learns_with_the_engines_log_probs_equal_to_the_trainers(
     exp|engine - trainer log-prob|: measured 1.0000001); held-out accuracy climbs from the base's (0.107
     measured) well above it (0.73 measured after 30 steps)."""
     run = qwen3_run
-    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == list(range(1, QWEN3_STEPS + 1))
-    assert all(abs(r["rollout/logprob_mismatch"] - 1.0) < 1e-5 for r in records), \
-        [r["rollout/logprob_mismatch"] for r in records]
+    recs = records(run)
+    assert [r["step"] for r in recs] == list(range(1, QWEN3_STEPS + 1))
+    assert all(abs(r["rollout/logprob_mismatch"] - 1.0) < 1e-5 for r in recs), \
+        [r["rollout/logprob_mismatch"] for r in recs]
     base = json.loads((run / "toy_base" / "warmup.json").read_text())["eval_temperature_1"]["acc_mean"]
-    assert base < 0.2 and records[-1]["eval/avg@4"] > base + 0.3, (base, records[-1]["eval/avg@4"])
+    assert base < 0.2 and recs[-1]["eval/avg@4"] > base + 0.3, (base, recs[-1]["eval/avg@4"])
 
 
 def _as_trained_apart(run: Path, copy: Path) -> Path:

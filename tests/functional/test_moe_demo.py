@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.demo import LAUNCHER_VARS, copy_demo_base, make_demo_base
+from tests.helpers.records import records
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "conf" / "cpu_tiny_moe.yaml"
@@ -45,7 +46,7 @@ def _train(base: Path, run_dir: Path, ep: int, overrides: list[str] = SHORT, npr
     out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-5000:]
     assert f"expert_model_parallel_size: {ep}\n" in (run_dir / "config.yaml").read_text()
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return records(run_dir)
 
 
 def test_expert_parallelism_leaves_the_updates_unchanged(moe_base, tmp_path):

@@ -7,7 +7,6 @@ value for value (timing and memory keys aside), since the replicas' shares and s
 and only where they run differs. The engines' own log lines show they served from ranks of their
 own."""
 
-import json
 import os
 import subprocess
 import sys
@@ -16,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.demo import LAUNCHER_VARS, copy_demo_base
+from tests.helpers.records import records
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
@@ -30,8 +30,7 @@ def _torchrun(run_dir: Path, nproc: int, *overrides: str) -> tuple[list[dict], s
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-5000:]
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return records, out.stdout + out.stderr
+    return records(run_dir), out.stdout + out.stderr
 
 
 def _values(record: dict) -> dict:

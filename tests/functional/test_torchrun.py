@@ -3,14 +3,13 @@ engine replicas either way) it starts, and its first step equals a one-process r
 evaluation, the same generated groups (rewards, lengths, dynamic-sampling counts, all exact), and
 the same update (to fp32 round-off)."""
 
-import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.helpers.records import assert_same_record
+from tests.helpers.records import assert_same_record, records
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
@@ -25,7 +24,7 @@ def _train(run_dir: Path, nproc: int, *overrides: str) -> list[dict]:
         f"logging.dir={run_dir}", *SHORT, *overrides]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-5000:]
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return records(run_dir)
 
 
 @pytest.fixture(scope="module")

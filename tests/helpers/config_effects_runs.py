@@ -20,6 +20,7 @@ import torch
 
 from megatron_dapo import cli
 from megatron_dapo.mcore.parallel import destroy_parallel
+from tests.helpers.records import records as run_records
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = str(ROOT / "conf" / "cpu_tiny.yaml")
@@ -42,10 +43,8 @@ class Result:
 
     @property
     def records(self) -> list[dict]:
-        path = self.dir / "metrics.jsonl"
-        lines = path.read_text().splitlines() if path.exists() else []
-        return [{k: v for k, v in json.loads(x).items() if k != "time" and not k.startswith("timing_s/")}
-                for x in lines]
+        return [{k: v for k, v in r.items() if k != "time" and not k.startswith("timing_s/")}
+                for r in run_records(self.dir)]
 
     @property
     def last(self) -> dict:
@@ -149,6 +148,7 @@ DRIVER = """
 import contextlib, io, json, logging, os, sys
 from megatron_dapo import cli
 from megatron_dapo.mcore.parallel import destroy_parallel
+from tests.helpers.records import records as run_records
 import megatron_dapo.plotting
 megatron_dapo.plotting.plot_run = lambda d: None
 logger = logging.getLogger("megatron_dapo")

@@ -5,7 +5,6 @@ the comparison with one uninterrupted reference run (the session's ``demo_refere
 Every run is checked against the reference: each metrics record present exactly once and bitwise
 equal (all values but wall times)."""
 
-import json
 import os
 import signal
 import subprocess
@@ -14,6 +13,7 @@ import time
 from pathlib import Path
 
 from tests.helpers.demo import copy_demo_base
+from tests.helpers.records import records
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 10
@@ -52,8 +52,8 @@ def finish(proc: subprocess.Popen, timeout: float = 600) -> tuple[str, str]:
 
 
 def read_records(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    """The run's records so far, complete lines only: polled while the trainer writes or after a kill."""
+    return records(run_dir)
 
 
 def record_values(records: list[dict]) -> dict[int, dict]:
