@@ -44,6 +44,9 @@ def test_vllm_config_learns_under_torchrun(tmp_path):
         assert abs(r["rollout/logprob_mismatch"] - 1.0) < 1e-5, r["step"]
 
 
+# CI: every replica's generate() on an empty share (test_rollout_placement) and vLLM's two replicas
+# (test_vllm_colocated); this whole run of them (~65 s) is the extended tier's.
+@pytest.mark.extended
 def test_replicas_with_nothing_to_generate_take_part_and_match_one_process(tmp_path):
     """2 replicas, generation batches of 1 prompt and an evaluation of 1 problem: replica 1's share is
     always empty. vLLM steps its data-parallel replicas in lockstep (an all-reduce of "anything

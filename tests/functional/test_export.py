@@ -180,6 +180,9 @@ def test_one_process_export_streams_the_checkpoint_to_the_loaded_models_bytes(ru
         "dtype"] == "bfloat16"
 
 
+# CI: the export's logits equal the trainer's (test_export_at_any_tp_loads_in_transformers_with_the_
+# trainers_logits); evaluating both dirs (~40 s) is the extended tier's.
+@pytest.mark.extended
 def test_eval_on_the_exported_dir_equals_eval_on_the_checkpoint(run, tmp_path):
     """Also: the exported dir is scored on held-out data alone (no data.train_files), as a downloaded
     model would be; and `export RUN` / `eval RUN --step N` read the run's own config.yaml where the run
