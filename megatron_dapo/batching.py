@@ -15,6 +15,14 @@ tokens (L = P + R):
 No attention mask is built: with right padding, the causal mask already keeps every real token
 from seeing the padding after it, and padded positions are masked out of the loss.
 
+Packed (``packed=True``, THD): a micro-batch is one row of samples laid end to end, [1, T], T the
+sum of their lengths rounded up to ``pad_multiple`` (the padding a segment of its own at the end).
+Entry k starts at ``starts[k]``; every per-position tensor above holds the same values at the same
+offsets within the sample, positions restart at 0 per sample, a sample's last token has label 0
+(the next sample is not its continuation), and ``cu_seqlens`` gives the attention its boundaries:
+no token attends across one. Nothing is spent on padding rows: a budget of T tokens holds T
+tokens of samples, where padded rows hold rows x the longest.
+
 Sizing (verl's dynamic batch size, ``ppo_max_token_len_per_gpu``): with a token budget, samples
 are packed first-fit-decreasing into micro-batches of at most ``max_tokens`` padded tokens
 (rows x padded length); with a budget of 0, consecutive groups of ``micro_batch_size`` samples.
@@ -26,6 +34,7 @@ empty micro-batches: one row of ``pad_multiple`` padding tokens, loss mask 0.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Sequence
@@ -89,8 +98,10 @@ class Sample:
 
 @dataclass(frozen=True)
 class MicroBatch:
-    """Padded tensors, all [b, s] (see the module docstring); ``sample_index``: the position of
-    each row's sample in the list it was built from, -1 for a padding row."""
+    """Padded tensors, all [b, s] (see the module docstring). Per entry (a row of the padded layout;
+    a sample of the packed one): ``sample_index``, its sample's position in the list it was built
+    from (-1 for a padding row), and its prompt and response lengths; ``starts``: packed, each
+    entry's first position in the one row; () in the padded layout (entry i is row i from 0)."""
 
     input_ids: Tensor
     position_ids: Tensor
@@ -106,10 +117,38 @@ class MicroBatch:
     sample_index: tuple[int, ...]
     prompt_lengths: tuple[int, ...]
     response_lengths: tuple[int, ...]
+    packed: bool = False
+    starts: tuple[int, ...] = ()
 
     @property
     def num_padded_tokens(self) -> int:
         return self.input_ids.numel()
+
+    def entry_offsets(self) -> list[int]:
+        """Each entry's first position in the flattened [b * s] tensors."""
+        if self.packed:
+            return list(self.starts)
+        return [row * self.input_ids.shape[1] for row in range(len(self.sample_index))]
+
+    def cu_seqlens(self) -> Tensor:
+        """Packed: [segments + 1] int32, the boundaries attention must not cross: each sample's, then
+        the padding's at the end (a segment of its own) when there is some."""
+        total = self.input_ids.shape[1]
+        ends = [start + p + r for start, p, r in zip(self.starts, self.prompt_lengths, self.response_lengths)]
+        bounds = [0] + ends + ([total] if not ends or ends[-1] < total else [])
+        return torch.tensor(bounds, dtype=torch.int32)
+
+    def response_index(self) -> Tensor:
+        """[entries, longest R] long: the flattened position of each entry's response-token labels,
+        -1 past its length (at least one row and one column): the loss's per-sequence rows."""
+        offsets = torch.tensor(self.entry_offsets(), dtype=torch.long).reshape(-1)
+        prompt = torch.tensor(self.prompt_lengths, dtype=torch.long).reshape(-1)
+        resp = torch.tensor(self.response_lengths, dtype=torch.long).reshape(-1)
+        width = max(int(resp.max()) if resp.numel() else 0, 1)
+        col = torch.arange(width)
+        index = (offsets + prompt - 1)[:, None] + col
+        index = torch.where(col < resp[:, None], index, -1)
+        return index if index.shape[0] else torch.full((1, width), -1, dtype=torch.long)
 
 
 FP8_ALIGN = 16
@@ -170,54 +209,77 @@ def plan_micro_batches(lengths: Sequence[int], *, max_tokens: int, micro_batch_s
 
 
 def build_micro_batch(samples: Sequence[Sample], indices: Sequence[int], *, multiple: int = 1,
-                      shape: tuple[int, int] | None = None) -> MicroBatch:
-    """Pad ``samples[indices]`` into one micro-batch (an empty ``indices`` gives a padding row);
-    ``shape``: pad to exactly (rows, length) instead of the smallest that fits."""
+                      shape: tuple[int, int] | None = None, packed: bool = False) -> MicroBatch:
+    """``samples[indices]`` as one micro-batch: padded rows, or ``packed`` end to end in one row (the
+    module docstring); an empty ``indices`` gives a padding row. ``shape``: pad to exactly (rows,
+    length) instead of the smallest that fits."""
     rows = [samples[i] for i in indices]
-    s = _round_up(max([x.num_tokens for x in rows], default=1), multiple)
-    b = max(len(rows), 1)
+    n = len(rows)
+    lengths = [x.num_tokens for x in rows]
+    if packed:
+        b, s = 1, _round_up(max(sum(lengths), 1), multiple)
+    else:
+        b, s = max(n, 1), _round_up(max(lengths, default=1), multiple)
     if shape is not None:
         if shape[0] < b or shape[1] < s:
-            raise ValueError(f"{b} samples of up to {s} tokens do not fit the shape {shape}")
+            raise ValueError(f"{n} samples of {max(lengths, default=0)} tokens at most do not fit the shape {shape}"
+                             + (f" packed ({sum(lengths)} tokens)" if packed else ""))
         b, s = shape
-    # One scatter per tensor instead of one slice per row (per-row slicing was most of this
-    # function's time on the CPU demo): rows are filled in row-major order, which is the order of
-    # the concatenated per-sample pieces.
-    n = len(rows)
-    ids = torch.zeros(b, s, dtype=torch.long)
-    mask, old, rollout, adv = (torch.zeros(b, s, dtype=torch.float32) for _ in range(4))
+    starts = list(itertools.accumulate([0] + lengths[:-1])) if packed else []
+    # Each entry's first position in the flattened [b * s] tensors; every per-sample piece is
+    # written with one scatter per tensor (per-row slicing was most of this function's time on the
+    # CPU demo).
+    first = torch.tensor(starts if packed else [row * s for row in range(n)], dtype=torch.long)
+    ids = torch.zeros(b * s, dtype=torch.long)
+    labels = torch.zeros(b * s, dtype=torch.long)
+    mask, old, rollout, adv = (torch.zeros(b * s, dtype=torch.float32) for _ in range(4))
+    weights = routes = None
     if n:
         prompt_n = torch.tensor([x.num_prompt_tokens for x in rows])
         resp_n = torch.tensor([x.num_response_tokens for x in rows])
-        col = torch.arange(s)
-        ids[:n][col < (prompt_n + resp_n)[:, None]] = torch.cat(
-            [t for x in rows for t in (x.prompt_ids, x.response_ids)]).long()
-        # positions whose label is a response token: [P - 1, P - 1 + R)
-        span = (col >= (prompt_n - 1)[:, None]) & (col < (prompt_n - 1 + resp_n)[:, None])
-        lengths = resp_n.tolist()
-        mask[:n][span] = _span_values([x.loss_mask for x in rows], resp_n, lengths, fill=1.0)
-        old[:n][span] = _span_values([x.old_log_probs for x in rows], resp_n, lengths, fill=0.0)
-        rollout[:n][span] = _span_values([x.rollout_log_probs for x in rows], resp_n, lengths, fill=0.0)
-        adv[:n][span] = _span_values([x.advantages for x in rows], resp_n, lengths, fill=0.0)
-    weights = None
-    if any(x.is_weights is not None for x in rows):
-        weights = torch.ones(b, s, dtype=torch.float32)
-        weights[:n][span] = _span_values([x.is_weights for x in rows], resp_n, lengths, fill=1.0)
-    routes = None
-    if any(x.routed_experts is not None for x in rows):
-        if any(x.routed_experts is None for x in rows):
-            raise ValueError("a micro-batch mixes samples with and without routed_experts")
-        routes = torch.full((b, s, rows[0].routed_experts.shape[1]), -1, dtype=torch.long)
-        routes[:n][col < (prompt_n + resp_n - 1)[:, None]] = torch.cat([x.routed_experts for x in rows]).long()
-    labels = torch.zeros(b, s, dtype=torch.long)
-    labels[:, :-1] = ids[:, 1:]  # the next token; 0 past each row's end, as ids are 0 there
+        tokens = torch.cat([t for x in rows for t in (x.prompt_ids, x.response_ids)])
+        ids[_ranges(first, prompt_n + resp_n)] = tokens.long()
+        before_last = _ranges(first, prompt_n + resp_n - 1)  # a label is the next token of the same sample
+        labels[before_last] = ids[before_last + 1]
+        span = _ranges(first + prompt_n - 1, resp_n)  # positions whose label is a response token
+        r = resp_n.tolist()
+        mask[span] = _span_values([x.loss_mask for x in rows], resp_n, r, fill=1.0)
+        old[span] = _span_values([x.old_log_probs for x in rows], resp_n, r, fill=0.0)
+        rollout[span] = _span_values([x.rollout_log_probs for x in rows], resp_n, r, fill=0.0)
+        adv[span] = _span_values([x.advantages for x in rows], resp_n, r, fill=0.0)
+        if any(x.is_weights is not None for x in rows):
+            weights = torch.ones(b * s, dtype=torch.float32)
+            weights[span] = _span_values([x.is_weights for x in rows], resp_n, r, fill=1.0)
+        if any(x.routed_experts is not None for x in rows):
+            if any(x.routed_experts is None for x in rows):
+                raise ValueError("a micro-batch mixes samples with and without routed_experts")
+            routes = torch.full((b * s, rows[0].routed_experts.shape[1]), -1, dtype=torch.long)
+            routes[before_last] = torch.cat([x.routed_experts for x in rows]).long()
+    if packed:  # positions restart with each sample, and with the padding at the end
+        bounds = torch.tensor(starts + [sum(lengths)], dtype=torch.long)
+        position_ids = (torch.arange(s) - bounds[torch.searchsorted(bounds, torch.arange(s), right=True) - 1])[None]
+    else:
+        position_ids = torch.arange(s).expand(b, s).contiguous()
+    fill = 0 if packed else b - n  # padding rows
     return MicroBatch(
-        input_ids=ids, position_ids=torch.arange(s).expand(b, s).contiguous(), labels=labels,
-        loss_mask=mask, old_log_probs=old, rollout_log_probs=rollout, advantages=adv, is_weights=weights,
-        routed_experts=routes,
-        sample_index=tuple(indices) + (-1,) * (b - len(rows)),
-        prompt_lengths=tuple(x.num_prompt_tokens for x in rows) + (0,) * (b - len(rows)),
-        response_lengths=tuple(x.num_response_tokens for x in rows) + (0,) * (b - len(rows)))
+        input_ids=ids.view(b, s), position_ids=position_ids, labels=labels.view(b, s), loss_mask=mask.view(b, s),
+        old_log_probs=old.view(b, s), rollout_log_probs=rollout.view(b, s), advantages=adv.view(b, s),
+        is_weights=None if weights is None else weights.view(b, s),
+        routed_experts=None if routes is None else routes.view(b, s, -1),
+        sample_index=tuple(indices) + (-1,) * fill,
+        prompt_lengths=tuple(x.num_prompt_tokens for x in rows) + (0,) * fill,
+        response_lengths=tuple(x.num_response_tokens for x in rows) + (0,) * fill,
+        packed=packed, starts=tuple(starts))
+
+
+def _ranges(first: Tensor, counts: Tensor) -> Tensor:
+    """The concatenation of arange(first[k], first[k] + counts[k]) over k, as one tensor."""
+    counts = counts.long()
+    total = int(counts.sum())
+    if total == 0:
+        return torch.zeros(0, dtype=torch.long)
+    offsets = first.long() - (torch.cumsum(counts, 0) - counts)
+    return torch.repeat_interleave(offsets, counts, output_size=total) + torch.arange(total)
 
 
 def _span_values(values: list, resp_n: Tensor, lengths: list[int], *, fill: float) -> Tensor:
@@ -234,34 +296,62 @@ def _span_values(values: list, resp_n: Tensor, lengths: list[int], *, fill: floa
 
 def response_mask(mb: MicroBatch) -> Tensor:
     """[b, s] 1.0 at the positions whose label is a response token (build_micro_batch's span), else 0."""
-    mask = torch.zeros(mb.input_ids.shape, dtype=torch.float32)
-    for row, (p, r) in enumerate(zip(mb.prompt_lengths, mb.response_lengths)):
-        mask[row, p - 1:p - 1 + r] = 1.0
-    return mask
+    mask = torch.zeros(mb.input_ids.numel(), dtype=torch.float32)
+    first = torch.tensor(mb.entry_offsets(), dtype=torch.long)
+    mask[_ranges(first + torch.tensor(mb.prompt_lengths) - 1, torch.tensor(mb.response_lengths))] = 1.0
+    return mask.view(mb.input_ids.shape)
 
 
 def padding_mask(mb: MicroBatch) -> Tensor:
-    """[b, s] bool, True at the positions past each row's prompt + response (padding rows: all): what
+    """[b, s] bool, True at the positions of no sample (padding rows: all; packed: the tail): what
     megatron's MoE router leaves out of its load-balancing statistics (GPTModel's ``padding_mask``)."""
-    lengths = torch.tensor([p + r for p, r in zip(mb.prompt_lengths, mb.response_lengths)])
-    return torch.arange(mb.input_ids.shape[1]) >= lengths[:, None]
+    real = torch.zeros(mb.input_ids.numel(), dtype=torch.bool)
+    lengths = torch.tensor([p + r for p, r in zip(mb.prompt_lengths, mb.response_lengths)], dtype=torch.long)
+    real[_ranges(torch.tensor(mb.entry_offsets(), dtype=torch.long), lengths)] = True
+    return ~real.view(mb.input_ids.shape)
+
+
+def plan_packs(lengths: Sequence[int], *, max_tokens: int, micro_batch_size: int, multiple: int = 1) -> list[list[int]]:
+    """Group sample indices into packs. ``max_tokens`` > 0: first-fit decreasing by length (ties by
+    index), a pack costing the sum of its samples' lengths rounded up to ``multiple``; 0: consecutive
+    groups of ``micro_batch_size``. Raises when one sample exceeds the budget."""
+    if max_tokens < 0 or micro_batch_size < 1:
+        raise ValueError(f"need max_tokens >= 0 and micro_batch_size >= 1, got {max_tokens}, {micro_batch_size}")
+    if max_tokens == 0:
+        return plan_micro_batches(lengths, max_tokens=0, micro_batch_size=micro_batch_size)
+    packs: list[list[int]] = []
+    used: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        if _round_up(lengths[i], multiple) > max_tokens:
+            raise ValueError(f"sample {i} has {lengths[i]} tokens ({_round_up(lengths[i], multiple)} padded to a "
+                             f"multiple of {multiple}), more than the micro-batch budget max_tokens={max_tokens}")
+        for k, pack in enumerate(packs):
+            if _round_up(used[k] + lengths[i], multiple) <= max_tokens:
+                pack.append(i)
+                used[k] += lengths[i]
+                break
+        else:
+            packs.append([i])
+            used.append(lengths[i])
+    return [sorted(pack) for pack in packs]
 
 
 def make_micro_batches(samples: Sequence[Sample], *, max_tokens: int, micro_batch_size: int,
                        multiple: int = 1, min_count: int = 1, count_multiple: int = 1,
-                       uniform: bool = False, uniform_length: int = 0) -> list[MicroBatch]:
-    """All of ``samples`` as micro-batches (see ``plan_micro_batches``), padded with empty ones
-    to at least ``min_count`` and to a multiple of ``count_multiple`` (interleaved PP needs a
-    multiple of the PP size).
+                       uniform: bool = False, uniform_length: int = 0, packed: bool = False) -> list[MicroBatch]:
+    """All of ``samples`` as micro-batches (see ``plan_micro_batches``; ``packed``: ``plan_packs``),
+    padded with empty ones to at least ``min_count`` and to a multiple of ``count_multiple``
+    (interleaved PP needs a multiple of the PP size).
 
     ``uniform``: every micro-batch gets the same [b, s] (pipelines that cannot exchange shapes):
     s fits the longest sample (and is at least ``uniform_length``: ranks that must agree on one
     shape pass their longest, ``uniform_shape``), b = max_tokens // s rows (or micro_batch_size
-    without a budget), consecutive samples per micro-batch."""
+    without a budget), consecutive samples per micro-batch. Packed, [1, the budget] (or
+    micro_batch_size x the longest without one), packed first-fit decreasing as without."""
     plan, shape = _layout(samples, max_tokens=max_tokens, micro_batch_size=micro_batch_size,
                           multiple=multiple, min_count=min_count, count_multiple=count_multiple,
-                          uniform=uniform, uniform_length=uniform_length)
-    return [build_micro_batch(samples, group, multiple=multiple, shape=shape) for group in plan]
+                          uniform=uniform, uniform_length=uniform_length, packed=packed)
+    return [build_micro_batch(samples, group, multiple=multiple, shape=shape, packed=packed) for group in plan]
 
 
 def count_micro_batches(samples: Sequence[Sample], **kwargs) -> int:
@@ -269,22 +359,32 @@ def count_micro_batches(samples: Sequence[Sample], **kwargs) -> int:
     return len(_layout(samples, **kwargs)[0])
 
 
-def uniform_shape(longest: int, *, max_tokens: int, micro_batch_size: int, multiple: int = 1) -> tuple[int, int]:
-    """The [b, s] of uniform micro-batches whose longest sample has ``longest`` tokens."""
+def uniform_shape(longest: int, *, max_tokens: int, micro_batch_size: int, multiple: int = 1,
+                  packed: bool = False) -> tuple[int, int]:
+    """The [b, s] of uniform micro-batches whose longest sample has ``longest`` tokens (packed: [1,
+    the budget rounded down to ``multiple``], or micro_batch_size samples of the longest without one)."""
     s = _round_up(max(longest, 1), multiple)
     if max_tokens and s > max_tokens:
         raise ValueError(f"the longest sample has {longest} tokens ({s} padded), more than the "
                          f"micro-batch budget max_tokens={max_tokens}")
+    if packed:
+        return (1, max_tokens // multiple * multiple if max_tokens else _round_up(micro_batch_size * longest, multiple))
     return (max_tokens // s if max_tokens else micro_batch_size, s)
 
 
 def _layout(samples: Sequence[Sample], *, max_tokens: int, micro_batch_size: int, multiple: int = 1,
             min_count: int = 1, count_multiple: int = 1, uniform: bool = False,
-            uniform_length: int = 0) -> tuple[list[list[int]], tuple[int, int] | None]:
+            uniform_length: int = 0, packed: bool = False) -> tuple[list[list[int]], tuple[int, int] | None]:
     """make_micro_batches' groups of sample indices (padding ones included) and uniform shape."""
     lengths = [x.num_tokens for x in samples]
     shape = None
-    if uniform:
+    if packed:
+        if uniform:
+            shape = uniform_shape(max(lengths + [uniform_length], default=1), max_tokens=max_tokens,
+                                  micro_batch_size=micro_batch_size, multiple=multiple, packed=True)
+        plan = plan_packs(lengths, max_tokens=shape[1] if shape else max_tokens, micro_batch_size=micro_batch_size,
+                          multiple=multiple)
+    elif uniform:
         shape = uniform_shape(max(lengths + [uniform_length], default=1), max_tokens=max_tokens,
                               micro_batch_size=micro_batch_size, multiple=multiple)
         plan = plan_micro_batches(lengths, max_tokens=0, micro_batch_size=shape[0])
@@ -313,9 +413,10 @@ def unpack_responses(values: Sequence[Tensor], micro_batches: Sequence[MicroBatc
     one [R] tensor per sample, in the order of the list the micro-batches were built from."""
     out: list[Tensor | None] = [None] * num_samples
     for value, mb in zip(values, micro_batches):
-        for row, (i, p, r) in enumerate(zip(mb.sample_index, mb.prompt_lengths, mb.response_lengths)):
+        flat = value.reshape(-1)
+        for i, first, p, r in zip(mb.sample_index, mb.entry_offsets(), mb.prompt_lengths, mb.response_lengths):
             if i >= 0:
-                out[i] = value[row, p - 1: p - 1 + r]
+                out[i] = flat[first + p - 1: first + p - 1 + r]
     missing = [i for i, v in enumerate(out) if v is None]
     if missing:
         raise ValueError(f"samples {missing[:8]} are in none of the micro-batches")

@@ -33,6 +33,19 @@ from megatron_dapo.mcore.step_settings import StepSettings, compute_device
 from megatron_dapo.mcore.train_step import compute_log_probs, train_step
 
 
+def check_packing(config) -> None:
+    """Packed micro-batches where they have been verified: the local spec's attention (sdpa_attention.py)
+    of a dense model. Refused, before any rollout, elsewhere."""
+    unverified = [what for what, bad in (
+        ("the Transformer Engine spec (its THD attention has not run on a GPU here)",
+         config.transformer_impl == "transformer_engine"),
+        ("an MoE model (the router's padding mask and routing replay on packed rows are untested)",
+         bool(config.num_moe_experts))) if bad]
+    if unverified:
+        raise ValueError(f"train.pack_sequences=true is not supported with {' or '.join(unverified)}; "
+                         "set train.pack_sequences=false")
+
+
 class MegatronActor:
     def __init__(self, cfg: DAPOConfig, hf_config, *, initialize: bool = True, **model_overrides):
         """``initialize``: start torch.distributed / megatron's parallel state here (False when
@@ -43,6 +56,8 @@ class MegatronActor:
         self.cfg, self.hf_config = cfg, hf_config
         use_dist_opt = cfg.parallel.use_distributed_optimizer
         chunks = build_model(hf_config, model=cfg.model, parallel=cfg.parallel, moe=cfg.moe, **model_overrides)
+        if cfg.train.pack_sequences:
+            check_packing(chunks[0].config)
         if cfg.moe.router_replay == "R3":
             install_replay(chunks)
         self.model = wrap_model(chunks, use_distributed_optimizer=use_dist_opt)

@@ -26,7 +26,8 @@ def batching_kwargs(model, settings: StepSettings) -> dict:
                 multiple=settings.pad_multiple,
                 count_multiple=pp if vpp else 1,  # the interleaved schedule needs M % PP == 0
                 # stages that cannot exchange shapes, or EP ranks gathering each other's tokens
-                uniform=(pp > 1 and not config.variable_seq_lengths) or same_shape_over_dp(config))
+                uniform=(pp > 1 and not config.variable_seq_lengths) or same_shape_over_dp(config),
+                packed=settings.pack_sequences)
 
 
 def same_shape_over_dp(config) -> bool:
@@ -57,6 +58,8 @@ def _dp_agreement(model, table: torch.Tensor, kwargs: dict) -> tuple[int, int]:
     if not same_shape_over_dp(model[0].config):
         return count, 0
     length = int(table[:, 4].max())
+    if kwargs["packed"]:  # [1, the budget]: each rank's own plan already packs into that shape
+        return count, length
     rows, _ = uniform_shape(length, max_tokens=kwargs["max_tokens"], micro_batch_size=kwargs["micro_batch_size"],
                             multiple=kwargs["multiple"])
     return max(count, -(-int(table[:, 3].max()) // rows)), length

@@ -8,8 +8,11 @@ and handles GQA itself (``enable_gqa``), so the local spec (the CPU path, and th
 without Transformer Engine) trains faster and in less memory; benchmarks/train_step.py measures
 it against HF transformers, whose Qwen2 uses the same kernel. The TE spec keeps TE's attention.
 
-Covers what the local spec meets here: causal self-attention without dropout, bias, packing,
-context parallelism or sliding windows; anything else is refused at build time, naming the field.
+Covers what the local spec meets here: causal self-attention without dropout, bias, context
+parallelism or sliding windows (anything else is refused at build time, naming the field), over
+padded rows or packed ones (THD: megatron hands [t, heads, d] and the samples' boundaries in
+``PackedSeqParams.cu_seqlens_q``): each sample attends causally within itself, one kernel call per
+sample, so no token sees its neighbour and nothing of size t x t is built.
 """
 
 from __future__ import annotations
@@ -51,11 +54,13 @@ class SDPAttention(torch.nn.Module):
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
         """query: [sq, b, heads, d]; key, value: [sk, b, kv_heads, d]; attention_mask: None or
-        megatron's bool mask (True = masked out), broadcastable to [b, heads, sq, sk].
-        Returns [sq, b, heads * d]."""
-        if attention_bias is not None or packed_seq_params is not None:
-            raise ValueError("SDPAttention takes neither attention_bias nor packed_seq_params "
-                             "(packed sequences need the Transformer Engine spec)")
+        megatron's bool mask (True = masked out), broadcastable to [b, heads, sq, sk]. Packed (THD):
+        query [t, heads, d], key and value [t, kv_heads, d]. Returns [sq, b, heads * d] ([t, heads * d]
+        packed)."""
+        if attention_bias is not None:
+            raise ValueError("SDPAttention takes no attention_bias")
+        if packed_seq_params is not None:
+            return self._packed(query, key, value, packed_seq_params)
         mask_type = attn_mask_type or self.attn_mask_type
         causal = mask_type == self._causal and attention_mask is None
         mask = None if attention_mask is None else ~attention_mask  # SDPA: True = attend
@@ -64,3 +69,20 @@ class SDPAttention(torch.nn.Module):
                                              scale=self.softmax_scale, enable_gqa=k.shape[1] != q.shape[1])
         sq, b = query.shape[:2]
         return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
+
+    def _packed(self, query, key, value, params):
+        if params.qkv_format != "thd" or params.cu_seqlens_kv is not None and not torch.equal(
+                params.cu_seqlens_q, params.cu_seqlens_kv):
+            raise ValueError(f"SDPAttention packs self-attention in THD only (qkv_format={params.qkv_format!r}, "
+                             "cu_seqlens_kv = cu_seqlens_q)")
+        bounds = params.cu_seqlens_q.tolist()
+        if bounds[0] != 0 or bounds[-1] != query.shape[0]:
+            raise ValueError(f"cu_seqlens_q must run from 0 to the {query.shape[0]} packed tokens, got "
+                             f"{bounds[0]} .. {bounds[-1]}")
+        gqa = key.shape[1] != query.shape[1]
+        pieces = []
+        for start, end in zip(bounds[:-1], bounds[1:]):
+            q, k, v = (t[start:end].transpose(0, 1)[None] for t in (query, key, value))  # [1, heads, n, d]
+            piece = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale, enable_gqa=gqa)
+            pieces.append(piece[0].transpose(0, 1).reshape(end - start, -1))
+        return torch.cat(pieces)

@@ -28,6 +28,7 @@ class StepSettings:
     pad_multiple: int
     chunk_tokens: int | None = None  # log-prob chunking; None = logprobs.py's memory default
     loss_scale_factor: float | None = None  # seq-mean-token-sum-norm's constant (Dr. GRPO)
+    pack_sequences: bool = False  # micro-batches of samples end to end (batching.py, packed)
 
     @classmethod
     def from_config(cls, cfg: DAPOConfig, vocab_size: int) -> "StepSettings":
@@ -40,6 +41,7 @@ class StepSettings:
                    max_tokens_per_micro_batch=cfg.train.max_tokens_per_micro_batch,
                    micro_batch_size=cfg.train.micro_batch_size,
                    chunk_tokens=cfg.train.logprob_chunk_tokens or None,
+                   pack_sequences=cfg.train.pack_sequences,
                    pad_multiple=pad_multiple(tensor_parallel=p.tensor_model_parallel_size,
                                              sequence_parallel=p.sequence_parallel,
                                              context_parallel=p.context_parallel_size,

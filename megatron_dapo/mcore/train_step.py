@@ -69,8 +69,10 @@ def _forward_step(settings: StepSettings, counts, scale: float, mismatch: bool, 
         else {}
     if model.config.moe_enable_routing_replay:  # R3: the engine's experts for this micro-batch's tokens
         replay(model, mb.routed_experts, tuple(mb.input_ids.shape), has_samples=has_tokens(mb))
+    packed = {"packed_seq_params": packed_seq_params(mb, device)} if mb.packed else {}
     with without_router_losses(model.config, off=bool(moe) and not has_tokens(mb)):
-        output = model(mb.input_ids.to(device), mb.position_ids.to(device), None, output_processor=processor, **moe)
+        output = model(mb.input_ids.to(device), mb.position_ids.to(device), None, output_processor=processor,
+                       **moe, **packed)
     if moe and isinstance(output, tuple):  # the last stage's (log_probs, entropy)
         output = TokenOutputs(*output)
     return output, functools.partial(_loss_func, settings, counts, scale, mismatch, mb)
@@ -114,17 +116,44 @@ def _loss_func(settings: StepSettings, counts, scale: float, mismatch: bool, mb:
     if non_loss_data:  # forward-only log-prob pass: collected per micro-batch, [2, b, s]
         return torch.stack([log_probs.detach(), entropy.detach()])
     device = log_probs.device
-    mask = mb.loss_mask.to(device)
-    weights = {} if mb.is_weights is None else {"is_weights": mb.is_weights.to(device)}
+    rows = _sequence_rows(mb, device)
+    mask = rows(mb.loss_mask.to(device))
+    weights = {} if mb.is_weights is None else {"is_weights": rows(mb.is_weights.to(device))}
     loss, metrics = settings.policy_loss_fn()(
-        log_probs, mb.old_log_probs.to(device), mb.advantages.to(device), mask,
+        rows(log_probs), rows(mb.old_log_probs.to(device)), rows(mb.advantages.to(device)), mask,
         global_num_tokens=counts[0], global_num_seqs=counts[1], **weights)
-    metrics["actor/entropy"] = (entropy.detach() * mask).sum() / counts[0].clamp(min=1.0)
+    metrics["actor/entropy"] = (rows(entropy.detach()) * mask).sum() / counts[0].clamp(min=1.0)
     if mismatch:
         metrics.update(mismatch_sums(mb, log_probs.detach()))
     # x (M x DP): undoes the schedule's 1 / M and DDP's 1 / DP (module docstring). A new tensor,
     # so the schedule's in-place division does not reach the metrics.
     return loss * scale, metrics
+
+
+def _sequence_rows(mb: MicroBatch, device):
+    """[b, s] per-position values -> the loss's layout, one row per sequence: the padded layout as it
+    is; a packed one gathered to [samples, longest R] (response positions; 0 past each length, where
+    the mask is 0 too), so that the per-sequence modes (seq-mean, GSPO's ratio) see sequences."""
+    if not mb.packed:
+        return lambda values: values
+    index = mb.response_index().to(device)
+    valid = index >= 0
+    flat_index = index.clamp(min=0)
+    return lambda values: torch.where(valid, values.reshape(-1)[flat_index], torch.zeros((), dtype=values.dtype,
+                                                                                        device=device))
+
+
+def packed_seq_params(mb: MicroBatch, device):
+    """megatron's PackedSeqParams (THD) of a packed micro-batch: its samples' boundaries for the
+    attention (sdpa_attention.py on the local spec, Transformer Engine's on the TE spec) and RoPE,
+    whose positions restart at each boundary."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    cu = mb.cu_seqlens()
+    longest = int((cu[1:] - cu[:-1]).max())
+    cu = cu.to(device)
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
+                           max_seqlen_kv=longest)
 
 
 def _run_schedule(model, mbs: list[MicroBatch], settings: StepSettings, counts, *, forward_only: bool,

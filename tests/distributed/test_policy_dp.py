@@ -5,11 +5,14 @@ longest responses, rank 1 six shorter ones, so the ranks hold different numbers 
 (37 and 44) and, under the token budget, of micro-batches (2 and 3: rank 0 pads with an empty one). The
 reference (each rank, redundantly) is the plain-torch update of tests/helpers/reference.py on the
 whole batch: token-mean over all 8 samples, clip, AdamW. After one megatron step (DDP + finalize
-+ optimizer, distributed optimizer on and off) the parameters equal the reference's.
++ optimizer, distributed optimizer on and off, and packed: 2 and 3 packs) the parameters equal the
+reference's.
 
 The test can fail: a per-rank token-mean averaged over the ranks (what dividing by the local
 count gives under DDP's averaging) makes a measurably different update, checked here too.
 """
+
+import dataclasses
 
 import pytest
 import torch
@@ -31,9 +34,10 @@ def _worker(rank):
     from megatron_dapo.mcore.train_step import train_step
 
     hf = tiny_hf_config()
-    for dist_opt in (True, False):
+    for dist_opt, packed in ((True, False), (False, False), (True, True)):
         cfg = tiny_cfg(dist_opt=dist_opt)
         actor = MegatronActor(cfg, hf)
+        actor.settings = dataclasses.replace(actor.settings, pack_sequences=packed)
         assert ps.get_data_parallel_world_size() == 2
         model = unwrap(actor.model[0])
         w0 = full_params([model])  # DP rank 0's initial weights (DDP broadcast them)
@@ -45,7 +49,7 @@ def _worker(rank):
         local = [xs[i] for i in SHARDS[rank]]
         tokens = [sum(xs[i].num_response_tokens if xs[i].loss_mask is None else float(xs[i].loss_mask.sum())
                       for i in shard) for shard in SHARDS]
-        plans = [len(make_micro_batches([xs[i] for i in shard], max_tokens=40, micro_batch_size=1))
+        plans = [len(make_micro_batches([xs[i] for i in shard], max_tokens=40, micro_batch_size=1, packed=packed))
                  for shard in SHARDS]
         assert tokens[0] != tokens[1] and plans[0] != plans[1], (tokens, plans)
 
@@ -57,7 +61,7 @@ def _worker(rank):
 
         assert m["actor/num_micro_batches"] == max(plans)
         assert m["actor/num_tokens"] == sum(tokens) == want["num_tokens"]
-        what = f"DP=2 (distributed optimizer {dist_opt})"
+        what = f"DP=2 (distributed optimizer {dist_opt}{', packed' if packed else ''})"
         assert_close(torch.tensor(m["actor/pg_loss"]), want["loss"], f"{what}: loss")
         assert_close(torch.tensor(m["actor/grad_norm"]), want["grad_norm"], f"{what}: grad norm")
         assert_close(torch.tensor(m["actor/entropy"]), want["entropy"], f"{what}: entropy")

@@ -12,7 +12,8 @@ Adam's first step is lr * g / (|g| + eps): with the default eps it is ~ lr * sig
 hide a wrong gradient scale, so these tests use adam_eps = 1e-2 (tests/helpers/policy.tiny_cfg),
 above most |g| of this tiny model (after clipping): the update is then close to lr * g / eps.
 clip_grad is set below the gradient norm so that the global norm (over TP / PP / DP) matters.
-The TP=2 layout also runs the mini-batch as 1 micro-batch and as 4 (token budget).
+The TP=2 layout also runs the mini-batch as 1 micro-batch and as 4 (token budget), and each layout
+packed (samples end to end, batching.py): 4 packs of the same budget, uniform [1, 56] under VPP.
 """
 
 import dataclasses
@@ -53,7 +54,7 @@ def _worker(rank):
     hf = tiny_hf_config(num_hidden_layers=4)
     base = tiny_cfg()
     initialize_parallel(hf, parallel=base.parallel, model=base.model, seed=3)
-    ref, fresh = build_model(hf, model=base.model, parallel=base.parallel)[0], None
+    ref = build_model(hf, model=base.model, parallel=base.parallel)[0]
     w0 = full_params([ref])
     xs = with_old_log_probs(ref, make_samples(0), seed=1)
     with torch.no_grad():
@@ -75,15 +76,22 @@ def _worker(rank):
         for i, s in enumerate(fw0["spans"]):
             assert_close(lps[i], fw0["lp"][i, s], f"{name}: log-probs of sample {i}")
             assert_close(ents[i], fw0["ent"][i, s], f"{name}: entropy of sample {i}")
-        variants = [("4 micro-batches", actor.settings)]
+        packed = dataclasses.replace(actor.settings, pack_sequences=True)
+        lps, ents = compute_log_probs(actor.model, xs, packed)
+        for i, s in enumerate(fw0["spans"]):
+            assert_close(lps[i], fw0["lp"][i, s], f"{name}, packed: log-probs of sample {i}")
+        variants = [("4 micro-batches", actor.settings, actor)]
+        others = [("4 packed micro-batches", packed)]  # each from the same start on an actor of its own
         if name == "tp2_sp":
-            fresh = MegatronActor(tiny_cfg(**kw), hf, initialize=False)  # same start, one micro-batch
+            others.append(("1 micro-batch", dataclasses.replace(actor.settings, max_tokens_per_micro_batch=0,
+                                                                micro_batch_size=len(xs))))
+        for what, settings in others:
+            fresh = MegatronActor(tiny_cfg(**kw), hf, initialize=False)
             load_weights(fresh, w0)
-            one = dataclasses.replace(actor.settings, max_tokens_per_micro_batch=0, micro_batch_size=len(xs))
-            variants.append(("1 micro-batch", one))
-        for (what, settings), a in zip(variants, [actor, fresh]):
+            variants.append((what, settings, fresh))
+        for what, settings, a in variants:
             m = train_step(a.model, a.optimizer, a.scheduler, xs, settings)
-            assert m["actor/num_micro_batches"] == (4 if what.startswith("4") else 1), m
+            assert m["actor/num_micro_batches"] == (1 if what.startswith("1") else 4), m
             assert_close(torch.tensor(m["actor/pg_loss"]), want["loss"], f"{name}, {what}: loss")
             assert_close(torch.tensor(m["actor/grad_norm"]), want["grad_norm"], f"{name}, {what}: grad norm")
             assert_close(torch.tensor(m["actor/entropy"]), want["entropy"], f"{name}, {what}: entropy")

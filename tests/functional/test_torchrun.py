@@ -1,7 +1,7 @@
-"""The CPU demo under torchrun from an empty run directory: at DP=2 and at Megatron TP=2 (two HF
-engine replicas either way) it starts, and its first step equals a one-process run's: the same
-evaluation, the same generated groups (rewards, lengths, dynamic-sampling counts, all exact), and
-the same update (to fp32 round-off)."""
+"""The CPU demo under torchrun from an empty run directory: at DP=2 and at Megatron TP=2 with packed
+micro-batches (two HF engine replicas either way) it starts, and its first step equals a padded
+one-process run's: the same evaluation, the same generated groups (rewards, lengths,
+dynamic-sampling counts, all exact), and the same update (to fp32 round-off)."""
 
 import subprocess
 import sys
@@ -32,7 +32,9 @@ def one_process(tmp_path_factory) -> list[dict]:
     return _train(tmp_path_factory.mktemp("one_process"), 1)
 
 
-@pytest.mark.parametrize("layout", [[], ["parallel.tensor_model_parallel_size=2"]], ids=["dp2", "tp2"])
+# TP=2 runs packed (train.pack_sequences): its records equal the padded one-process run's as well
+@pytest.mark.parametrize("layout", [[], ["parallel.tensor_model_parallel_size=2", "train.pack_sequences=true"]],
+                         ids=["dp2", "tp2_packed"])
 def test_torchrun_from_an_empty_dir_matches_one_process(one_process, tmp_path_factory, layout):
     records = _train(tmp_path_factory.mktemp("torchrun"), 2, *layout)
     assert [r["step"] for r in records] == [0, 1]
