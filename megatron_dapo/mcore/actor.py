@@ -34,13 +34,13 @@ from megatron_dapo.mcore.train_step import compute_log_probs, train_step
 
 
 def check_packing(config) -> None:
-    """Packed micro-batches where they have been verified: the local spec's attention (sdpa_attention.py)
-    of a dense model. Refused, before any rollout, elsewhere."""
+    """Packed micro-batches where they have been verified: the local spec's attention (sdpa_attention.py),
+    dense or MoE without expert parallelism. Refused, before any rollout, elsewhere."""
     unverified = [what for what, bad in (
         ("the Transformer Engine spec (its THD attention has not run on a GPU here)",
          config.transformer_impl == "transformer_engine"),
-        ("an MoE model (the router's padding mask and routing replay on packed rows are untested)",
-         bool(config.num_moe_experts))) if bad]
+        ("expert parallelism (packed micro-batches of one shape over the EP ranks are untested)",
+         bool(config.num_moe_experts) and config.expert_model_parallel_size > 1)) if bad]
     if unverified:
         raise ValueError(f"train.pack_sequences=true is not supported with {' or '.join(unverified)}; "
                          "set train.pack_sequences=false")

@@ -196,3 +196,24 @@ def test_a_micro_batch_of_padding_replays_spread_experts_and_counts_nothing(acto
     assert metrics["moe/route_agreement"] == 1.0  # the samples' own routes; the padding counted nowhere
     last = seen[-1]  # the padding micro-batch's replay, last layer
     assert torch.equal(last, (torch.arange(len(last))[:, None] * K + torch.arange(K)) % EXPERTS)
+
+
+def test_packed_micro_batches_replay_the_routes_of_each_sample(actor):
+    """train.pack_sequences: the samples end to end, each sample's routes at its offset (batching.py) and
+    -1 at its last token; the replayed log-probs equal transformers' with its gates forced, sample by
+    sample, and the agreement counts the same pairs as the padded layout does."""
+    model = tiny_moe_model(seed=3)
+    changed, num_changed, pairs = _samples(model, changed=True)
+    actor.settings = dataclasses.replace(actor.settings, pack_sequences=True)
+    from megatron_dapo.mcore.micro_batches import log_prob_micro_batches
+
+    mbs = log_prob_micro_batches(actor.model, changed, actor.settings)
+    assert all(mb.packed for mb in mbs) and max(len(mb.sample_index) for mb in mbs) == 3  # several per row
+    for x, lp in zip(changed, actor.get_inference_log_probs(changed)):
+        forced = tiny_moe_model(seed=3)
+        _forced(forced, torch.cat([x.routed_experts.view(-1, LAYERS, K), torch.arange(K).expand(1, LAYERS, K)]))
+        torch.testing.assert_close(lp, _hf_log_probs(forced, x, 0.8), atol=1e-5, rtol=0)
+    old = actor.get_inference_log_probs(changed)
+    with_old = [dataclasses.replace(x, old_log_probs=lp) for x, lp in zip(changed, old)]
+    metrics = actor.get_loss_and_metrics(with_old, forward_only=True)
+    assert metrics["moe/route_agreement"] == pytest.approx(1 - num_changed / pairs, abs=1e-6)

@@ -164,3 +164,27 @@ def test_an_all_padding_micro_batch_adds_no_nan(actor):
         assert torch.isfinite(torch.as_tensor(m["actor/grad_norm"]))
     finally:
         _restore(actor, weights)
+
+
+def test_packed_micro_batches_make_the_padded_update_with_the_router_losses(actor):
+    """The same micro-batches of 4 samples (no budget), padded rows against packed ones
+    (train.pack_sequences), both to a multiple of 16 (a packed row ends in padding too): the router's
+    load-balancing loss (padding kept out of it either way), the policy metrics and every gradient are
+    the same."""
+    from megatron_dapo.mcore.train_step import train_step
+
+    xs = _samples(actor)
+    weights = [p.detach().clone() for p in actor.model[0].parameters()]
+    got = {}
+    for packed in (False, True):
+        _restore(actor, weights)
+        settings = dataclasses.replace(actor.settings, pack_sequences=packed, pad_multiple=16)
+        m = train_step(actor.model, actor.optimizer, actor.scheduler, xs, settings)
+        got[packed] = m, [p.main_grad.clone() for p in actor.model[0].parameters()]
+    _restore(actor, weights)
+    (m_pad, g_pad), (m_pack, g_pack) = got[False], got[True]
+    assert m_pad["moe/load_balancing_loss"] > 0 and m_pack["actor/num_micro_batches"] == 2
+    for key, want in m_pad.items():
+        assert m_pack[key] == pytest.approx(want, rel=1e-5, abs=1e-7), key
+    for (name, _), a, b in zip(policy.unwrap(actor.model[0]).named_parameters(), g_pad, g_pack):
+        torch.testing.assert_close(b, a, atol=1e-7, rtol=1e-4, msg=name)

@@ -96,8 +96,10 @@ def test_packing_is_refused_where_it_has_not_run():
 
     from megatron_dapo.mcore.actor import check_packing
 
-    check_packing(SimpleNamespace(transformer_impl="local", num_moe_experts=None))
+    check_packing(SimpleNamespace(transformer_impl="local", num_moe_experts=None, expert_model_parallel_size=1))
+    check_packing(SimpleNamespace(transformer_impl="local", num_moe_experts=4, expert_model_parallel_size=1))
     with pytest.raises(ValueError, match="not supported with the Transformer Engine spec .*train.pack_sequences=false"):
-        check_packing(SimpleNamespace(transformer_impl="transformer_engine", num_moe_experts=None))
-    with pytest.raises(ValueError, match="not supported with an MoE model"):
-        check_packing(SimpleNamespace(transformer_impl="local", num_moe_experts=4))
+        check_packing(SimpleNamespace(transformer_impl="transformer_engine", num_moe_experts=None,
+                                      expert_model_parallel_size=1))
+    with pytest.raises(ValueError, match="not supported with expert parallelism"):
+        check_packing(SimpleNamespace(transformer_impl="local", num_moe_experts=4, expert_model_parallel_size=2))
