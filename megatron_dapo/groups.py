@@ -6,7 +6,6 @@ free of megatron: a generation batch, split over the rollout replicas, becomes `
 of groups becomes the trainer's ``Sample`` list with GRPO advantages.
 """
 
-import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
@@ -36,11 +35,12 @@ class Group:
 
     def to_json(self) -> dict:
         """Plain JSON (a held group travels in the trainer state of a checkpoint)."""
-        return dataclasses.asdict(self)
+        return {"prompt_index": self.prompt_index, "rollouts": [r.to_json() for r in self.rollouts],
+                "acc": list(self.acc), "scores": list(self.scores), "rewards": list(self.rewards)}
 
     @classmethod
     def from_json(cls, data: dict) -> "Group":
-        return cls(**{**data, "rollouts": [Rollout(**r) for r in data["rollouts"]]})
+        return cls(**{**data, "rollouts": [Rollout.from_json(r) for r in data["rollouts"]]})
 
 
 def score_rollouts(outputs: list[list[Rollout]], truths: list[str], *, tokenizer, pool,
@@ -182,13 +182,8 @@ def to_samples(groups: list[Group], cfg: DAPOConfig):
 
 
 def routes_of(rollout: Rollout) -> torch.Tensor | None:
-    """The engine's routes of a rollout as [tokens fed, layers x k] (Rollout.routed_experts), None without."""
-    if not rollout.routed_experts:
-        return None
-    fed = len(rollout.prompt_ids) + len(rollout.response_ids) - 1
-    if len(rollout.routed_experts) % fed:
-        raise ValueError(f"{len(rollout.routed_experts)} routed experts for {fed} tokens fed to the engine")
-    return torch.tensor(rollout.routed_experts, dtype=torch.int16).view(fed, -1)
+    """The engine's routes of a rollout as [tokens fed, layers x k] int16 (Rollout.routed_experts), None without."""
+    return None if rollout.routed_experts is None else rollout.routed_experts.tensor()
 
 
 def version_lag(groups: list[Group], version: int) -> dict[str, float]:

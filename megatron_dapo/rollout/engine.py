@@ -21,13 +21,14 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal, Protocol, runtime_checkable
 
 import numpy as np
 import torch
 
 from megatron_dapo.registry import Registry
+from megatron_dapo.rollout.routes import Routes
 
 FinishReason = Literal["stop", "length"]
 
@@ -108,16 +109,36 @@ class Rollout:
     pieces: list[list[int]] = field(default_factory=list)
     """rollout.partial: [weight version, tokens] of each piece in order (the first is weight_version's);
     empty: the response is one piece, of weight_version (rollout/partial.py)."""
-    routed_experts: list[int] = field(default_factory=list)
+    routed_experts: Routes | None = None
     """An MoE model's routes, when the engine was asked for them (moe.router_replay=R3): the experts each
-    layer sent each token to, flat over [prompt + response - 1 tokens, layers, top-k] (the last token is
-    never fed to the engine); empty otherwise."""
+    layer sent each token to, [prompt + response - 1 tokens, layers x top-k] (the last token is never
+    fed to the engine), one byte an expert (rollout/routes.py); None otherwise."""
 
     def __post_init__(self):
         if self.logprobs and len(self.logprobs) != len(self.response_ids):
             raise ValueError(f"{len(self.logprobs)} logprobs for {len(self.response_ids)} response tokens")
         if self.finish_reason not in ("stop", "length"):
             raise ValueError(f"finish_reason must be 'stop' or 'length', got {self.finish_reason!r}")
+        fed = len(self.prompt_ids) + len(self.response_ids) - 1
+        if self.routed_experts is not None and self.routed_experts.tokens != fed:
+            raise ValueError(f"routes for {self.routed_experts.tokens} tokens, not the {fed} fed to the engine "
+                             "(prompt + response - 1)")
+
+    def to_json(self) -> dict:
+        """Plain JSON (a checkpoint's trainer state holds held, carried and asked-for-ahead rollouts)."""
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["routed_experts"] = None if self.routed_experts is None else self.routed_experts.to_json()
+        return out
+
+    @classmethod
+    def from_json(cls, data: dict) -> "Rollout":
+        routes = data.get("routed_experts")
+        if isinstance(routes, list):  # written before routes were packed: flat ints, [] for none
+            fed = len(data["prompt_ids"]) + len(data["response_ids"]) - 1
+            routes = Routes.of(routes, fed) if routes else None
+        elif routes is not None:
+            routes = Routes.from_json(routes)
+        return cls(**{**data, "routed_experts": routes})
 
 
 @dataclass(frozen=True, kw_only=True)

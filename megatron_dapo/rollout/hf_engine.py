@@ -46,6 +46,7 @@ from megatron_dapo.rollout.engine import (
     sequence_seed,
 )
 from megatron_dapo.rollout.gen_progress import GenerationCounter, ProgressSink
+from megatron_dapo.rollout.routes import Routes
 
 
 class HFEngine:
@@ -198,11 +199,11 @@ class HFEngine:
                     if not done_B[i]:
                         routes[r].append(fed[i])  # [1, layers, k]
 
-        flat = [torch.cat(rs).flatten().tolist() for rs in routes] if routes is not None else [[]] * num_seqs
+        packed = [_routes(torch.cat(rs)) for rs in routes] if routes is not None else [None] * num_seqs
         return [
             Rollout(prompt_ids=list(p), response_ids=r, logprobs=lp if params.logprobs else [],
                     finish_reason="stop" if done else "length", routed_experts=re)
-            for p, r, lp, done, re in zip(prompts, responses, logprobs, finished, flat)
+            for p, r, lp, done, re in zip(prompts, responses, logprobs, finished, packed)
         ]
 
     def _forward(self, ids_BS: torch.Tensor, mask_BL: torch.Tensor, pos_BS: torch.Tensor,
@@ -361,6 +362,11 @@ def _model_eos_ids(model: torch.nn.Module) -> tuple[int, ...]:
         if eos is not None:
             return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
     return ()
+
+
+def _routes(fed: torch.Tensor) -> Routes:
+    """A response's recorded routes, [tokens fed, layers, k] -> Rollout.routed_experts."""
+    return Routes.of(fed, len(fed))
 
 
 class RouteRecorder:

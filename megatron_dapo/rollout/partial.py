@@ -21,7 +21,6 @@ depend on how the engines split them.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -36,11 +35,11 @@ class Carried:
     rollouts: list[Rollout]
 
     def to_json(self) -> dict:
-        return {"prompt_index": self.prompt_index, "rollouts": [dataclasses.asdict(r) for r in self.rollouts]}
+        return {"prompt_index": self.prompt_index, "rollouts": [r.to_json() for r in self.rollouts]}
 
     @classmethod
     def from_json(cls, data: dict) -> "Carried":
-        return cls(prompt_index=int(data["prompt_index"]), rollouts=[Rollout(**r) for r in data["rollouts"]])
+        return cls(prompt_index=int(data["prompt_index"]), rollouts=[Rollout.from_json(r) for r in data["rollouts"]])
 
 
 def is_cut(rollout: Rollout, max_response_length: int) -> bool:

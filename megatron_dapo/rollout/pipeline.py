@@ -29,7 +29,6 @@ budget spent) cancels what is in flight (``drop``).
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -55,7 +54,7 @@ class GenRequest:
 
     def to_json(self) -> dict:
         """``rollouts`` null: released at a stop, asked for again at resume."""
-        rollouts = None if self.rollouts is None else [[dataclasses.asdict(r) for r in g] for g in self.rollouts]
+        rollouts = None if self.rollouts is None else [[r.to_json() for r in g] for g in self.rollouts]
         return {"step": self.step, "indices": self.indices, "seed": self.seed, "rollouts": rollouts,
                 "carried": [c.to_json() for c in self.carried]}
 
@@ -63,7 +62,7 @@ class GenRequest:
     def from_json(cls, data: dict) -> "GenRequest":
         saved = data["rollouts"]
         return cls(step=int(data["step"]), indices=list(data["indices"]), seed=int(data["seed"]),
-                   rollouts=None if saved is None else [[Rollout(**r) for r in group] for group in saved],
+                   rollouts=None if saved is None else [[Rollout.from_json(r) for r in group] for group in saved],
                    carried=[Carried.from_json(c) for c in data.get("carried", ())])
 
 

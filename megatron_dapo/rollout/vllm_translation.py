@@ -27,6 +27,7 @@ from typing import Any, Literal
 
 from megatron_dapo.errors import ConfigError
 from megatron_dapo.rollout.engine import Rollout, SamplingParams
+from megatron_dapo.rollout.routes import Routes
 
 LogprobsMode = Literal["raw_logprobs", "processed_logprobs"]
 
@@ -70,21 +71,21 @@ def to_vllm_params(vllm: Any, params: SamplingParams, *, seed: int,
 def to_rollout(prompt_ids: Sequence[int], completion: Any, want_logprobs: bool, *, routes: bool = False) -> Rollout:
     """One vLLM CompletionOutput -> Rollout. ``routes``: the engine was built to return routed experts;
     vLLM's ``routed_experts`` [tokens executed, layers, k] (prompt + response - 1, as the HF engine's)
-    becomes Rollout.routed_experts, flat."""
+    becomes Rollout.routed_experts (rollout/routes.py)."""
     token_ids = list(completion.token_ids)
     if completion.finish_reason not in ("stop", "length"):
         raise RuntimeError(f"vLLM finished a response with {completion.finish_reason!r} (aborted?)")
     logprobs: list[float] = []
     if want_logprobs:
         logprobs = [float(pos[tok].logprob) for tok, pos in zip(token_ids, completion.logprobs)]
-    routed: list[int] = []
+    routed = None
     if routes:
         fed = len(prompt_ids) + len(token_ids) - 1
         got = getattr(completion, "routed_experts", None)
         if got is None or len(got) != fed:
             raise RuntimeError(f"vLLM returned routed experts for {None if got is None else len(got)} tokens, "
                                f"not the {fed} it was fed (prompt + response - 1)")
-        routed = [int(e) for e in got.reshape(-1).tolist()]
+        routed = Routes.of(got, fed)
     return Rollout(prompt_ids=list(prompt_ids), response_ids=token_ids, logprobs=logprobs,
                    finish_reason=completion.finish_reason, routed_experts=routed)
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 
@@ -57,7 +58,8 @@ def test_engine_routes_are_the_gates_choice_for_every_fed_token():
     assert len({len(r.response_ids) for r in out}) > 2
     for r in out:
         fed = r.prompt_ids + r.response_ids[:-1]
-        got = torch.tensor(r.routed_experts).view(len(fed), LAYERS, K)
+        assert r.routed_experts.experts.dtype == np.uint8  # 4 experts: one byte each
+        got = r.routed_experts.tensor().view(len(fed), LAYERS, K)
         want = _routes_alone(model, fed)
         assert torch.equal(got.sort(-1).values, want.sort(-1).values), (r.prompt_ids, r.response_ids)
 
@@ -65,7 +67,7 @@ def test_engine_routes_are_the_gates_choice_for_every_fed_token():
 def test_no_routes_unless_asked():
     engine = HFEngine(tiny_moe_model(), eos_token_ids=[7])
     (r,), = engine.generate([[1, 2, 3]], 1, SamplingParams(max_tokens=4, seed=1))
-    assert r.routed_experts == []
+    assert r.routed_experts is None
 
 
 def _forced(model, routes: torch.Tensor):

@@ -75,10 +75,10 @@ def test_to_rollout_rejects_aborted():
 
 
 @needs_vllm
-def test_routed_experts_become_the_rollouts_flat_routes():
+def test_routed_experts_become_the_rollouts_routes():
     """vLLM's CompletionOutput.routed_experts [prompt + response - 1, layers, k] (uint8 for <= 256 experts)
-    -> Rollout.routed_experts, flat in that order, as the HF engine gives them; a count that is not the
-    tokens fed is refused (what the trainer would replay misaligned)."""
+    -> Rollout.routed_experts, [tokens, layers x k] in that order, one byte an expert, as the HF engine
+    gives them; a count that is not the tokens fed is refused (what the trainer would replay misaligned)."""
     import numpy as np
     from vllm.outputs import CompletionOutput
 
@@ -86,8 +86,9 @@ def test_routed_experts_become_the_rollouts_flat_routes():
     out = CompletionOutput(index=0, text="", token_ids=[5, 6, 7], cumulative_logprob=None, logprobs=None,
                            routed_experts=routes, finish_reason="stop")
     rollout = ve.to_rollout([1, 2], out, False, routes=True)
-    assert rollout.routed_experts == routes.reshape(-1).tolist()
-    assert ve.to_rollout([1, 2], out, False).routed_experts == []  # not asked for: none kept
+    assert rollout.routed_experts.experts.dtype == np.uint8
+    assert rollout.routed_experts.experts.reshape(-1).tolist() == routes.reshape(-1).tolist()
+    assert ve.to_rollout([1, 2], out, False).routed_experts is None  # not asked for: none kept
     short = CompletionOutput(index=0, text="", token_ids=[5, 6, 7], cumulative_logprob=None, logprobs=None,
                              routed_experts=routes[:3], finish_reason="stop")
     with pytest.raises(RuntimeError, match="routed experts for 3 tokens, not the 4 it was fed"):
