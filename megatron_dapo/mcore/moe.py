@@ -74,13 +74,13 @@ def logged_router_losses(config) -> list[str]:
     return names
 
 
-def moe_metrics(config, real_microbatches: int, device) -> dict[str, torch.Tensor]:
+def moe_metrics(config, real_microbatches: int, microbatches: int, device) -> dict[str, torch.Tensor]:
     """``router_losses`` and, under R3, moe/route_agreement: the fraction of (token, layer) pairs whose
     replayed experts the trainer's router would have chosen itself, over the update's forwards (a TP rank
     counts its sequence-parallel slice: summed over TP, PP and DP). Collective over TP, PP and DP."""
     from megatron.core import parallel_state as ps
 
-    out = router_losses(config, real_microbatches, device)
+    out = router_losses(config, real_microbatches, microbatches, device)
     if config.moe_enable_routing_replay:
         counts = AGREEMENT.take(device)
         for group in (ps.get_tensor_model_parallel_group(), ps.get_pipeline_model_parallel_group(),
@@ -91,34 +91,44 @@ def moe_metrics(config, real_microbatches: int, device) -> dict[str, torch.Tenso
     return out
 
 
-def router_losses(config, real_microbatches: int, device) -> dict[str, torch.Tensor]:
+def router_losses(config, real_microbatches: int, microbatches: int, device) -> dict[str, torch.Tensor]:
     """The update's router losses before their coefficients, each the mean over the model's layers and the
     micro-batches with a real token of every DP rank (``real_microbatches``: this rank's); the tracker is
     cleared for the next schedule. Under sequence parallelism a TP rank's load-balancing loss is its
     slice's share (summed over TP, as megatron's own report does) and its z-loss a mean over its slice
-    (averaged over TP). Collective over TP, PP and DP (every rank of them calls it)."""
+    (averaged over TP). The global load-balancing loss is one loss per slot of the schedule shared over
+    TP x DP (router.py ``_apply_global_aux_loss``): summed over them, then the mean over the
+    ``microbatches`` slots (as many on every DP rank), micro-batches of padding only included. Collective
+    over TP, PP and DP (every rank of them calls it)."""
     from megatron.core import parallel_state as ps
     from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 
     tracker = get_moe_metrics_tracker()
     names = logged_router_losses(config)
-    sums = torch.zeros(len(names) + 1, dtype=torch.float64, device=device)  # + the real micro-batches
+    sums = torch.zeros(len(names) + 2, dtype=torch.float64, device=device)  # + real micro-batches, slots
     for i, name in enumerate(names):
         for kind in TRACKED[name]:
             if (entry := tracker.metrics.get(kind)) is not None:
                 sums[i] += entry.values.detach().double().sum().to(device)
     tracker.clear()
-    tp = ps.get_tensor_model_parallel_group()
+    tp, pp, dp = (ps.get_tensor_model_parallel_group(), ps.get_pipeline_model_parallel_group(),
+                  ps.get_data_parallel_group())
     if dist.get_world_size(tp) > 1:
         dist.all_reduce(sums, group=tp)
-        sums[:-1] /= torch.tensor([1.0 if n == "moe/load_balancing_loss" else dist.get_world_size(tp)
-                                   for n in names], dtype=torch.float64, device=device)
-    sums[-1] += real_microbatches / max(dist.get_world_size(ps.get_pipeline_model_parallel_group()), 1)
-    # a rank holds its stage's layers: sum the stages (each adds 1 / PP of its micro-batch count); sum DP
-    for group in (ps.get_pipeline_model_parallel_group(), ps.get_data_parallel_group()):
+        sums[:len(names)] /= torch.tensor([1.0 if n == "moe/load_balancing_loss" else dist.get_world_size(tp)
+                                           for n in names], dtype=torch.float64, device=device)
+    # a rank holds its stage's layers: sum the stages (each adds 1 / PP of its micro-batch count) and DP
+    # (the real micro-batches of every rank; the slots, as many on each DP rank, once)
+    stages = max(dist.get_world_size(pp), 1)
+    sums[-2] += real_microbatches / stages
+    sums[-1] += microbatches / (stages * max(dist.get_world_size(dp), 1))
+    for group in (pp, dp):
         if dist.get_world_size(group) > 1:
             dist.all_reduce(sums, group=group)
-    per = sums[:-1] / (config.num_layers * sums[-1].clamp(min=1))
+    shared = config.moe_router_load_balancing_type == "global_aux_loss"
+    count = torch.stack([sums[-1] if shared and n == "moe/load_balancing_loss" else sums[-2] for n in names]) \
+        if names else sums[:0]
+    per = sums[:len(names)] / (config.num_layers * count.clamp(min=1))
     return {name: per[i].float().cpu() for i, name in enumerate(names)}
 
 

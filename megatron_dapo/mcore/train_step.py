@@ -222,7 +222,7 @@ def train_step(model: list, optimizer, scheduler, samples: list[Sample], setting
     metrics = pending.known
     if model[0].config.num_moe_experts:  # the router's own losses (none in a forward-only pass), R3's agreement
         clear_replay(model)
-        metrics.update(moe_metrics(model[0].config, sum(map(has_tokens, mbs)), compute_device()))
+        metrics.update(moe_metrics(model[0].config, sum(map(has_tokens, mbs)), len(mbs), compute_device()))
     metrics["actor/num_tokens"], metrics["actor/num_seqs"] = counts[0], counts[1]
     metrics["actor/num_micro_batches"] = torch.tensor(float(len(mbs)))
     if not forward_only:

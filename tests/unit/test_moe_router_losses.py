@@ -135,7 +135,7 @@ def test_router_losses_is_the_mean_over_layers_and_micro_batches(actor):
                 tracker.record(name, torch.tensor(v), layer_number=layer, num_layers=2)
     config = SimpleNamespace(num_layers=2, moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-3,
                              moe_z_loss_coeff=1e-4)
-    out = router_losses(config, real_microbatches=2, device="cpu")
+    out = router_losses(config, real_microbatches=2, microbatches=2, device="cpu")
     assert set(out) == {"moe/load_balancing_loss", "moe/z_loss"}
     assert out["moe/load_balancing_loss"].item() == pytest.approx(15.0 / 4)
     assert out["moe/z_loss"].item() == pytest.approx(1.75 / 4)
@@ -143,7 +143,7 @@ def test_router_losses_is_the_mean_over_layers_and_micro_batches(actor):
     tracker.record("load_balancing_loss", torch.tensor(3.0), layer_number=1, num_layers=2)
     off = SimpleNamespace(num_layers=2, moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
                           moe_z_loss_coeff=None)
-    assert router_losses(off, real_microbatches=1, device="cpu") == {}  # nothing turned on, nothing logged
+    assert router_losses(off, real_microbatches=1, microbatches=1, device="cpu") == {}  # nothing on, nothing logged
     assert all(not e.values.any() for e in tracker.metrics.values())
 
 

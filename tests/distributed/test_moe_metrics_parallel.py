@@ -17,6 +17,11 @@ tokens on every rank (global counts over TP) and equals the reference at both la
 
 Rollout routing replay's agreement (moe/route_agreement, random expert pairs replayed) is the same at
 both layouts: counts of (token, layer) pairs summed over TP and DP.
+
+The global load-balancing loss (moe.load_balancing=global_aux_loss) at DP=2 with unequal shares, one
+rank running micro-batches of padding only, against megatron's definition written out (its own test
+below). It failed before the metric counted the schedule's slots: the DP ranks' real micro-batches
+(4 there, against 3 slots) under-reported it by 3/4, and by 1/DP whenever the ranks' counts are equal.
 """
 
 import json
@@ -129,3 +134,69 @@ def test_router_metrics_over_tp_and_dp_equal_transformers(tmp_path):
                 assert losses["moe/z_loss"] == pytest.approx(z, rel=1e-5), (layout, batch)
     agreement = [got[f"{layout} ragged r3"]["moe/route_agreement"] for layout in LAYOUTS]
     assert 0.05 < agreement[0] < 0.95 and agreement[1] == pytest.approx(agreement[0], rel=1e-6)
+
+
+GLOBAL_SHARDS = ([0], [1, 2, 3])  # rank 0: one sample, then micro-batches of padding only; rank 1: three
+
+
+def _global_worker(rank, hf_dir, out_dir):
+    import dataclasses
+
+    from megatron_dapo.mcore import destroy_parallel
+    from megatron_dapo.mcore.actor import MegatronActor
+    from megatron_dapo.mcore.train_step import train_step
+
+    cfg = _cfg("tp1_dp2", replay=False)
+    cfg = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, load_balancing="global_aux_loss", z_loss_coeff=0.0),
+                              train=dataclasses.replace(cfg.train, micro_batch_size=1))
+    actor = MegatronActor(cfg, json.loads((hf_dir / "config.json").read_text()))
+    assert actor.load_hf_weights(str(hf_dir)) > 0
+    xs = _samples(BATCHES["ragged"])
+    m = train_step(actor.model, actor.optimizer, actor.scheduler, [xs[i] for i in GLOBAL_SHARDS[rank]],
+                   actor.settings)
+    (out_dir / f"global{rank}.json").write_text(json.dumps(m))
+    destroy_parallel(process_group=False)
+
+
+@torch.no_grad()
+def _global_reference(model, slots) -> float:
+    """megatron's global load-balancing loss (router.py ``_apply_global_aux_loss``), written out: in slot s
+    of the schedule, every DP rank's micro-batch (None: padding only) adds its tokens to the counts per
+    expert summed over DP, whose running mean over the slots so far weighs the probabilities of the
+    slot's tokens over all ranks; the mean over slots and layers."""
+    per_layer: dict[int, list[tuple[torch.Tensor, torch.Tensor, int]]] = {}
+    for s, micro_batches in enumerate(slots):
+        for layer in range(LAYERS):
+            per_layer.setdefault(layer, []).append((torch.zeros(E), torch.zeros(E), 0))
+        for x in (mb for mb in micro_batches if mb is not None):
+            ids = torch.cat([x.prompt_ids, x.response_ids])[None]
+            for layer, logits in enumerate(model(input_ids=ids, output_router_logits=True).router_logits):
+                probs = torch.softmax(logits.float(), -1)
+                top = probs.topk(K, -1).indices.reshape(-1)
+                routed = torch.zeros(E).scatter_add_(0, top, torch.ones(len(top)))
+                p, c, t = per_layer[layer][s]
+                per_layer[layer][s] = (p + probs.sum(0), c + routed, t + len(probs))
+    losses = []
+    for layer, per_slot in per_layer.items():
+        counts = torch.zeros(E)
+        for s, (probs, routed, tokens) in enumerate(per_slot):
+            counts += routed
+            losses.append(E * (probs * counts / (s + 1)).sum() / (K * tokens * tokens))
+    return torch.stack(losses).mean().item()
+
+
+def test_the_global_load_balancing_loss_over_dp_with_micro_batches_of_padding_only(tmp_path):
+    """moe.load_balancing=global_aux_loss at DP=2, the ranks' shares unequal (one micro-batch against three):
+    rank 0 runs two micro-batches of padding only, which join the loss's all-reduce and add no token. The
+    update is finite and moe/load_balancing_loss equals megatron's definition written out on
+    transformers' router logits: each slot's loss is shared over the DP ranks (summed), averaged over
+    the slots of the schedule."""
+    hf_dir = save_tiny_moe(tmp_path / "hf", seed=3)
+    spawn(_global_worker, hf_dir, tmp_path)
+    got = [json.loads((tmp_path / f"global{r}.json").read_text()) for r in range(2)]
+    assert got[0] == got[1] and got[0]["actor/num_micro_batches"] == 3
+    assert torch.isfinite(torch.tensor(got[0]["actor/grad_norm"]))
+    xs = _samples(BATCHES["ragged"])
+    slots = [[xs[0] if s == 0 else None, xs[1 + s]] for s in range(3)]
+    want = _global_reference(tiny_moe_model(seed=3), slots)
+    assert got[0]["moe/load_balancing_loss"] == pytest.approx(want, rel=1e-5)
