@@ -3,6 +3,8 @@ start-up rule will ask for, and what vLLM's CPU build supports. Re-exported by v
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from megatron_dapo.errors import ConfigError
@@ -49,3 +51,15 @@ def check_cpu_head_dim(head_dim: int, model_path: str) -> None:
         raise ConfigError(f"{model_path}: head_dim {head_dim} is not supported by vLLM's CPU attention "
                          f"(supported: {list(CPU_HEAD_SIZES)}); use a model with one of those head sizes "
                          "(hidden_size / num_attention_heads), or rollout.engine=hf")
+
+
+def check_cpu_moe_sync(hf_config: Any, model_path: str) -> None:
+    """A training run's engine takes in-place weight syncs. vLLM's CPU build packs an MoE model's experts
+    for its kernels once, after loading (fused_moe/experts/cpu_moe.py, ``cpu_prepack_moe_weight``): its
+    logits then equal transformers' (1e-6 on a tiny Qwen3-MoE), but after an in-place sync its rollouts'
+    log-probs were 0.043 off the synced model's, the experts left at a mix of the weights
+    (tests/unit/test_rollout_vllm_qwen3_moe.py). Refused on CPU, before the engine is built."""
+    if getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", None):
+        raise ConfigError(f"{model_path}: rollout.engine=vllm on CPU cannot train an MoE model: vLLM's CPU build "
+                          "packs the experts once at load and an in-place weight sync does not reach them (its "
+                          "rollouts would come from stale experts); use rollout.engine=hf on CPU")

@@ -83,6 +83,7 @@ from megatron_dapo.rollout.placement import replica_layout
 from megatron_dapo.rollout.vllm_checks import (
     check_cpu_head_dim,
     check_cpu_kv_cache,
+    check_cpu_moe_sync,
     check_device_memory,
     device_memory,
 )
@@ -287,6 +288,8 @@ class VLLMEngine:
         """
         kwargs = rollout_kwargs(spec.rollout)
         on_gpu = torch.cuda.is_available()
+        if not on_gpu:
+            check_cpu_moe_sync(checkpoint_hf_config(spec.model_path), spec.model_path)
         kwargs.update(mode=mode, dtype=vllm_dtype(spec.dtype, on_gpu), seed=spec.seed, max_model_len=spec.max_model_len,
                       load_format="dummy" if mode == "colocated" else "auto",
                       return_routed_experts=spec.return_routed_experts)

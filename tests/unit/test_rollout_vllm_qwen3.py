@@ -10,7 +10,8 @@ import importlib.util
 import pytest
 import torch
 
-from megatron_dapo.rollout import SamplingParams, score_logprobs, sync_weights
+from megatron_dapo.rollout import SamplingParams, sync_weights
+from tests.helpers.forced_logprobs import max_logprob_diff
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
@@ -53,25 +54,21 @@ def engine(tmp_path_factory):
         eng.shutdown()
 
 
-def _max_diff(model, rollouts) -> float:
-    forced = score_logprobs(model, [r.prompt_ids for r in rollouts], [r.response_ids for r in rollouts], 1.0)
-    return max(abs(a - b) for r, f in zip(rollouts, forced) for a, b in zip(r.logprobs, f, strict=True))
-
-
 def test_vllm_generates_qwen3_and_a_weight_sync_makes_it_the_new_model(engine):
     eng, old = engine
     params = SamplingParams(temperature=1.0, max_tokens=24, seed=1)
     out = [r for group in eng.generate(PROMPTS, n=2, params=params) for r in group]
     assert len(out) == 2 * len(PROMPTS) and all(r.response_ids for r in out)
-    assert _max_diff(old, out) < TOL
+    assert max_logprob_diff(old, out) < TOL
     new = tiny_qwen3(1)
     stats = sync_weights(eng, new.state_dict().items(), bucket_bytes=64 * 128 * 4)
     assert stats["num_buckets"] > 6
     out = [r for group in eng.generate(PROMPTS, n=2, params=params) for r in group]
-    assert _max_diff(new, out) < TOL and _max_diff(old, out) > 100 * TOL
+    assert max_logprob_diff(new, out) < TOL and max_logprob_diff(old, out) > 100 * TOL
     # a q_norm alone: the engine reads the synced per-head norm, not a copy it made at load
     norm = new.model.layers[1].self_attn.q_norm.weight.detach() * 1.7
     eng.update_weights([("model.layers.1.self_attn.q_norm.weight", norm)])
     with torch.no_grad():
         new.model.layers[1].self_attn.q_norm.weight.copy_(norm)
-    assert _max_diff(new, [r for g in eng.generate(PROMPTS, n=1, params=params) for r in g]) < TOL
+    assert max_logprob_diff(new, [r for g in eng.generate(PROMPTS, n=1, params=params) for r in g]) < TOL
+
