@@ -31,6 +31,11 @@ each chunk's logits exist instead of recomputing them in backward, a quarter les
 work, and skips positions outside the loss mask; backward checks that the gradient that arrived
 is the hint times one scalar (the scaling above) and recomputes otherwise.
 
+Packed micro-batches (train.pack_sequences, batching.py): the model gets megatron's PackedSeqParams
+(THD) with the samples' boundaries, and the loss one row per sample gathered from the packed
+positions (``_sequence_rows``), so that every aggregation mode sees sequences; the gradient hint works
+on the packed positions as on padded ones.
+
 Around the schedule: the micro-batches every DP rank agrees on and the global token counts
 (micro_batches.py, gathered for a whole step in one exchange: ``batch_counts``), and the metrics
 summed over micro-batches and exchanged once per step (step_metrics.py: ``defer_metrics``,

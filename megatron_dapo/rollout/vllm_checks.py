@@ -3,7 +3,8 @@ start-up rule will ask for, and what vLLM's CPU build supports. Re-exported by v
 
 from __future__ import annotations
 
-from typing import Any
+import json
+from pathlib import Path
 
 import torch
 
@@ -53,13 +54,18 @@ def check_cpu_head_dim(head_dim: int, model_path: str) -> None:
                          "(hidden_size / num_attention_heads), or rollout.engine=hf")
 
 
-def check_cpu_moe_sync(hf_config: Any, model_path: str) -> None:
+def check_cpu_moe_sync(model_path: str) -> None:
     """A training run's engine takes in-place weight syncs. vLLM's CPU build packs an MoE model's experts
     for its kernels once, after loading (fused_moe/experts/cpu_moe.py, ``cpu_prepack_moe_weight``): its
     logits then equal transformers' (1e-6 on a tiny Qwen3-MoE), but after an in-place sync its rollouts'
     log-probs were 0.043 off the synced model's, the experts left at a mix of the weights
-    (tests/unit/test_rollout_vllm_qwen3_moe.py). Refused on CPU, before the engine is built."""
-    if getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", None):
+    (tests/unit/test_rollout_vllm_qwen3_moe.py). Refused on CPU, before the engine is built; a directory
+    without config.json is left to the engine's own message."""
+    config = Path(model_path) / "config.json"
+    if not config.is_file():
+        return
+    hf = json.loads(config.read_text())
+    if hf.get("num_experts") or hf.get("num_local_experts"):
         raise ConfigError(f"{model_path}: rollout.engine=vllm on CPU cannot train an MoE model: vLLM's CPU build "
                           "packs the experts once at load and an in-place weight sync does not reach them (its "
                           "rollouts would come from stale experts); use rollout.engine=hf on CPU")

@@ -289,7 +289,7 @@ class VLLMEngine:
         kwargs = rollout_kwargs(spec.rollout)
         on_gpu = torch.cuda.is_available()
         if not on_gpu:
-            check_cpu_moe_sync(checkpoint_hf_config(spec.model_path), spec.model_path)
+            check_cpu_moe_sync(spec.model_path)
         kwargs.update(mode=mode, dtype=vllm_dtype(spec.dtype, on_gpu), seed=spec.seed, max_model_len=spec.max_model_len,
                       load_format="dummy" if mode == "colocated" else "auto",
                       return_routed_experts=spec.return_routed_experts)
