@@ -355,12 +355,20 @@ def check_layout(cfg: DAPOConfig, hf_config: dict, world_size: int) -> None:
     before any model is built; a ConfigError, which the CLI prints as one line."""
     import torch
 
-    from megatron_dapo.mcore.parallel import check_moe_layout, check_training_layout, validate_parallel
+    from megatron_dapo.mcore.parallel import (
+        check_moe_layout, check_packing, check_training_layout, validate_parallel,
+    )
 
     validate_parallel(hf_config, parallel=cfg.parallel, model=cfg.model, world_size=world_size,
                       on_gpu=torch.cuda.is_available())
     check_training_layout(hf_config, cfg.parallel)
     check_moe_layout(hf_config, moe=cfg.moe, parallel=cfg.parallel)
+    if cfg.train.pack_sequences:
+        from megatron_dapo.mcore.model import hf_arch, resolve_runtime
+
+        runtime = resolve_runtime(cfg.model, torch.cuda.is_available(), check_installed=False)
+        check_packing(transformer_impl=runtime.transformer_impl, moe=bool(hf_arch(hf_config).num_moe_experts),
+                      expert_parallel=cfg.parallel.expert_model_parallel_size)
 
 
 def check_disk(cfg: DAPOConfig, hf_config: dict) -> None:

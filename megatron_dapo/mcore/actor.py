@@ -26,24 +26,11 @@ from megatron_dapo.mcore.model import build_model, conversion_table_for, hf_arch
 from megatron_dapo.mcore.moe import install_replay
 from megatron_dapo.mcore.offload import StateOffloader
 from megatron_dapo.mcore.optimizer import build_optimizer, build_scheduler, wrap_model
-from megatron_dapo.mcore.parallel import all_gather_rows, initialize_parallel
+from megatron_dapo.mcore.parallel import all_gather_rows, check_packing, initialize_parallel
 from megatron_dapo.mcore.micro_batches import batch_counts
 from megatron_dapo.mcore.step_metrics import PendingMetrics, reduce_metrics
 from megatron_dapo.mcore.step_settings import StepSettings, compute_device
 from megatron_dapo.mcore.train_step import compute_log_probs, train_step
-
-
-def check_packing(config) -> None:
-    """Packed micro-batches where they have been verified: the local spec's attention (sdpa_attention.py),
-    dense or MoE without expert parallelism. Refused, before any rollout, elsewhere."""
-    unverified = [what for what, bad in (
-        ("the Transformer Engine spec (its THD attention has not run on a GPU here)",
-         config.transformer_impl == "transformer_engine"),
-        ("expert parallelism (packed micro-batches of one shape over the EP ranks are untested)",
-         bool(config.num_moe_experts) and config.expert_model_parallel_size > 1)) if bad]
-    if unverified:
-        raise ValueError(f"train.pack_sequences=true is not supported with {' or '.join(unverified)}; "
-                         "set train.pack_sequences=false")
 
 
 class MegatronActor:
@@ -56,8 +43,10 @@ class MegatronActor:
         self.cfg, self.hf_config = cfg, hf_config
         use_dist_opt = cfg.parallel.use_distributed_optimizer
         chunks = build_model(hf_config, model=cfg.model, parallel=cfg.parallel, moe=cfg.moe, **model_overrides)
-        if cfg.train.pack_sequences:
-            check_packing(chunks[0].config)
+        if cfg.train.pack_sequences:  # run.check_layout said it at launch; here for callers of the class itself
+            config = chunks[0].config
+            check_packing(transformer_impl=config.transformer_impl, moe=bool(config.num_moe_experts),
+                          expert_parallel=config.expert_model_parallel_size)
         if cfg.moe.router_replay == "R3":
             install_replay(chunks)
         self.model = wrap_model(chunks, use_distributed_optimizer=use_dist_opt)

@@ -88,6 +88,19 @@ def _ep_fault(arch, ep: int, dp: int) -> str | None:
     return None
 
 
+def check_packing(*, transformer_impl: str, moe: bool, expert_parallel: int) -> None:
+    """train.pack_sequences where it has been verified: the local spec's attention (sdpa_attention.py),
+    dense or MoE without expert parallelism; a ConfigError elsewhere (docs/packing.md)."""
+    unverified = [what for what, bad in (
+        ("the Transformer Engine spec (its THD attention has not run on a GPU here)",
+         transformer_impl == "transformer_engine"),
+        ("expert parallelism (packed micro-batches of one shape over the EP ranks are untested)",
+         moe and expert_parallel > 1)) if bad]
+    if unverified:
+        raise ConfigError(f"train.pack_sequences=true is not supported with {' or '.join(unverified)}; "
+                          "set train.pack_sequences=false")
+
+
 def check_moe_layout(hf_config, *, moe: MoEConfig, parallel: ParallelConfig) -> None:
     """The mixture-of-experts settings this model or layout cannot run; a ConfigError (the machine's:
     run.check_model)."""

@@ -148,7 +148,6 @@ DRIVER = """
 import contextlib, io, json, logging, os, sys
 from megatron_dapo import cli
 from megatron_dapo.mcore.parallel import destroy_parallel
-from tests.helpers.records import records as run_records
 import megatron_dapo.plotting
 megatron_dapo.plotting.plot_run = lambda d: None
 logger = logging.getLogger("megatron_dapo")

@@ -84,3 +84,20 @@ def test_uniform_packs_share_one_shape_and_empty_ones_fill_the_count():
     assert sorted(i for mb in mbs for i in mb.sample_index) == [0, 1, 2, 3]
     empty = mbs[-1]
     assert empty.sample_index == () and empty.cu_seqlens().tolist() == [0, 20] and padding_mask(empty).all()
+
+
+def test_the_launch_refuses_packing_where_it_has_not_run():
+    """run.check_layout, before any model is built: a Qwen3-MoE at EP 2 packed is one ConfigError line."""
+    import dataclasses
+
+    from megatron_dapo.config import DAPOConfig, ParallelConfig, TrainConfig
+    from megatron_dapo.errors import ConfigError
+    from megatron_dapo.run import check_layout
+    from tests.helpers.moe import TINY_MOE
+
+    hf = {**TINY_MOE, "model_type": "qwen3_moe", "hidden_act": "silu", "rms_norm_eps": 1e-6,
+          "max_position_embeddings": 128, "norm_topk_prob": True}
+    cfg = DAPOConfig(parallel=ParallelConfig(expert_model_parallel_size=2), train=TrainConfig(pack_sequences=True))
+    with pytest.raises(ConfigError, match="train.pack_sequences=true is not supported with expert parallelism"):
+        check_layout(cfg, hf, world_size=2)
+    check_layout(dataclasses.replace(cfg, train=TrainConfig(pack_sequences=False)), hf, world_size=2)

@@ -92,14 +92,13 @@ def test_a_packed_sample_sees_neither_its_neighbour_nor_its_offset(actors):
 
 
 def test_packing_is_refused_where_it_has_not_run():
-    from types import SimpleNamespace
+    from megatron_dapo.errors import ConfigError
+    from megatron_dapo.mcore.parallel import check_packing
 
-    from megatron_dapo.mcore.actor import check_packing
-
-    check_packing(SimpleNamespace(transformer_impl="local", num_moe_experts=None, expert_model_parallel_size=1))
-    check_packing(SimpleNamespace(transformer_impl="local", num_moe_experts=4, expert_model_parallel_size=1))
-    with pytest.raises(ValueError, match="not supported with the Transformer Engine spec .*train.pack_sequences=false"):
-        check_packing(SimpleNamespace(transformer_impl="transformer_engine", num_moe_experts=None,
-                                      expert_model_parallel_size=1))
-    with pytest.raises(ValueError, match="not supported with expert parallelism"):
-        check_packing(SimpleNamespace(transformer_impl="local", num_moe_experts=4, expert_model_parallel_size=2))
+    check_packing(transformer_impl="local", moe=False, expert_parallel=1)
+    check_packing(transformer_impl="local", moe=True, expert_parallel=1)
+    check_packing(transformer_impl="local", moe=False, expert_parallel=2)  # EP of a dense model: no experts
+    with pytest.raises(ConfigError, match="with the Transformer Engine spec .*train.pack_sequences=false"):
+        check_packing(transformer_impl="transformer_engine", moe=False, expert_parallel=1)
+    with pytest.raises(ConfigError, match="not supported with expert parallelism"):
+        check_packing(transformer_impl="local", moe=True, expert_parallel=2)
