@@ -64,8 +64,9 @@ def check_cpu_moe_sync(model_path: str) -> None:
     config = Path(model_path) / "config.json"
     if not config.is_file():
         return
-    hf = json.loads(config.read_text())
-    if hf.get("num_experts") or hf.get("num_local_experts"):
+    from megatron_dapo.plan_params import experts  # the model's routed experts, by its architecture
+
+    if experts(json.loads(config.read_text())):
         raise ConfigError(f"{model_path}: rollout.engine=vllm on CPU cannot train an MoE model: vLLM's CPU build "
                           "packs the experts once at load and an in-place weight sync does not reach them (its "
                           "rollouts would come from stale experts); use rollout.engine=hf on CPU")
