@@ -7,7 +7,7 @@ of groups becomes the trainer's ``Sample`` list with GRPO advantages.
 """
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import TypeVar
 
 import torch
@@ -35,8 +35,8 @@ class Group:
 
     def to_json(self) -> dict:
         """Plain JSON (a held group travels in the trainer state of a checkpoint)."""
-        return {"prompt_index": self.prompt_index, "rollouts": [r.to_json() for r in self.rollouts],
-                "acc": list(self.acc), "scores": list(self.scores), "rewards": list(self.rewards)}
+        plain = {f.name: getattr(self, f.name) for f in fields(self)}
+        return {**plain, "rollouts": [r.to_json() for r in self.rollouts]}
 
     @classmethod
     def from_json(cls, data: dict) -> "Group":
