@@ -16,12 +16,14 @@ vLLM groups, ``communicators``). Constants and their sources: gpu_models.py, doc
 
 Activations per micro-batch of ``train.max_tokens_per_micro_batch`` tokens, per layer (bf16):
 megatron's selective-recompute estimate T x h x (18 + 4 ffn / h) / TP (sequence parallel; ffn: the MLP
-width a token goes through); with full recompute a layer keeps its input, T x h x 2 / TP, and one layer
-is rebuilt at a time. The first stage holds PP micro-batches in flight (1F1B), the last one. The output
-layer (last stage) adds logprobs.py's chunk buffers ([chunk, V_local]: the logits in the weight's dtype
-and two fp32 work buffers) and, with the gradient hint, its early gradients kept from forward to
-backward: [N, H] for the hidden states (activation dtype), [V_local, H] fp32 for the weight, and the
-[N, H] reordered copy of the hidden states the forward makes (N = tokens of the micro-batch).
+width a token goes through), T being a rank's share under context parallelism (T / CP, as for the
+output layer below; the optimizer state then shards over DP x CP); with full recompute a layer keeps
+its input, T x h x 2 / TP, and one layer is rebuilt at a time. The first stage holds PP micro-batches
+in flight (1F1B), the last one. The output layer (last stage) adds logprobs.py's chunk buffers
+([chunk, V_local]: the logits in the weight's dtype and two fp32 work buffers) and, with the gradient
+hint, its early gradients kept from forward to backward: [N, H] for the hidden states (activation
+dtype), [V_local, H] fp32 for the weight, and the [N, H] reordered copy of the hidden states the
+forward makes (N = tokens of the micro-batch).
 
 The colocated vLLM engine takes rollout.gpu_memory_utilization x the total CUDA reports (weights at
 rollout TP, its profile's activation peak, the KV cache) while it generates; asleep it leaves a
@@ -253,6 +255,18 @@ class _Layout:
     edp: int = 1  # expert DP: the ranks an expert's optimizer state is distributed over
     experts: Experts | None = None  # None: a dense model
     dispatcher: str = ""  # megatron's token dispatcher (an MoE model's)
+    cp: int = 1  # context parallel: each rank holds 1 / CP of every sequence's positions
+
+    @property
+    def rank_tokens(self) -> int:
+        """The positions of a micro-batch one rank computes: its CP share (mcore/context_parallel.py)."""
+        return -(-self.tokens // self.cp)
+
+    @property
+    def state_dp(self) -> int:
+        """The ranks the distributed optimizer shards the dense state over: DP x CP (megatron's
+        intra_dp_cp group; the CP ranks of a replica hold the same parameters)."""
+        return self.dp * self.cp
 
 
 def _trainer_items(cfg: DAPOConfig, hf: dict, lay: _Layout, comms: list[Communicator],
@@ -262,11 +276,13 @@ def _trainer_items(cfg: DAPOConfig, hf: dict, lay: _Layout, comms: list[Communic
     dist = p.use_distributed_optimizer
     dense, routed = on_rank - lay.shard.experts_on_rank, lay.shard.experts_on_rank
     # the parameters whose optimizer state the rank keeps: the dense ones' 1/DP, the experts' 1/expert DP
-    sharded = dense / (lay.dp if dist else 1) + routed / (lay.edp if dist else 1)
-    where = f"distributed over DP {lay.dp}" if dist else "not distributed"
+    sharded = dense / (lay.state_dp if dist else 1) + routed / (lay.edp if dist else 1)
+    over = f"DP {lay.dp}" if lay.cp == 1 else f"DP x CP {lay.dp} x {lay.cp}"
+    where = f"distributed over {over}" if dist else "not distributed"
     if dist and lay.experts:
-        where = f"distributed: dense over DP {lay.dp}, experts over expert DP {lay.edp}"
+        where = f"distributed: dense over {over}, experts over expert DP {lay.edp}"
     moved = "; off the GPU while generating"
+    cp_share = f", {lay.rank_tokens} of them on this CP rank" if lay.cp > 1 else ""
 
     def nccl(owner: str) -> Item:
         mine = [c for c in comms if c.owner == owner]
@@ -292,21 +308,21 @@ def _trainer_items(cfg: DAPOConfig, hf: dict, lay: _Layout, comms: list[Communic
         Item("adam", f"Adam m, v ({where}; allocated at the first update{moved if off else ''})",
              sharded * 8, not off, "all"),
         Item("optimizer_other", f"(master + m, v {other} the distributed optimizer)",
-             optimizer_bytes * (on_rank if dist else dense / lay.dp + routed / lay.edp), False, "none",
+             optimizer_bytes * (on_rank if dist else dense / lay.state_dp + routed / lay.edp), False, "none",
              counted=False),
-        Item("activations", f"activations, first stage ({lay.tokens} tokens/micro-batch, recompute "
-             f"{cfg.model.recompute}, x{lay.pp} in flight)", _activations(cfg, hf, lay.tokens, lay.pp), False,
+        Item("activations", f"activations, first stage ({lay.tokens} tokens/micro-batch{cp_share}, recompute "
+             f"{cfg.model.recompute}, x{lay.pp} in flight)", _activations(cfg, hf, lay.rank_tokens, lay.pp), False,
              "first"),
     ]
     if lay.pp > 1:
         items.append(Item("activations_last", "activations, last stage (x1 in flight)",
-                          _activations(cfg, hf, lay.tokens, 1), False, "last"))
+                          _activations(cfg, hf, lay.rank_tokens, 1), False, "last"))
     if lay.experts:
         items.append(Item("moe_dispatch", f"MoE {lay.dispatcher} dispatcher buffers (one layer's; moe_plan.py)",
-                          moe_plan.dispatcher_bytes(lay.dispatcher, lay.experts, hf["hidden_size"], lay.tokens,
+                          moe_plan.dispatcher_bytes(lay.dispatcher, lay.experts, hf["hidden_size"], lay.rank_tokens,
                                                     lay.tp, lay.ep), False, "all"))
     v_local = lay.padded_vocab // lay.tp
-    buffers, early, chunk = _output_layer(hf, lay.tokens, v_local, lay.weight_bytes,
+    buffers, early, chunk = _output_layer(hf, lay.rank_tokens, v_local, lay.weight_bytes,
                                           chunk_tokens=cfg.train.logprob_chunk_tokens)
     stage = "last stage, " if lay.pp > 1 else ""
     return [*items,
@@ -373,7 +389,8 @@ def plan(cfg: DAPOConfig, hf: dict, world_size: int, *, gpu: str | GPUModel = "h
     lay = _Layout(count_parameters(hf, tp=tp, pp=pp, padded_vocab=padded, ep=ep), tp, pp,
                   p.data_parallel_size(world_size), padded, 2 if bf16 else 4,
                   t.max_tokens_per_micro_batch or t.micro_batch_size * seq, seq,
-                  ep, moe_plan.expert_data_parallel(world_size, tp, pp, ep), moe, dispatcher)
+                  ep, moe_plan.expert_data_parallel(world_size, tp, pp, ep), moe, dispatcher,
+                  cp=p.context_parallel_size)
     groups = communicators(cfg, world_size, dispatcher=dispatcher or None) if on_gpu else []
     items = _trainer_items(cfg, hf, lay, groups, on_gpu)
     rollout = None
@@ -423,7 +440,7 @@ def plan(cfg: DAPOConfig, hf: dict, world_size: int, *, gpu: str | GPUModel = "h
         copied += parts["weights"]
     offload = cfg.actor.offload_during_rollout
     node = gpus_per_node or device.gpus_per_node
-    save = (moe_plan.save(lay.shard, tp=tp, dp=lay.dp, ep=ep, edp=lay.edp, gpus_per_node=node,
+    save = (moe_plan.save(lay.shard, tp=tp, dp=lay.state_dp, ep=ep, edp=lay.edp, gpus_per_node=node,
                           memory_efficient=cfg.checkpoint.memory_efficient_save,
                           background=cfg.checkpoint.async_save, weight_bytes=lay.weight_bytes)
             if p.use_distributed_optimizer else None)

@@ -53,8 +53,7 @@ def _over_capacity(result: Plan, cfg: DAPOConfig, worst: float) -> str:
     if generating:
         fix = _generating_fix(result, cfg)
     elif parts["activations"] >= max(parts["weights"], parts.get("master", 0.0) + parts["adam"]):
-        fix = ("set model.recompute=full or lower train.max_tokens_per_micro_batch" if cfg.model.recompute != "full"
-               else "lower train.max_tokens_per_micro_batch")
+        fix = _activations_fix(cfg)
     elif not cfg.parallel.use_distributed_optimizer:
         fix = "set parallel.use_distributed_optimizer=true"
     else:
@@ -63,6 +62,20 @@ def _over_capacity(result: Plan, cfg: DAPOConfig, worst: float) -> str:
     phase = "generating" if generating else "training"
     return (f"the layout needs {worst:.1f} GB per GPU while {phase}, over the {result.capacity_gb:.1f} GB "
             f"{result.gpu.name} reports: {fix}")
+
+
+def _activations_fix(cfg: DAPOConfig) -> str:
+    """What shrinks the activations: full recompute, a smaller micro-batch while it holds more than
+    one sequence, and context parallelism, which divides every sequence's positions (the only one
+    left when a single sequence is the micro-batch: 20k-32k-token responses)."""
+    fixes = ["set model.recompute=full"] if cfg.model.recompute != "full" else []
+    sequence = cfg.data.max_prompt_length + cfg.rollout.max_response_length
+    if (cfg.train.max_tokens_per_micro_batch or 0) > sequence:
+        fixes.append(f"lower train.max_tokens_per_micro_batch (down to one sequence, {sequence})")
+    cp = cfg.parallel.context_parallel_size
+    fixes.append(f"raise parallel.context_parallel_size={cp} to {2 * cp} (each rank then holds 1/{2 * cp} of "
+                 "every sequence)")
+    return " or ".join(fixes)
 
 
 def _generating_fix(result: Plan, cfg: DAPOConfig) -> str:

@@ -119,6 +119,9 @@ def _build_actor_class(up) -> type:
         offload and TRT-LLM refit are inherited unchanged."""
 
         def __init__(self, cfg, trainer):
+            if (cp := int(getattr(cfg, "context_parallel_size", 1) or 1)) > 1:  # its batches are not split over CP
+                raise ValueError(f"model.context_parallel_size={cp}: the NeMo-Aligner adapter's loss runs without "
+                                 "context parallelism; set it to 1 (megatron-dapo's own trainer has CP)")
             super().__init__(cfg, trainer=trainer)
             self.dapo_loss = loss_settings(self.cfg.ppo)
             self._dapo_counts: LossCounts | None = None

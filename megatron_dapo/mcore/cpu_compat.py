@@ -200,6 +200,29 @@ def _probe_factories():
     assert mask.tolist() == [[False, True, True], [False, False, True], [False, False, False]]
 
 
+def _apply_pinned_memory():
+    original = torch.tensor
+
+    @functools.wraps(original)
+    def tensor(*args, **kwargs):
+        kwargs.pop("pin_memory", None)  # pinning is for host-to-GPU copies; there is no GPU
+        return original(*args, **kwargs)
+    _set(torch, "tensor", tensor)
+
+
+def _probe_pinned_memory():
+    from megatron.core.models.common.embeddings.rope_utils import get_pos_emb_on_this_cp_rank
+
+    class _TwoRanks:  # a CP group of 2 as the function reads it: size() and rank()
+        def size(self):
+            return 2
+
+        def rank(self):
+            return 0
+    emb = get_pos_emb_on_this_cp_rank(torch.arange(8.0).view(8, 1, 1, 1), 0, _TwoRanks())
+    assert emb.flatten().tolist() == [0.0, 1.0, 6.0, 7.0]
+
+
 def _apply_tensor_to_cuda():
     original_to = torch.Tensor.to
 
@@ -386,6 +409,9 @@ PATCHES: dict[str, Patch] = {p.name: p for p in (
     Patch("cuda_factories", "device=\"cuda\" literals in torch factories: get_default_causal_mask "
           "(attention_mask=None), schedules' total_num_tokens, optimizer and clip-grad buffers",
           _NOT_COMPILED, _apply_factories, _probe_factories),
+    Patch("pinned_memory", "torch.tensor(..., pin_memory=True) in get_pos_emb_on_this_cp_rank (RoPE "
+          "at context_parallel_size > 1) and get_batch_on_this_cp_rank", "pin_memory=True requires",
+          _apply_pinned_memory, _probe_pinned_memory),
     Patch("tensor_to_cuda", "Tensor.cuda() in tensor_parallel.broadcast_data, LanguageModule's "
           "tied-embedding sync across PP stages, dist-ckpt exchange; Tensor.to('cuda') in the "
           "CPU-offload optimizer", _NOT_COMPILED, _apply_tensor_to_cuda, _probe_tensor_to_cuda),

@@ -8,11 +8,13 @@ and handles GQA itself (``enable_gqa``), so the local spec (the CPU path, and th
 without Transformer Engine) trains faster and in less memory; benchmarks/train_step.py measures
 it against HF transformers, whose Qwen2 uses the same kernel. The TE spec keeps TE's attention.
 
-Covers what the local spec meets here: causal self-attention without dropout, bias, context
-parallelism or sliding windows (anything else is refused at build time, naming the field), over
-padded rows or packed ones (THD: megatron hands [t, heads, d] and the samples' boundaries in
-``PackedSeqParams.cu_seqlens_q``): each sample attends causally within itself, one kernel call per
-sample, so no token sees its neighbour and nothing of size t x t is built.
+Covers what the local spec meets here: causal self-attention without dropout, bias or sliding
+windows (anything else is refused at build time, naming the field), over padded rows or packed ones
+(THD: megatron hands [t, heads, d] and the samples' boundaries in ``PackedSeqParams.cu_seqlens_q``):
+each sample attends causally within itself, one kernel call per sample, so no token sees its
+neighbour and nothing of size t x t is built. Under context parallelism (padded rows) each rank's
+queries attend over the whole row's keys and values, gathered over the CP group
+(context_parallel.cp_attention).
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ import math
 
 import torch
 import torch.nn.functional as F
+
+from megatron_dapo.mcore.context_parallel import cp_attention
 
 
 class SDPAttention(torch.nn.Module):
@@ -37,7 +41,6 @@ class SDPAttention(torch.nn.Module):
         self._causal = AttnMaskType.causal
         unsupported = {
             "attention_dropout": (config.attention_dropout if attention_dropout is None else attention_dropout) != 0,
-            "context_parallel_size": config.context_parallel_size != 1,
             "window_size": config.window_size is not None,
             "softmax_type": config.softmax_type != "vanilla",
             "apply_query_key_layer_scaling": config.apply_query_key_layer_scaling,
@@ -46,10 +49,15 @@ class SDPAttention(torch.nn.Module):
         bad = [name for name, is_bad in unsupported.items() if is_bad]
         if bad:
             raise ValueError(f"SDPAttention does not support {', '.join(bad)} (attention_dropout=0, "
-                             f"context_parallel_size=1, no window, vanilla softmax, causal mask); "
+                             f"no window, vanilla softmax, causal mask); "
                              f"use the Transformer Engine spec (model.transformer_impl) for these")
         self.attn_mask_type = attn_mask_type
         self.softmax_scale = softmax_scale or 1.0 / math.sqrt(config.kv_channels)
+        self._cp_group = None
+        if config.context_parallel_size > 1:
+            from megatron.core import parallel_state
+
+            self._cp_group = getattr(pg_collection, "cp", None) or parallel_state.get_context_parallel_group()
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
@@ -60,13 +68,23 @@ class SDPAttention(torch.nn.Module):
         if attention_bias is not None:
             raise ValueError("SDPAttention takes no attention_bias")
         if packed_seq_params is not None:
+            if self._cp_group is not None:
+                raise ValueError("SDPAttention does not pack under context parallelism (train.pack_sequences with "
+                                 "parallel.context_parallel_size > 1)")
             return self._packed(query, key, value, packed_seq_params)
         mask_type = attn_mask_type or self.attn_mask_type
         causal = mask_type == self._causal and attention_mask is None
         mask = None if attention_mask is None else ~attention_mask  # SDPA: True = attend
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, d]
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
-                                             scale=self.softmax_scale, enable_gqa=k.shape[1] != q.shape[1])
+        gqa = k.shape[1] != q.shape[1]
+        if self._cp_group is not None:
+            if not causal:
+                raise ValueError("SDPAttention under context parallelism takes the causal mask only (no "
+                                 "attention_mask)")
+            out = cp_attention(q, k, v, scale=self.softmax_scale, group=self._cp_group, enable_gqa=gqa)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                                 scale=self.softmax_scale, enable_gqa=gqa)
         sq, b = query.shape[:2]
         return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
 

@@ -18,9 +18,11 @@ The scaling megatron-core 0.19.2 applies on the way, with ``calculate_per_token_
   3. finalize_model_grads.py:680: scales by 1 / num_tokens only when calculate_per_token_loss
      is set (not here); otherwise it adds no scaling (the tied-embedding all-reduce over the
      first and last stage, :659, sums the two copies' grads).
-So the reduced gradient is sum_{dp, cp, mb} CP / (M x DP x CP) x d loss_mb = (1 / (M x DP))
-x d(mini-batch loss); each micro-batch loss is multiplied by M x DP before it is returned, and the
-gradient becomes exactly d(global token-mean) / d theta. (Megatron's own per-token path, a
+So the reduced gradient is sum_{dp, cp, mb} CP / (M x DP x CP) x d loss_mb; each micro-batch loss
+is multiplied by M x DP / CP before it is returned, and the gradient becomes exactly
+d(global token-mean) / d theta. (Under context parallelism every CP rank computes the whole
+micro-batch's loss from log-probs gathered over CP, and the gather's backward sums the CP ranks'
+gradients: the CP copies of one loss count once; mcore/context_parallel.py.) (Megatron's own per-token path, a
 3-tuple with calculate_per_token_loss=True, divides by a token count that finalize_model_grads
 sums over DP; the pre-divided loss here also covers the seq-mean modes.)
 
@@ -51,6 +53,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_dapo.batching import MicroBatch, Sample, padding_mask, unpack_responses
+from megatron_dapo.mcore.context_parallel import gather_sequence, slice_for_rank
 from megatron_dapo.mcore.logprobs import SHORTCUT_STATS, GradHint, logprobs_output_processor
 from megatron_dapo.mcore.micro_batches import has_tokens, log_prob_micro_batches, update_micro_batches
 from megatron_dapo.mcore.moe import (
@@ -64,10 +67,12 @@ from megatron_dapo.mcore.step_settings import StepSettings, compute_device
 def _forward_step(settings: StepSettings, counts, scale: float, mismatch: bool, data_iterator, model):
     mb = next(data_iterator)
     device = compute_device()
-    processor = logprobs_output_processor(mb.labels.to(device), temperature=settings.temperature,
+    cp_group = _cp_group(model.config)
+    local = functools.partial(_on_this_cp_rank, cp_group)  # the positions this CP rank holds (all at CP 1)
+    processor = logprobs_output_processor(local(mb.labels).to(device), temperature=settings.temperature,
                                           valid_vocab_size=settings.valid_vocab_size,
                                           chunk_tokens=settings.chunk_tokens,
-                                          grad_hint=_loss_grad_hint(settings, counts, mb, device))
+                                          grad_hint=_loss_grad_hint(settings, counts, mb, device, local))
     # Last stage: (log_probs, entropy), each [b, s] fp32; other stages: hidden states. An MoE router
     # keeps padding out of its load-balancing loss.
     moe = {"padding_mask": stage_padding_mask(model, padding_mask(mb)).to(device)} if model.config.num_moe_experts \
@@ -76,11 +81,27 @@ def _forward_step(settings: StepSettings, counts, scale: float, mismatch: bool, 
         replay(model, mb.routed_experts, tuple(mb.input_ids.shape), has_samples=has_tokens(mb))
     packed = {"packed_seq_params": packed_seq_params(mb, device)} if mb.packed else {}
     with without_router_losses(model.config, off=bool(moe) and not has_tokens(mb)):
-        output = model(mb.input_ids.to(device), mb.position_ids.to(device), None, output_processor=processor,
-                       **moe, **packed)
+        output = model(local(mb.input_ids).to(device), local(mb.position_ids).to(device), None,
+                       output_processor=processor, **moe, **packed)
     if moe and isinstance(output, tuple):  # the last stage's (log_probs, entropy)
         output = TokenOutputs(*output)
-    return output, functools.partial(_loss_func, settings, counts, scale, mismatch, mb)
+    return output, functools.partial(_loss_func, settings, counts, scale, mismatch, mb, cp_group)
+
+
+def _cp_group(config):
+    """The context-parallel group when CP > 1, else None."""
+    if config.context_parallel_size == 1:
+        return None
+    from megatron.core import parallel_state as ps
+
+    return ps.get_context_parallel_group()
+
+
+def _on_this_cp_rank(group, values: torch.Tensor) -> torch.Tensor:
+    """[b, s] -> the [b, s / CP] positions this CP rank holds (context_parallel.py); as is at CP 1."""
+    if group is None:
+        return values
+    return slice_for_rank(values, dist.get_world_size(group), dist.get_rank(group))
 
 
 # Policy losses whose token's term depends on that token's log-prob alone (a chunk's gradient hint
@@ -88,12 +109,15 @@ def _forward_step(settings: StepSettings, counts, scale: float, mismatch: bool, 
 PER_TOKEN_LOSSES = ("dapo", "cispo")
 
 
-def _loss_grad_hint(settings: StepSettings, counts, mb: MicroBatch, device) -> GradHint | None:
+def _loss_grad_hint(settings: StepSettings, counts, mb: MicroBatch, device, local) -> GradHint | None:
     """d loss / d log p of some positions of the micro-batch from their log-probs alone, for the
     output layer to compute its gradients in the forward (logprobs.py, ``GradHint``); positions
     outside the loss mask have none. Exact up to the schedule's scaling for token-mean, a sum of
     per-token terms over the global token count; the seq-mean modes divide by per-sequence counts
-    a chunk does not see, and GSPO's ratio is a mean over the whole response: None (recompute)."""
+    a chunk does not see, and GSPO's ratio is a mean over the whole response: None (recompute).
+    ``local``: [b, s] -> the positions the output layer sees (this CP rank's; all at CP 1): a
+    token's term is its own wherever it sits, and the gather over CP scales every position's
+    gradient alike, so the hint holds under CP too."""
     if (settings.loss_agg_mode != "token-mean" or settings.policy_loss not in PER_TOKEN_LOSSES or counts is None
             or not torch.is_grad_enabled()):
         return None
@@ -101,7 +125,7 @@ def _loss_grad_hint(settings: StepSettings, counts, mb: MicroBatch, device) -> G
     per_token = {"old": mb.old_log_probs, "adv": mb.advantages, "mask": mb.loss_mask}
     if mb.is_weights is not None:
         per_token["weights"] = mb.is_weights
-    flat = {k: v.to(device).reshape(-1) for k, v in per_token.items()}
+    flat = {k: local(v).to(device).reshape(-1) for k, v in per_token.items()}
 
     def grad(index, log_probs):
         weights = {"is_weights": flat["weights"][index][None]} if "weights" in flat else {}
@@ -112,12 +136,14 @@ def _loss_grad_hint(settings: StepSettings, counts, mb: MicroBatch, device) -> G
                               global_num_seqs=counts[1], **weights)
             return torch.autograd.grad(loss, lp, allow_unused=True, materialize_grads=True)[0][0]
 
-    return GradHint(grad=grad, active=mb.loss_mask.cpu() != 0)
+    return GradHint(grad=grad, active=local(mb.loss_mask).cpu() != 0)
 
 
-def _loss_func(settings: StepSettings, counts, scale: float, mismatch: bool, mb: MicroBatch, output,
+def _loss_func(settings: StepSettings, counts, scale: float, mismatch: bool, mb: MicroBatch, cp_group, output,
                non_loss_data=False):
     log_probs, entropy = output
+    if cp_group is not None:  # each CP rank's positions -> whole rows, on every CP rank
+        log_probs, entropy = gather_sequence(log_probs, cp_group), gather_sequence(entropy.detach(), cp_group)
     if non_loss_data:  # forward-only log-prob pass: collected per micro-batch, [2, b, s]
         return torch.stack([log_probs.detach(), entropy.detach()])
     device = log_probs.device
@@ -130,8 +156,9 @@ def _loss_func(settings: StepSettings, counts, scale: float, mismatch: bool, mb:
     metrics["actor/entropy"] = (rows(entropy.detach()) * mask).sum() / counts[0].clamp(min=1.0)
     if mismatch:
         metrics.update(mismatch_sums(mb, log_probs.detach()))
-    # x (M x DP): undoes the schedule's 1 / M and DDP's 1 / DP (module docstring). A new tensor,
-    # so the schedule's in-place division does not reach the metrics.
+    # x (M x DP / CP): undoes the schedule's 1 / M and DDP's 1 / DP; every CP rank computes this same
+    # whole loss (module docstring). A new tensor, so the schedule's in-place scaling does not reach
+    # the metrics.
     return loss * scale, metrics
 
 
@@ -166,7 +193,7 @@ def _run_schedule(model, mbs: list[MicroBatch], settings: StepSettings, counts, 
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    scale = float(len(mbs) * ps.get_data_parallel_world_size())
+    scale = len(mbs) * ps.get_data_parallel_world_size() / ps.get_context_parallel_world_size()
     iters = [iter(mbs) for _ in model]
     return get_forward_backward_func()(
         forward_step_func=functools.partial(_forward_step, settings, counts, scale, mismatch),
@@ -210,8 +237,6 @@ def train_step(model: list, optimizer, scheduler, samples: list[Sample], setting
     of them gives each one's dict above (every rank must defer, and reduce, the same updates).
     ``counts_table``: this mini-batch's entry of ``batch_counts`` (gathered here when None).
     """
-    if model[0].config.context_parallel_size > 1:
-        raise NotImplementedError("context parallelism needs per-rank sequence slicing, not implemented yet")
     mbs, counts = update_micro_batches(model, samples, settings, counts_table)
     before = SHORTCUT_STATS.snapshot()
     AGREEMENT.take()  # this update's replays only (a log-prob pass replays too)

@@ -130,6 +130,7 @@ CASES: dict[str, Case] = {
     "model.make_vocab_size_divisible_by": C("1000", ckpt("padded_vocab_size")),
     "parallel.tensor_model_parallel_size": C("2", ckpt("layout", "tp"), KV, via="dist"),
     "parallel.pipeline_model_parallel_size": C("2", ckpt("layout", "pp"), KV, via="dist"),
+    "parallel.context_parallel_size": C("2", ckpt("layout", "cp"), KV, via="dist"),
     "parallel.use_distributed_optimizer": C("true", ckpt("distributed_optimizer")),
     "parallel.expert_model_parallel_size": C("2", ckpt("layout", "ep"), {**MOE, **KV}, via="dist"),
     "data.dedup": C("false", ckpt("sampler", "num_items", file="trainer_state.json"),

@@ -1,5 +1,5 @@
-"""The CPU demo under torchrun from an empty run directory: at DP=2 and at Megatron TP=2 with packed
-micro-batches (two HF engine replicas either way) it starts, and its first step equals a padded
+"""The CPU demo under torchrun from an empty run directory: at DP=2, at Megatron TP=2 with packed
+micro-batches and at CP=2 (two HF engine replicas each time) it starts, and its first step equals a padded
 one-process run's: the same evaluation, the same generated groups (rewards, lengths,
 dynamic-sampling counts, all exact), and the same update (to fp32 round-off)."""
 
@@ -32,9 +32,11 @@ def one_process(tmp_path_factory) -> list[dict]:
     return _train(tmp_path_factory.mktemp("one_process"), 1)
 
 
-# TP=2 runs packed (train.pack_sequences): its records equal the padded one-process run's as well
-@pytest.mark.parametrize("layout", [[], ["parallel.tensor_model_parallel_size=2", "train.pack_sequences=true"]],
-                         ids=["dp2", "tp2_packed"])
+# TP=2 runs packed (train.pack_sequences): its records equal the padded one-process run's as well;
+# CP=2 splits every row's positions over the two ranks (mcore/context_parallel.py)
+@pytest.mark.parametrize("layout", [[], ["parallel.tensor_model_parallel_size=2", "train.pack_sequences=true"],
+                                    ["parallel.context_parallel_size=2"]],
+                         ids=["dp2", "tp2_packed", "cp2"])
 def test_torchrun_from_an_empty_dir_matches_one_process(one_process, tmp_path_factory, layout):
     records = _train(tmp_path_factory.mktemp("torchrun"), 2, *layout)
     assert [r["step"] for r in records] == [0, 1]

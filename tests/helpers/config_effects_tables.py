@@ -7,7 +7,6 @@ REFUSED: dict[str, tuple[str, dict]] = {  # key -> (value, context)
     "model.fp8": ("e4m3", {}),
     "parallel.virtual_pipeline_model_parallel_size": ("2", {}),
     "parallel.sequence_parallel": ("true", {}),
-    "parallel.context_parallel_size": ("2", {}),
     "data.train_files": ("[/elsewhere/train.parquet]", {}),
     "data.val_files": ("[/elsewhere/val.parquet]", {}),
     "toy.enable": ("false", {}),  # then model.hf_path is empty: "... or set toy.enable=true"

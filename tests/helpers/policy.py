@@ -32,7 +32,7 @@ def tiny_hf_config(**overrides) -> dict:
     return cfg
 
 
-def tiny_cfg(*, tp=1, pp=1, vpp=None, sp=False, dist_opt=True, budget=40, micro_batch_size=1, warmup=1):
+def tiny_cfg(*, tp=1, pp=1, vpp=None, sp=False, cp=1, dist_opt=True, budget=40, micro_batch_size=1, warmup=1):
     """Sizes for a 2-process CPU run. make_vocab_size_divisible_by=64 pads the vocabulary (120)
     to 128 (at TP=1 and 2 alike), so the reference needs the padding mask. 4 prompts per step in
     mini-batches of 2: 2 updates per rollout step, so warmup=1 step means lr / 2 on update 1."""
@@ -41,7 +41,7 @@ def tiny_cfg(*, tp=1, pp=1, vpp=None, sp=False, dist_opt=True, budget=40, micro_
         model=ModelConfig(make_vocab_size_divisible_by=64),
         parallel=ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                 virtual_pipeline_model_parallel_size=vpp, sequence_parallel=sp,
-                                use_distributed_optimizer=dist_opt),
+                                context_parallel_size=cp, use_distributed_optimizer=dist_opt),
         data=DataConfig(prompts_per_step=4, gen_prompts_per_batch=4, max_prompt_length=8),
         rollout=RolloutConfig(temperature=TEMPERATURE, max_response_length=24),
         reward=RewardConfig(overlong_buffer=OverlongBufferConfig(len=8)),

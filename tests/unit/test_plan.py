@@ -121,6 +121,26 @@ def test_activations_equal_megatrons_formula_with_selective_recompute():
     assert ours == pytest.approx(theirs, rel=0.01)
 
 
+def test_context_parallel_halves_a_ranks_activations_and_shards_the_state_over_dp_x_cp():
+    """CP 2 at the same 128 GPUs: each rank computes half of every micro-batch's positions (megatron's
+    formula at half the sequence), and the distributed optimizer shards over DP x CP (megatron's
+    intra_dp_cp group; tests/distributed/test_policy_cp.py measures it), so DP 4 x CP 2 keeps the state
+    DP 8 x CP 1 keeps; the CP group adds a communicator."""
+    hf = QWEN25_CONFIGS["32B"]
+    one = plan(load_config(PAPER, ["model.recompute=selective"]), hf, 128)
+    two = plan(load_config(PAPER, ["model.recompute=selective", "parallel.context_parallel_size=2"]), hf, 128)
+    cfg = load_config(PAPER, ["model.recompute=selective"])
+    args = SimpleNamespace(seq_length=cfg.train.max_tokens_per_micro_batch // 2, micro_batch_size=1, hidden_size=5120,
+                           ffn_hidden_size=27648, num_layers=64, pipeline_model_parallel_size=2,
+                           virtual_pipeline_model_parallel_size=None, tensor_model_parallel_size=8,
+                           padded_vocab_size=152064)
+    theirs = _megatron_formula().compute_activation_memory(args, num_microbatches=16)
+    assert two.parts["activations"] == pytest.approx(theirs, rel=0.01)
+    assert two.parts["activations"] == pytest.approx(one.parts["activations"] / 2)
+    assert two.state == pytest.approx(one.state)
+    assert two.parts["nccl_trainer"] > one.parts["nccl_trainer"]
+
+
 def test_the_paper_layout_fits_and_an_oversized_one_is_refused_naming_the_knob(capsys):
     base = ["plan", "--config", str(PAPER), "--world-size", "128", "--shape", "32B"]
     assert cli.main(base) == 0
@@ -130,7 +150,8 @@ def test_the_paper_layout_fits_and_an_oversized_one_is_refused_naming_the_knob(c
     assert "lower rollout.gpu_memory_utilization=0.9" in capsys.readouterr().err
     assert cli.main([*base, "model.recompute=none", "train.max_tokens_per_micro_batch=65536",
                      "rollout.gpu_memory_utilization=0.1"]) == 2
-    assert "set model.recompute=full or lower train.max_tokens_per_micro_batch" in capsys.readouterr().err
+    assert ("set model.recompute=full or lower train.max_tokens_per_micro_batch (down to one sequence, 22528) or "
+            "raise parallel.context_parallel_size=1 to 2") in capsys.readouterr().err
 
 
 def test_separate_placement_plans_the_trainers_ranks_and_refuses_splits_that_cannot_run(capsys):

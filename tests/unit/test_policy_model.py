@@ -15,6 +15,7 @@ from megatron_dapo.mcore import (
 )
 from megatron_dapo.mcore.model import resolve_runtime
 from tests.helpers.convert import hf_to_megatron_by_hand
+from tests.helpers.moe import TINY_MOE
 from tests.helpers.policy import tiny_hf_config
 
 MODEL = ModelConfig(make_vocab_size_divisible_by=8)
@@ -107,7 +108,8 @@ def test_runtime_resolution(monkeypatch):
     ({"num_hidden_layers": 6}, dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2),
      2, "num_hidden_layers=6 is not divisible by .* 2 x 2"),
     ({}, dict(tensor_model_parallel_size=2), 3, "world size 3 is not divisible"),
-    ({}, dict(context_parallel_size=2), 2, "context_parallel_size=2 needs the Transformer Engine"),
+    ({**TINY_MOE, "model_type": "qwen3_moe"}, dict(context_parallel_size=2), 2,
+     "context_parallel_size=2 with a mixture-of-experts model"),
 ])
 def test_validate_parallel_names_values_and_fix(hf_change, parallel, world, match):
     with pytest.raises(ValueError, match=match):

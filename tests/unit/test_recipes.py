@@ -38,8 +38,8 @@ def _dry(script: Path, *args: str, dry: bool = True, **env: str) -> subprocess.C
 
 
 def test_there_is_a_recipe_per_model_size_and_the_cpu_rehearsal():
-    assert [p.name for p in RECIPES] == ["cpu-tiny", "qwen2.5-1.5b", "qwen2.5-32b", "qwen2.5-7b", "qwen3-30b-a3b",
-                                         "qwen3-32b", "qwen3-8b"]
+    assert [p.name for p in RECIPES] == ["cpu-tiny", "qwen2.5-1.5b", "qwen2.5-32b", "qwen2.5-32b-32k", "qwen2.5-7b",
+                                         "qwen3-30b-a3b", "qwen3-32b", "qwen3-8b"]
     for p in RECIPES:
         assert {x.name for x in p.iterdir()} >= {"recipe.env", "run.sh", "train.sbatch"}
 
@@ -144,7 +144,8 @@ def test_single_node_train_eval_and_convert_dry_runs(recipe, data_dir):
     d = {"DATA_DIR": str(data_dir)}
     # the plan refuses training on one node: the 32Bs at TP 8 x PP 1 x DP 1; 30B-A3B's experts at EP 8 x
     # expert DP 1, whose optimizer state is whole on each rank
-    one_node = {"qwen2.5-32b": "TP 8 x PP 1 x CP 1 x DP 1", "qwen3-32b": "TP 8 x PP 1 x CP 1 x DP 1",
+    one_node = {"qwen2.5-32b": "TP 8 x PP 1 x CP 1 x DP 1", "qwen2.5-32b-32k": "TP 8 x PP 1 x CP 1 x DP 1",
+                "qwen3-32b": "TP 8 x PP 1 x CP 1 x DP 1",
                 "qwen3-30b-a3b": "TP 1 x PP 1 x CP 1 x DP 8 (EP 8 of it: expert DP 1)"}
     if recipe.name in one_node:
         refused = _dry(recipe / "run.sh", "train", **d)
