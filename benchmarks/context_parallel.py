@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _emit import emit  # noqa: E402  (benchmarks/ on the path first)
 ROOT = Path(__file__).resolve().parents[1]
 
 FULL = dict(prompt=256, response=3840, samples=4, layers=4, hidden=256, vocab=4096)
@@ -147,11 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         child(json.loads(args.child[0]), args.child[1])
         return 0
-    result = measure(args.quick, args.rounds, args.threads)
-    print(json.dumps(result, indent=1))
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-    return 0
+    return emit(measure(args.quick, args.rounds, args.threads), args.out)
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _emit import emit  # noqa: E402  (benchmarks/ on the path first)
 ROOT = Path(__file__).resolve().parents[1]
 
 MEDIAN, SIGMA = 0.18, 0.9  # of the cap; log-normal, truncated at the cap
@@ -255,11 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         child(args.child[0], json.loads(args.child[1]), args.child[2])
         return 0
-    result = measure_all(args.quick, args.rounds)
-    print(json.dumps(result, indent=1))
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-    return 0
+    return emit(measure_all(args.quick, args.rounds), args.out)
 
 
 if __name__ == "__main__":
