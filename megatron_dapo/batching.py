@@ -21,7 +21,9 @@ Entry k starts at ``starts[k]``; every per-position tensor above holds the same 
 offsets within the sample, positions restart at 0 per sample, a sample's last token has label 0
 (the next sample is not its continuation), and ``cu_seqlens`` gives the attention its boundaries:
 no token attends across one. Nothing is spent on padding rows: a budget of T tokens holds T
-tokens of samples, where padded rows hold rows x the longest.
+tokens of samples, where padded rows hold rows x the longest. Under context parallelism each
+sample's slot is its length rounded up to 2 x CP (``segment_multiple``), its padding inside its own
+segment, so that every segment cuts into 2 x CP equal chunks (mcore/context_parallel.py).
 
 Sizing (verl's dynamic batch size, ``ppo_max_token_len_per_gpu``): with a token budget, samples
 are packed first-fit-decreasing into micro-batches of at most ``max_tokens`` padded tokens
@@ -119,6 +121,7 @@ class MicroBatch:
     response_lengths: tuple[int, ...]
     packed: bool = False
     starts: tuple[int, ...] = ()
+    segment_multiple: int = 1  # packed: each sample's slot rounded up to this (2 x CP under context parallelism)
 
     @property
     def num_padded_tokens(self) -> int:
@@ -131,10 +134,12 @@ class MicroBatch:
         return [row * self.input_ids.shape[1] for row in range(len(self.sample_index))]
 
     def cu_seqlens(self) -> Tensor:
-        """Packed: [segments + 1] int32, the boundaries attention must not cross: each sample's, then
-        the padding's at the end (a segment of its own) when there is some."""
+        """Packed: [segments + 1] int32, the boundaries attention must not cross: each sample's slot
+        (its tokens, then its padding to ``segment_multiple``), then the padding's at the end (a
+        segment of its own) when there is some."""
         total = self.input_ids.shape[1]
-        ends = [start + p + r for start, p, r in zip(self.starts, self.prompt_lengths, self.response_lengths)]
+        ends = [start + _round_up(p + r, self.segment_multiple)
+                for start, p, r in zip(self.starts, self.prompt_lengths, self.response_lengths)]
         bounds = [0] + ends + ([total] if not ends or ends[-1] < total else [])
         return torch.tensor(bounds, dtype=torch.int32)
 
@@ -209,15 +214,19 @@ def plan_micro_batches(lengths: Sequence[int], *, max_tokens: int, micro_batch_s
 
 
 def build_micro_batch(samples: Sequence[Sample], indices: Sequence[int], *, multiple: int = 1,
-                      shape: tuple[int, int] | None = None, packed: bool = False) -> MicroBatch:
+                      shape: tuple[int, int] | None = None, packed: bool = False,
+                      segment_multiple: int = 1) -> MicroBatch:
     """``samples[indices]`` as one micro-batch: padded rows, or ``packed`` end to end in one row (the
     module docstring); an empty ``indices`` gives a padding row. ``shape``: pad to exactly (rows,
-    length) instead of the smallest that fits."""
+    length) instead of the smallest that fits. ``segment_multiple`` (packed): each sample's slot is
+    its length rounded up to it, its padding after it (context parallelism cuts every slot into
+    2 x CP equal chunks)."""
     rows = [samples[i] for i in indices]
     n = len(rows)
     lengths = [x.num_tokens for x in rows]
+    slots = [_round_up(n_tokens, segment_multiple) for n_tokens in lengths] if packed else lengths
     if packed:
-        b, s = 1, _round_up(max(sum(lengths), 1), multiple)
+        b, s = 1, _round_up(max(sum(slots), 1), multiple)
     else:
         b, s = max(n, 1), _round_up(max(lengths, default=1), multiple)
     if shape is not None:
@@ -225,7 +234,7 @@ def build_micro_batch(samples: Sequence[Sample], indices: Sequence[int], *, mult
             raise ValueError(f"{n} samples of {max(lengths, default=0)} tokens at most do not fit the shape {shape}"
                              + (f" packed ({sum(lengths)} tokens)" if packed else ""))
         b, s = shape
-    starts = list(itertools.accumulate([0] + lengths[:-1])) if packed else []
+    starts = list(itertools.accumulate([0] + slots[:-1])) if packed else []
     # Each entry's first position in the flattened [b * s] tensors; every per-sample piece is
     # written with one scatter per tensor (per-row slicing was most of this function's time on the
     # CPU demo).
@@ -256,7 +265,7 @@ def build_micro_batch(samples: Sequence[Sample], indices: Sequence[int], *, mult
             routes = torch.full((b * s, rows[0].routed_experts.shape[1]), -1, dtype=torch.long)
             routes[before_last] = torch.cat([x.routed_experts for x in rows]).long()
     if packed:  # positions restart with each sample, and with the padding at the end
-        bounds = torch.tensor(starts + [sum(lengths)], dtype=torch.long)
+        bounds = torch.tensor(starts + [sum(slots)], dtype=torch.long)
         position_ids = (torch.arange(s) - bounds[torch.searchsorted(bounds, torch.arange(s), right=True) - 1])[None]
     else:
         position_ids = torch.arange(s).expand(b, s).contiguous()
@@ -269,7 +278,7 @@ def build_micro_batch(samples: Sequence[Sample], indices: Sequence[int], *, mult
         sample_index=tuple(indices) + (-1,) * fill,
         prompt_lengths=tuple(x.num_prompt_tokens for x in rows) + (0,) * fill,
         response_lengths=tuple(x.num_response_tokens for x in rows) + (0,) * fill,
-        packed=packed, starts=tuple(starts))
+        packed=packed, starts=tuple(starts), segment_multiple=segment_multiple if packed else 1)
 
 
 def _ranges(first: Tensor, counts: Tensor) -> Tensor:
@@ -338,7 +347,8 @@ def plan_packs(lengths: Sequence[int], *, max_tokens: int, micro_batch_size: int
 
 def make_micro_batches(samples: Sequence[Sample], *, max_tokens: int, micro_batch_size: int,
                        multiple: int = 1, min_count: int = 1, count_multiple: int = 1,
-                       uniform: bool = False, uniform_length: int = 0, packed: bool = False) -> list[MicroBatch]:
+                       uniform: bool = False, uniform_length: int = 0, packed: bool = False,
+                       segment_multiple: int = 1) -> list[MicroBatch]:
     """All of ``samples`` as micro-batches (see ``plan_micro_batches``; ``packed``: ``plan_packs``),
     padded with empty ones to at least ``min_count`` and to a multiple of ``count_multiple``
     (interleaved PP needs a multiple of the PP size).
@@ -347,11 +357,14 @@ def make_micro_batches(samples: Sequence[Sample], *, max_tokens: int, micro_batc
     s fits the longest sample (and is at least ``uniform_length``: ranks that must agree on one
     shape pass their longest, ``uniform_shape``), b = max_tokens // s rows (or micro_batch_size
     without a budget), consecutive samples per micro-batch. Packed, [1, the budget] (or
-    micro_batch_size x the longest without one), packed first-fit decreasing as without."""
+    micro_batch_size x the longest without one), packed first-fit decreasing as without, each sample
+    costing its slot (``segment_multiple``: build_micro_batch)."""
     plan, shape = _layout(samples, max_tokens=max_tokens, micro_batch_size=micro_batch_size,
                           multiple=multiple, min_count=min_count, count_multiple=count_multiple,
-                          uniform=uniform, uniform_length=uniform_length, packed=packed)
-    return [build_micro_batch(samples, group, multiple=multiple, shape=shape, packed=packed) for group in plan]
+                          uniform=uniform, uniform_length=uniform_length, packed=packed,
+                          segment_multiple=segment_multiple)
+    return [build_micro_batch(samples, group, multiple=multiple, shape=shape, packed=packed,
+                              segment_multiple=segment_multiple) for group in plan]
 
 
 def count_micro_batches(samples: Sequence[Sample], **kwargs) -> int:
@@ -374,11 +387,13 @@ def uniform_shape(longest: int, *, max_tokens: int, micro_batch_size: int, multi
 
 def _layout(samples: Sequence[Sample], *, max_tokens: int, micro_batch_size: int, multiple: int = 1,
             min_count: int = 1, count_multiple: int = 1, uniform: bool = False,
-            uniform_length: int = 0, packed: bool = False) -> tuple[list[list[int]], tuple[int, int] | None]:
+            uniform_length: int = 0, packed: bool = False,
+            segment_multiple: int = 1) -> tuple[list[list[int]], tuple[int, int] | None]:
     """make_micro_batches' groups of sample indices (padding ones included) and uniform shape."""
     lengths = [x.num_tokens for x in samples]
     shape = None
     if packed:
+        lengths = [_round_up(n, segment_multiple) for n in lengths]  # each sample's slot
         if uniform:
             shape = uniform_shape(max(lengths + [uniform_length], default=1), max_tokens=max_tokens,
                                   micro_batch_size=micro_batch_size, multiple=multiple, packed=True)

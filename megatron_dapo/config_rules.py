@@ -29,12 +29,6 @@ def validate_cross_section(cfg: Any) -> None:
               f"{r.max_response_length}]; shorten the buffer or disable it (reward.overlong_buffer.enable=false)")
     if ob.enable and ob.penalty_factor < 0:
         _fail(f"reward.overlong_buffer.penalty_factor must be >= 0, got {ob.penalty_factor}")
-    if cfg.parallel.context_parallel_size > 1 and cfg.train.pack_sequences:
-        # Packed rows would need each sample split into 2 x CP chunks of its own (megatron's THD
-        # layout under CP); the CP attention here takes whole padded rows.
-        _fail(f"train.pack_sequences=true with parallel.context_parallel_size={cfg.parallel.context_parallel_size}: "
-              "packed micro-batches are not split over context-parallel ranks yet; set train.pack_sequences=false "
-              "(or parallel.context_parallel_size=1)")
     if (cfg.eval.max_response_length or 0) > r.max_response_length:
         # One engine serves both, sized for prompt + rollout.max_response_length tokens: longer
         # evaluation responses would be cut there silently.

@@ -27,7 +27,10 @@ def batching_kwargs(model, settings: StepSettings) -> dict:
                 count_multiple=pp if vpp else 1,  # the interleaved schedule needs M % PP == 0
                 # stages that cannot exchange shapes, or EP ranks gathering each other's tokens
                 uniform=(pp > 1 and not config.variable_seq_lengths) or same_shape_over_dp(config),
-                packed=settings.pack_sequences)
+                packed=settings.pack_sequences,
+                # context parallelism cuts each packed sample's slot into 2 x CP chunks of its own
+                segment_multiple=2 * config.context_parallel_size
+                if settings.pack_sequences and config.context_parallel_size > 1 else 1)
 
 
 def same_shape_over_dp(config) -> bool:

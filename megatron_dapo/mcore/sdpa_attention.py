@@ -12,9 +12,9 @@ Covers what the local spec meets here: causal self-attention without dropout, bi
 windows (anything else is refused at build time, naming the field), over padded rows or packed ones
 (THD: megatron hands [t, heads, d] and the samples' boundaries in ``PackedSeqParams.cu_seqlens_q``):
 each sample attends causally within itself, one kernel call per sample, so no token sees its
-neighbour and nothing of size t x t is built. Under context parallelism (padded rows) each rank's
-queries attend over the whole row's keys and values, gathered over the CP group
-(context_parallel.cp_attention).
+neighbour and nothing of size t x t is built. Under context parallelism each rank's queries attend
+over the whole row's (or their segment's) keys and values, gathered over the CP group
+(context_parallel.py).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from megatron_dapo.mcore.context_parallel import cp_attention
+from megatron_dapo.mcore.context_parallel import cp_attention, cp_packed_attention
 
 
 class SDPAttention(torch.nn.Module):
@@ -68,9 +68,6 @@ class SDPAttention(torch.nn.Module):
         if attention_bias is not None:
             raise ValueError("SDPAttention takes no attention_bias")
         if packed_seq_params is not None:
-            if self._cp_group is not None:
-                raise ValueError("SDPAttention does not pack under context parallelism (train.pack_sequences with "
-                                 "parallel.context_parallel_size > 1)")
             return self._packed(query, key, value, packed_seq_params)
         mask_type = attn_mask_type or self.attn_mask_type
         causal = mask_type == self._causal and attention_mask is None
@@ -94,10 +91,14 @@ class SDPAttention(torch.nn.Module):
             raise ValueError(f"SDPAttention packs self-attention in THD only (qkv_format={params.qkv_format!r}, "
                              "cu_seqlens_kv = cu_seqlens_q)")
         bounds = params.cu_seqlens_q.tolist()
-        if bounds[0] != 0 or bounds[-1] != query.shape[0]:
-            raise ValueError(f"cu_seqlens_q must run from 0 to the {query.shape[0]} packed tokens, got "
+        cp = 1 if self._cp_group is None else torch.distributed.get_world_size(self._cp_group)
+        if bounds[0] != 0 or bounds[-1] != query.shape[0] * cp:
+            raise ValueError(f"cu_seqlens_q must run from 0 to the {query.shape[0] * cp} packed tokens, got "
                              f"{bounds[0]} .. {bounds[-1]}")
         gqa = key.shape[1] != query.shape[1]
+        if self._cp_group is not None:  # this rank's chunks of every segment (cu_seqlens are the whole row's)
+            return cp_packed_attention(query, key, value, tuple(bounds), scale=self.softmax_scale,
+                                       group=self._cp_group, enable_gqa=gqa)
         pieces = []
         for start, end in zip(bounds[:-1], bounds[1:]):
             q, k, v = (t[start:end].transpose(0, 1)[None] for t in (query, key, value))  # [1, heads, n, d]

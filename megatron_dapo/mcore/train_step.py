@@ -68,7 +68,8 @@ def _forward_step(settings: StepSettings, counts, scale: float, mismatch: bool, 
     mb = next(data_iterator)
     device = compute_device()
     cp_group = _cp_group(model.config)
-    local = functools.partial(_on_this_cp_rank, cp_group)  # the positions this CP rank holds (all at CP 1)
+    bounds = tuple(mb.cu_seqlens().tolist()) if mb.packed else None  # a packed row's segments
+    local = functools.partial(_on_this_cp_rank, cp_group, bounds)  # the positions this CP rank holds (all at CP 1)
     processor = logprobs_output_processor(local(mb.labels).to(device), temperature=settings.temperature,
                                           valid_vocab_size=settings.valid_vocab_size,
                                           chunk_tokens=settings.chunk_tokens,
@@ -85,7 +86,7 @@ def _forward_step(settings: StepSettings, counts, scale: float, mismatch: bool, 
                        output_processor=processor, **moe, **packed)
     if moe and isinstance(output, tuple):  # the last stage's (log_probs, entropy)
         output = TokenOutputs(*output)
-    return output, functools.partial(_loss_func, settings, counts, scale, mismatch, mb, cp_group)
+    return output, functools.partial(_loss_func, settings, counts, scale, mismatch, mb, cp_group, bounds)
 
 
 def _cp_group(config):
@@ -97,11 +98,12 @@ def _cp_group(config):
     return ps.get_context_parallel_group()
 
 
-def _on_this_cp_rank(group, values: torch.Tensor) -> torch.Tensor:
-    """[b, s] -> the [b, s / CP] positions this CP rank holds (context_parallel.py); as is at CP 1."""
+def _on_this_cp_rank(group, bounds, values: torch.Tensor) -> torch.Tensor:
+    """[b, s] -> the [b, s / CP] positions this CP rank holds (context_parallel.py; ``bounds``: a
+    packed row's segments, each cut on its own); as is at CP 1."""
     if group is None:
         return values
-    return slice_for_rank(values, dist.get_world_size(group), dist.get_rank(group))
+    return slice_for_rank(values, dist.get_world_size(group), dist.get_rank(group), bounds=bounds)
 
 
 # Policy losses whose token's term depends on that token's log-prob alone (a chunk's gradient hint
@@ -139,11 +141,12 @@ def _loss_grad_hint(settings: StepSettings, counts, mb: MicroBatch, device, loca
     return GradHint(grad=grad, active=local(mb.loss_mask).cpu() != 0)
 
 
-def _loss_func(settings: StepSettings, counts, scale: float, mismatch: bool, mb: MicroBatch, cp_group, output,
-               non_loss_data=False):
+def _loss_func(settings: StepSettings, counts, scale: float, mismatch: bool, mb: MicroBatch, cp_group, bounds,
+               output, non_loss_data=False):
     log_probs, entropy = output
     if cp_group is not None:  # each CP rank's positions -> whole rows, on every CP rank
-        log_probs, entropy = gather_sequence(log_probs, cp_group), gather_sequence(entropy.detach(), cp_group)
+        log_probs = gather_sequence(log_probs, cp_group, bounds=bounds)
+        entropy = gather_sequence(entropy.detach(), cp_group, bounds=bounds)
     if non_loss_data:  # forward-only log-prob pass: collected per micro-batch, [2, b, s]
         return torch.stack([log_probs.detach(), entropy.detach()])
     device = log_probs.device

@@ -68,19 +68,18 @@ def _check_layout(name: str, kw: dict, hf, xs, fw0, wants, w0):
     from megatron_dapo.mcore import destroy_parallel
     from megatron_dapo.mcore.actor import MegatronActor
 
-    for loss in ("dapo", "gspo"):
-        actor = MegatronActor(tiny_cfg(**kw), hf, initialize=loss == "dapo")
+    for k, (loss, packed) in enumerate((("dapo", False), ("gspo", False), ("dapo", True), ("gspo", True))):
+        actor = MegatronActor(tiny_cfg(**kw), hf, initialize=k == 0)
         assert ps.get_context_parallel_world_size() == kw["cp"]
-        if loss == "gspo":
-            actor.settings = dataclasses.replace(actor.settings, **GSPO)
+        actor.settings = dataclasses.replace(actor.settings, pack_sequences=packed, **(GSPO if loss == "gspo" else {}))
         load_weights(actor, w0)
+        what = f"{name}, {loss}{', packed' if packed else ''}"
         if loss == "dapo":
             lps = actor.get_inference_log_probs(xs)
             for i, s in enumerate(fw0["spans"]):
-                assert_close(lps[i], fw0["lp"][i, s], f"{name}: log-probs of sample {i}")
+                assert_close(lps[i], fw0["lp"][i, s], f"{what}: log-probs of sample {i}")
         hf_w1, want = wants[loss]
         m = actor.get_loss_and_metrics(xs)
-        what = f"{name}, {loss}"
         assert m["actor/num_tokens"] == want["num_tokens"], (what, m["actor/num_tokens"], want["num_tokens"])
         assert_close(torch.tensor(m["actor/pg_loss"]), want["loss"], f"{what}: loss")
         assert_close(torch.tensor(m["actor/grad_norm"]), want["grad_norm"], f"{what}: grad norm")

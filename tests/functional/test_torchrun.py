@@ -33,10 +33,14 @@ def one_process(tmp_path_factory) -> list[dict]:
 
 
 # TP=2 runs packed (train.pack_sequences): its records equal the padded one-process run's as well;
-# CP=2 splits every row's positions over the two ranks (mcore/context_parallel.py)
-@pytest.mark.parametrize("layout", [[], ["parallel.tensor_model_parallel_size=2", "train.pack_sequences=true"],
-                                    ["parallel.context_parallel_size=2"]],
-                         ids=["dp2", "tp2_packed", "cp2"])
+# CP=2 splits every row's positions over the two ranks (mcore/context_parallel.py), packed too in the
+# extended tier (its CI stand-in: tests/distributed/test_policy_cp.py's packed variants)
+@pytest.mark.parametrize("layout", [
+    pytest.param([], id="dp2"),
+    pytest.param(["parallel.tensor_model_parallel_size=2", "train.pack_sequences=true"], id="tp2_packed"),
+    pytest.param(["parallel.context_parallel_size=2"], id="cp2"),
+    pytest.param(["parallel.context_parallel_size=2", "train.pack_sequences=true"], id="cp2_packed",
+                 marks=pytest.mark.extended)])
 def test_torchrun_from_an_empty_dir_matches_one_process(one_process, tmp_path_factory, layout):
     records = _train(tmp_path_factory.mktemp("torchrun"), 2, *layout)
     assert [r["step"] for r in records] == [0, 1]

@@ -1,6 +1,6 @@
 """The context-parallel layout (mcore/context_parallel.py) against megatron's own: each CP rank holds the
 positions megatron-core 0.19.2's ``get_batch_on_this_cp_rank`` gives it (the layout its RoPE follows),
-and the gather puts every rank's share back in order. The distributed halves (attention over the
+and the gather puts every rank's share back in order; a packed row's segments are cut one by one. The distributed halves (attention over the
 gathered keys, the loss and gradients at CP 2 with TP, PP and DP) are tests/distributed/test_policy_cp.py."""
 
 import pytest
@@ -26,6 +26,30 @@ def test_each_rank_holds_the_positions_megatron_gives_it(cp_size, monkeypatch):
         want = _megatron_share({"tokens": ids}, cp_size, rank, monkeypatch)["tokens"]
         assert torch.equal(slice_for_rank(ids, cp_size, rank), want), rank
         assert torch.equal(positions_on_rank(seq, cp_size, rank), want[0])
+
+
+@pytest.mark.parametrize("cp_size", [2, 3])
+def test_a_packed_rows_segments_are_cut_one_by_one_as_megatrons_thd_rope_reads_them(cp_size):
+    """A packed row (THD): each segment (a sample's slot, cu_seqlens) gives this rank its own two chunks,
+    segment after segment: the positions megatron's RoPE gives a rank's tokens of each sequence under CP
+    (rope_utils._get_thd_freqs_on_this_cp_rank, reading a whole-row position table at the segment's
+    offset)."""
+    from megatron.core.models.common.embeddings.rope_utils import _get_thd_freqs_on_this_cp_rank
+
+    unit = 2 * cp_size
+    bounds = (0, 3 * unit, 4 * unit, 7 * unit, 9 * unit)
+    total = bounds[-1]
+    table = torch.arange(total)  # position j's "frequency" is j
+    for rank in range(cp_size):
+        want = torch.cat([_get_thd_freqs_on_this_cp_rank(rank, cp_size, torch.empty((end - start) // cp_size),
+                                                        table, start)
+                          for start, end in zip(bounds[:-1], bounds[1:])])
+        assert torch.equal(positions_on_rank(total, cp_size, rank, bounds), want), rank
+    values = torch.randn(2, total, 3)
+    shares = [slice_for_rank(values, cp_size, r, bounds=bounds) for r in range(cp_size)]
+    assert torch.equal(restore_order(shares, dim=1, bounds=bounds), values)
+    with pytest.raises(ValueError, match="does not split into 2 x CP"):
+        positions_on_rank(total, cp_size, 0, (0, unit + 1, total))
 
 
 @pytest.mark.parametrize("cp_size", [1, 2, 4])

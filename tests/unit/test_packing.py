@@ -47,6 +47,27 @@ def test_each_sample_holds_its_padded_rows_values_at_its_offset():
     assert (mb.loss_mask[0, 29:] == 0).all() and (mb.routed_experts[0, 29:] == -1).all()
 
 
+def test_under_context_parallelism_each_sample_gets_a_slot_of_whole_chunks():
+    """segment_multiple = 2 x CP: each sample's slot is its length rounded up to it, its padding inside its
+    own segment (cu_seqlens are the slots), so every segment cuts into 2 x CP equal chunks; the sample's
+    values sit where they would without the rounding, relative to its start."""
+    xs = _samples(SHAPES)
+    mb = build_micro_batch(xs, [0, 1, 2, 3], multiple=8, packed=True, segment_multiple=4)
+    assert mb.starts == (0, 8, 20, 28) and mb.input_ids.shape == (1, 40)  # slots 8, 12, 8, 8
+    assert mb.cu_seqlens().tolist() == [0, 8, 20, 28, 36, 40]
+    assert all(b % 4 == 0 for b in mb.cu_seqlens().tolist())
+    plain = build_micro_batch(xs, [0, 1, 2, 3], multiple=8, packed=True)
+    for start, plain_start, (p, r) in zip(mb.starts, plain.starts, SHAPES):
+        for name in ("input_ids", "labels", "loss_mask", "advantages", "position_ids"):
+            got = getattr(mb, name)[0, start:start + p + r]
+            assert torch.equal(got, getattr(plain, name)[0, plain_start:plain_start + p + r]), name
+    assert padding_mask(mb)[0, 17:20].all() and not padding_mask(mb)[0, 20:25].any()  # sample 1's slot padding
+    # the plan costs each sample its slot: 12 + 8 and 8 + 8 under a budget of 24 (by their lengths alone,
+    # 9 + 8 + 7 would share one pack)
+    packs = make_micro_batches(xs, max_tokens=24, micro_batch_size=1, multiple=4, packed=True, segment_multiple=4)
+    assert [m.sample_index for m in packs] == [(0, 1), (2, 3)]
+
+
 def test_responses_unpack_and_gather_into_sequence_rows():
     xs = _samples(SHAPES)
     mb = build_micro_batch(xs, [2, 0, 3], packed=True)
