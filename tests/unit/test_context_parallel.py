@@ -1,7 +1,8 @@
 """The context-parallel layout (mcore/context_parallel.py) against megatron's own: each CP rank holds the
 positions megatron-core 0.19.2's ``get_batch_on_this_cp_rank`` gives it (the layout its RoPE follows),
-and the gather puts every rank's share back in order; a packed row's segments are cut one by one. The distributed halves (attention over the
-gathered keys, the loss and gradients at CP 2 with TP, PP and DP) are tests/distributed/test_policy_cp.py."""
+and the gather puts every rank's share back in order; a packed row's segments are cut one by one, as
+megatron's THD RoPE reads them. The distributed halves (attention over the gathered keys, the loss
+and gradients at CP 2 with TP, PP and DP) are tests/distributed/test_policy_cp.py."""
 
 import pytest
 import torch
