@@ -2,7 +2,7 @@
 
 A ``Sample`` is one prompt + response. A micro-batch holds whole samples, right-padded to one
 length ``s`` (a multiple of ``pad_multiple``: TP under sequence parallelism, 2 x CP under context
-parallelism). In a micro-batch of ``b`` rows, for the sample in row i with P prompt and R response
+parallelism, TP x CP under both). In a micro-batch of ``b`` rows, for the sample in row i with P prompt and R response
 tokens (L = P + R):
 
     input_ids[i, t]     token t, t < L; 0 beyond
@@ -165,18 +165,16 @@ are multiples of 16 in every Qwen2.5 and Qwen3 shape."""
 
 def pad_multiple(*, tensor_parallel: int = 1, sequence_parallel: bool = False, context_parallel: int = 1,
                  base: int = 1, fp8: bool = False) -> int:
-    """The multiple every padded length must be: sequence parallelism splits the sequence over TP
-    ranks, context parallelism into 2 x CP load-balanced chunks; ``base`` e.g. for kernels. With
-    ``fp8`` each rank's share of the sequence (s / TP under sequence parallelism, / CP) is itself a
-    multiple of FP8_ALIGN, so a GEMM's rows (share x rows of the micro-batch) are, whatever the
-    number of rows."""
-    multiple = base
-    if sequence_parallel:
-        multiple = math.lcm(multiple, tensor_parallel)
+    """The multiple every padded length must be: context parallelism cuts the sequence into 2 x CP
+    load-balanced chunks, and sequence parallelism splits each CP rank's share (s / CP) over the TP
+    ranks, so s is a multiple of TP x CP too; ``base`` e.g. for kernels. With ``fp8`` each rank's
+    share of the sequence (s / TP under sequence parallelism, / CP) is itself a multiple of
+    FP8_ALIGN, so a GEMM's rows (share x rows of the micro-batch) are, whatever the number of rows."""
+    shards = (tensor_parallel if sequence_parallel else 1) * context_parallel
+    multiple = math.lcm(base, shards)
     if context_parallel > 1:
         multiple = math.lcm(multiple, 2 * context_parallel)
     if fp8:
-        shards = (tensor_parallel if sequence_parallel else 1) * context_parallel
         multiple = math.lcm(multiple, FP8_ALIGN * shards)
     return multiple
 
@@ -232,7 +230,7 @@ def build_micro_batch(samples: Sequence[Sample], indices: Sequence[int], *, mult
     if shape is not None:
         if shape[0] < b or shape[1] < s:
             raise ValueError(f"{n} samples of {max(lengths, default=0)} tokens at most do not fit the shape {shape}"
-                             + (f" packed ({sum(lengths)} tokens)" if packed else ""))
+                             + (f" packed ({sum(slots)} tokens in their slots)" if packed else ""))
         b, s = shape
     starts = list(itertools.accumulate([0] + slots[:-1])) if packed else []
     # Each entry's first position in the flattened [b * s] tensors; every per-sample piece is

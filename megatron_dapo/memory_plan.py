@@ -118,6 +118,7 @@ class Plan:
     save: SaveHost | None = None  # None: without the distributed optimizer
     notes: list[str] = dataclasses.field(default_factory=list)
     shard: Shard | None = None  # the trainer's parameter counts
+    world_size: int = 1  # the trainers' ranks planned
 
     @property
     def parts(self) -> dict[str, float]:
@@ -445,4 +446,4 @@ def plan(cfg: DAPOConfig, hf: dict, world_size: int, *, gpu: str | GPUModel = "h
                           background=cfg.checkpoint.async_save, weight_bytes=lay.weight_bytes)
             if p.use_distributed_optimizer else None)
     return Plan(items, device, pp, rollout, generation, trained, generation.seconds + train_s, sleep_host,
-                copied if offload else 0.0, copied, node, offload, save, notes, lay.shard)
+                copied if offload else 0.0, copied, node, offload, save, notes, lay.shard, world_size)

@@ -53,7 +53,7 @@ def _over_capacity(result: Plan, cfg: DAPOConfig, worst: float) -> str:
     if generating:
         fix = _generating_fix(result, cfg)
     elif parts["activations"] >= max(parts["weights"], parts.get("master", 0.0) + parts["adam"]):
-        fix = _activations_fix(cfg)
+        fix = _activations_fix(result, cfg)
     elif not cfg.parallel.use_distributed_optimizer:
         fix = "set parallel.use_distributed_optimizer=true"
     else:
@@ -64,18 +64,24 @@ def _over_capacity(result: Plan, cfg: DAPOConfig, worst: float) -> str:
             f"{result.gpu.name} reports: {fix}")
 
 
-def _activations_fix(cfg: DAPOConfig) -> str:
+def _activations_fix(result: Plan, cfg: DAPOConfig) -> str:
     """What shrinks the activations: full recompute, a smaller micro-batch while it holds more than
     one sequence, and context parallelism, which divides every sequence's positions (the only one
-    left when a single sequence is the micro-batch: 20k-32k-token responses)."""
+    left when a single sequence is the micro-batch: 20k-32k-token responses; refused for
+    mixture-of-experts models); else more TP or PP ranks."""
+    t, p = cfg.train, cfg.parallel
     fixes = ["set model.recompute=full"] if cfg.model.recompute != "full" else []
     sequence = cfg.data.max_prompt_length + cfg.rollout.max_response_length
-    if (cfg.train.max_tokens_per_micro_batch or 0) > sequence:
+    if t.max_tokens_per_micro_batch > sequence:
         fixes.append(f"lower train.max_tokens_per_micro_batch (down to one sequence, {sequence})")
-    cp = cfg.parallel.context_parallel_size
-    fixes.append(f"raise parallel.context_parallel_size={cp} to {2 * cp} (each rank then holds 1/{2 * cp} of "
-                 "every sequence)")
-    return " or ".join(fixes)
+    elif not t.max_tokens_per_micro_batch and t.micro_batch_size > 1:
+        fixes.append(f"lower train.micro_batch_size={t.micro_batch_size}")
+    if not _has_experts(result):
+        cp, dp = p.context_parallel_size, p.data_parallel_size(result.world_size)
+        where = "" if dp % 2 == 0 else f" on twice the GPUs (DP {dp} does not halve)"
+        fixes.append(f"raise parallel.context_parallel_size={cp} to {2 * cp}{where} (each rank then holds "
+                     f"1/{2 * cp} of every sequence)")
+    return " or ".join(fixes or ["raise parallel.tensor_model_parallel_size or parallel.pipeline_model_parallel_size"])
 
 
 def _generating_fix(result: Plan, cfg: DAPOConfig) -> str:

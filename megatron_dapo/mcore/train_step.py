@@ -18,11 +18,14 @@ The scaling megatron-core 0.19.2 applies on the way, with ``calculate_per_token_
   3. finalize_model_grads.py:680: scales by 1 / num_tokens only when calculate_per_token_loss
      is set (not here); otherwise it adds no scaling (the tied-embedding all-reduce over the
      first and last stage, :659, sums the two copies' grads).
-So the reduced gradient is sum_{dp, cp, mb} CP / (M x DP x CP) x d loss_mb; each micro-batch loss
-is multiplied by M x DP / CP before it is returned, and the gradient becomes exactly
-d(global token-mean) / d theta. (Under context parallelism every CP rank computes the whole
-micro-batch's loss from log-probs gathered over CP, and the gather's backward sums the CP ranks'
-gradients: the CP copies of one loss count once; mcore/context_parallel.py.) (Megatron's own per-token path, a
+Each micro-batch loss L_mb (this DP rank's share of the global token-mean) is returned as
+L_mb x M x DP / CP; step 1 makes it L_mb x DP. At CP = 1, step 2 then gives the sum over DP ranks
+and micro-batches of d L_mb / d theta: exactly d(global token-mean) / d theta. Under context
+parallelism every CP rank computes the same whole L_mb from log-probs gathered over CP
+(mcore/context_parallel.py); the gather's backward all-reduces the CP ranks' identical gradients
+(x CP) and keeps each rank's own positions, so a rank's gradient is CP x DP x (L_mb's gradient
+through its positions), and step 2's 1 / (DP x CP) and sum over DP x CP leave the sum over all
+positions once: the same d(global token-mean) / d theta. (Megatron's own per-token path, a
 3-tuple with calculate_per_token_loss=True, divides by a token count that finalize_model_grads
 sums over DP; the pre-divided loss here also covers the seq-mean modes.)
 
@@ -144,9 +147,9 @@ def _loss_grad_hint(settings: StepSettings, counts, mb: MicroBatch, device, loca
 def _loss_func(settings: StepSettings, counts, scale: float, mismatch: bool, mb: MicroBatch, cp_group, bounds,
                output, non_loss_data=False):
     log_probs, entropy = output
-    if cp_group is not None:  # each CP rank's positions -> whole rows, on every CP rank
-        log_probs = gather_sequence(log_probs, cp_group, bounds=bounds)
-        entropy = gather_sequence(entropy.detach(), cp_group, bounds=bounds)
+    if cp_group is not None:  # each CP rank's positions -> whole rows, on every CP rank (one gather)
+        log_probs, entropy = gather_sequence(torch.stack([log_probs, entropy.detach()]), cp_group, dim=2,
+                                             bounds=bounds).unbind()
     if non_loss_data:  # forward-only log-prob pass: collected per micro-batch, [2, b, s]
         return torch.stack([log_probs.detach(), entropy.detach()])
     device = log_probs.device

@@ -160,6 +160,14 @@ def test_pad_multiple_and_validation():
     assert pad_multiple(tensor_parallel=4, sequence_parallel=True) == 4
     assert pad_multiple(tensor_parallel=4, sequence_parallel=True, context_parallel=2, base=8) == 8
     assert pad_multiple(tensor_parallel=3, sequence_parallel=True, context_parallel=2) == 12
+    # sequence parallelism splits each CP rank's share over TP: TP x CP | s (the 32k recipe: TP 8, CP 2)
+    assert pad_multiple(tensor_parallel=4, sequence_parallel=True, context_parallel=2) == 8
+    assert pad_multiple(tensor_parallel=8, sequence_parallel=True, context_parallel=2) == 16
+    assert pad_multiple(tensor_parallel=8, sequence_parallel=False, context_parallel=2) == 4
+    for tp in (1, 2, 3, 4, 8):
+        for cp in (1, 2, 3, 4):
+            m = pad_multiple(tensor_parallel=tp, sequence_parallel=True, context_parallel=cp)
+            assert (m // cp) % tp == 0 and (m % (2 * cp) == 0 or cp == 1), (tp, cp, m)
     with pytest.raises(ValueError, match="P >= 1"):
         Sample(prompt_ids=torch.zeros(0, dtype=torch.long), response_ids=torch.ones(2, dtype=torch.long))
     with pytest.raises(ValueError, match="old_log_probs"):

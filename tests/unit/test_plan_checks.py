@@ -10,7 +10,7 @@ import pytest
 
 from megatron_dapo import cli
 from megatron_dapo.config_loading import load_config
-from megatron_dapo.convert.synthetic import QWEN3_CONFIGS, QWEN25_CONFIGS
+from megatron_dapo.convert.synthetic import QWEN3_CONFIGS, QWEN25_CONFIGS, SHAPES
 from megatron_dapo.memory_plan import plan
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -131,3 +131,28 @@ def test_a_share_that_cannot_hold_the_engine_is_never_advised_and_each_fix_named
             assert _generating_fits(fix, shape, fix_world, "h100"), (err, fix, fix_world)
             checked += 1
     assert checked >= 20
+
+
+def test_activations_that_do_not_fit_name_context_parallelism_when_one_sequence_is_the_micro_batch(capsys):
+    """A 43k-token sequence as the micro-batch, without recompute, at the paper's 128 GPUs: the refusal names
+    CP (DP 8 halves), and CP 2 then fits; a mixture-of-experts model (CP refused) is not offered it."""
+    from megatron_dapo.errors import ConfigError
+    from megatron_dapo.plan_checks import check_fits
+
+    long = ["rollout.max_response_length=40960", "train.max_tokens_per_micro_batch=43008", "model.recompute=none"]
+    cfg = load_config(PAPER, long)
+    with pytest.raises(ConfigError) as refused:
+        check_fits(plan(cfg, QWEN32, 128), cfg)
+    message = str(refused.value)
+    assert "while training" in message and "set model.recompute=full" in message
+    assert "raise parallel.context_parallel_size=1 to 2 (each rank then holds 1/2 of every sequence)" in message
+    assert "max_tokens_per_micro_batch" not in message  # one sequence already: nothing smaller to advise
+    fixed = load_config(PAPER, [*long, "parallel.context_parallel_size=2"])
+    check_fits(plan(fixed, QWEN32, 128), fixed)
+
+    moe = ROOT / "conf/recipes/dapo-qwen3-30b-a3b-math-4n8g-pp2ep8.v1.yaml"
+    cfg = load_config(moe, ["rollout.max_response_length=65536", "train.max_tokens_per_micro_batch=67584",
+                            "model.recompute=none"])
+    with pytest.raises(ConfigError) as refused:
+        check_fits(plan(cfg, SHAPES["Qwen3-30B-A3B"], 32), cfg)
+    assert "context_parallel_size" not in str(refused.value) and "recompute=full" in str(refused.value)
