@@ -23,6 +23,8 @@ holds whole, and are gathered over DP only: no token is counted once per CP rank
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 
@@ -40,8 +42,13 @@ def cp_chunks(cp_size: int, cp_rank: int) -> tuple[int, int]:
 def positions_on_rank(seq_len: int, cp_size: int, cp_rank: int, bounds: Bounds | None = None) -> torch.Tensor:
     """[seq_len / cp_size] int64: the row positions CP rank ``cp_rank`` holds, in its order: of each
     segment (``bounds``; the whole row when None) its two chunks, segment after segment (megatron's
-    per-sequence split of a packed row, which its THD RoPE follows)."""
-    bounds = bounds or (0, seq_len)
+    per-sequence split of a packed row, which its THD RoPE follows). Cached: every layer's K/V gather
+    of a micro-batch asks for the same index; callers only read it."""
+    return _positions(seq_len, cp_size, cp_rank, bounds or (0, seq_len))
+
+
+@functools.lru_cache(maxsize=256)
+def _positions(seq_len: int, cp_size: int, cp_rank: int, bounds: Bounds) -> torch.Tensor:
     if bounds[0] != 0 or bounds[-1] != seq_len:
         raise ValueError(f"segment bounds {bounds[0]} .. {bounds[-1]} do not cover the {seq_len} positions")
     pieces = []
@@ -64,9 +71,14 @@ def restore_order(pieces: list[torch.Tensor], dim: int, bounds: Bounds | None = 
     """Every CP rank's share (``slice_for_rank`` of rank 0, 1, ...), each [..., s / CP, ...] along
     ``dim`` -> the whole row, [..., s, ...], positions in order."""
     whole = torch.cat(pieces, dim=dim)
-    seq_len = whole.shape[dim]
-    held = torch.cat([positions_on_rank(seq_len, len(pieces), rank, bounds) for rank in range(len(pieces))])
-    return whole.index_select(dim, torch.argsort(held).to(whole.device))  # position j <- where j was held
+    return whole.index_select(dim, _restore_index(whole.shape[dim], len(pieces), bounds).to(whole.device))
+
+
+@functools.lru_cache(maxsize=256)
+def _restore_index(seq_len: int, cp_size: int, bounds: Bounds | None) -> torch.Tensor:
+    """Position j of the row <- where the concatenated shares of ranks 0, 1, ... hold it."""
+    held = torch.cat([positions_on_rank(seq_len, cp_size, rank, bounds) for rank in range(cp_size)])
+    return torch.argsort(held)
 
 
 def _chunk_len(seq_len: int, cp_size: int) -> int:
@@ -84,7 +96,7 @@ class _GatherSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, values: torch.Tensor, dim: int, group, bounds: Bounds | None):
         ctx.dim, ctx.group, ctx.bounds = dim, group, bounds
-        return _all_gather_rows(values, dim, group, bounds)
+        return _gather_whole(values, dim, group, bounds)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -100,11 +112,11 @@ def gather_sequence(values: torch.Tensor, group, dim: int = 1, bounds: Bounds | 
     if dist.get_world_size(group) == 1:
         return values
     if not (torch.is_grad_enabled() and values.requires_grad):
-        return _all_gather_rows(values, dim, group, bounds)
+        return _gather_whole(values, dim, group, bounds)
     return _GatherSequence.apply(values, dim, group, bounds)
 
 
-def _all_gather_rows(values: torch.Tensor, dim: int, group, bounds: Bounds | None) -> torch.Tensor:
+def _gather_whole(values: torch.Tensor, dim: int, group, bounds: Bounds | None) -> torch.Tensor:
     pieces = [torch.empty_like(values) for _ in range(dist.get_world_size(group))]
     dist.all_gather(pieces, values.contiguous(), group=group)
     return restore_order(pieces, dim, bounds)
