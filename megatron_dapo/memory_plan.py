@@ -231,7 +231,7 @@ def _output_layer(hf: dict, tokens: int, v_local: int, weight_bytes: int,
     """(chunk buffer bytes, early-gradient bytes, chunk tokens) of logprobs.py's fused output layer
     on a [tokens, H] micro-batch with a [V_local, H] weight shard (module docstring);
     ``chunk_tokens``: train.logprob_chunk_tokens (0: logprobs.py's default rule; set, it has no byte cap)."""
-    from megatron_dapo.mcore.logprobs import DEFAULT_CHUNK_BYTES, DEFAULT_CHUNK_TOKENS
+    from megatron_dapo.mcore.logprob_chunks import DEFAULT_CHUNK_BYTES, DEFAULT_CHUNK_TOKENS
 
     chunk = min(chunk_tokens or max(1, min(DEFAULT_CHUNK_TOKENS, DEFAULT_CHUNK_BYTES // (4 * v_local))), tokens)
     buffers = chunk * v_local * (weight_bytes + 2 * 4)

@@ -49,15 +49,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-# The loop keeps three [chunk, V_local] buffers (the chunk's logits, in the weight's dtype, and two
-# fp32 work buffers), allocated once per call. Chunks are DEFAULT_CHUNK_TOKENS tokens, fewer where
-# an fp32 buffer would pass DEFAULT_CHUNK_BYTES (V_local > ~160k): ~470 MB of buffers at
-# V_local = 152064, ~25 MB at 8192. The token count is what the CPU GEMMs need: at hidden 512,
-# V = 152064 and 2 threads the log-prob path of a 4096-token update took ~10.2 s with 110-token
-# chunks (the earlier 64 MiB rule), ~9.0 s with 263 and no less with 526 or 1024; the
-# [chunk, V] x [V, H] input-gradient matmul ran at half speed at 110 rows (benchmarks/train_step.py).
-DEFAULT_CHUNK_TOKENS = 256
-DEFAULT_CHUNK_BYTES = 160 * 2**20
+from megatron_dapo.mcore import logprob_chunks as chunks
+
 # The upstream gradient counts as the hint times a scalar when it is within this fraction of its
 # largest entry (fp32 rounding of the schedule's loss scaling is ~1e-7 of each entry).
 _HINT_RTOL = 1e-5
@@ -82,7 +75,7 @@ def vocab_parallel_logprobs(
         temperature: the rollout sampling temperature; logits are divided by it first.
         tp_group: the tensor-parallel group the vocabulary is split over; None = not split.
         valid_vocab_size: the real vocabulary size (columns beyond it are padding); None = all.
-        chunk_tokens: tokens per chunk; None: DEFAULT_CHUNK_TOKENS within DEFAULT_CHUNK_BYTES.
+        chunk_tokens: tokens per chunk; None: logprob_chunks.DEFAULT_CHUNK_TOKENS within DEFAULT_CHUNK_BYTES.
 
     Returns:
         (log_probs, entropy): both [...] fp32. Both are differentiable (entropy for an entropy
@@ -91,7 +84,7 @@ def vocab_parallel_logprobs(
     if target.shape != logits.shape[:-1]:
         raise ValueError(f"target shape {tuple(target.shape)} must equal logits shape without the "
                          f"vocabulary dim {tuple(logits.shape[:-1])}")
-    shard = _Shard(logits.shape[-1], tp_group, valid_vocab_size, temperature, chunk_tokens)
+    shard = chunks.Shard(logits.shape[-1], tp_group, valid_vocab_size, temperature, chunk_tokens)
     return _VocabParallelLogProbs.apply(logits, target, shard)
 
 
@@ -128,7 +121,7 @@ def vocab_parallel_logprobs_from_hidden(
     if target.shape != hidden.shape[:-1] or weight.shape[-1] != hidden.shape[-1]:
         raise ValueError(f"need hidden [..., H], weight [V_local, H], target [...]; got "
                          f"{tuple(hidden.shape)}, {tuple(weight.shape)}, {tuple(target.shape)}")
-    shard = _Shard(weight.shape[0], tp_group, valid_vocab_size, temperature, chunk_tokens)
+    shard = chunks.Shard(weight.shape[0], tp_group, valid_vocab_size, temperature, chunk_tokens)
     if not torch.is_grad_enabled() or not (hidden.requires_grad or weight.requires_grad):
         grad_hint = None
     return _HiddenLogProbs.apply(hidden, weight, target, shard, grad_hint)
@@ -218,152 +211,28 @@ def logprobs_output_processor(target_bs: torch.Tensor, *, temperature: float, va
     return processor
 
 
-class _Shard:
-    """Where this rank's vocabulary slice sits, and the arguments shared by both entry points."""
-
-    def __init__(self, v_local, tp_group, valid_vocab_size, temperature, chunk_tokens):
-        if temperature <= 0:
-            raise ValueError(f"temperature must be > 0, got {temperature}")
-        rank = dist.get_rank(tp_group) if tp_group is not None else 0
-        world = dist.get_world_size(tp_group) if tp_group is not None else 1
-        valid = v_local * world if valid_vocab_size is None else valid_vocab_size
-        if not 0 < valid <= v_local * world:
-            raise ValueError(f"valid_vocab_size={valid_vocab_size} must be in (0, {v_local * world}]")
-        self.group, self.temperature = tp_group, float(temperature)
-        self.start = rank * v_local
-        self.valid = max(0, min(v_local, valid - self.start))  # a rank may hold only padding
-        within_bytes = DEFAULT_CHUNK_BYTES // (4 * max(self.valid, 1))
-        self.chunk = chunk_tokens or max(1, min(DEFAULT_CHUNK_TOKENS, within_bytes))
-
-
-def _chunk_forward(logits, target, shard, buffers):
-    """logits: [C, V_local] this chunk's raw logits, any dtype (read only); buffers: two fp32
-    [>= C, valid] work buffers, reused across chunks (on return buffers[1][:C] holds exp(x - M)).
-    Returns the per-token (M, log S, E_p[x - M], log p, entropy), each [C] fp32, reduced over
-    the TP group."""
-    raw = logits[:, :shard.valid]
-    # max commutes with dividing by T > 0, so take it on the raw logits (no scaled copy yet).
-    m = (raw.amax(-1).float() / shard.temperature if shard.valid
-         else raw.new_full((raw.shape[0],), float("-inf"), dtype=torch.float32))
-    if shard.group is not None:
-        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=shard.group)
-    # x - M = logits / T - M in one fp32 pass. Everything below works on x - M (<= 0):
-    # subtracting M from a log-sum or a mean afterwards would cost precision at large |logits|.
-    x = torch.add(-m[:, None], raw, alpha=1.0 / shard.temperature, out=buffers[0][: raw.shape[0]])
-    exp = torch.exp(x, out=buffers[1][: raw.shape[0]])
-    local_t, in_shard = _local_target(target, shard)
-    target_x = (torch.where(in_shard, x.gather(1, local_t[:, None]).squeeze(1), 0.0) if shard.valid
-                else torch.zeros_like(m))
-    # One all-reduce for the three partial sums: sum exp, the target's shifted logit (only its
-    # owner has it), and sum exp * shifted logit, multiplied into x's buffer (x is not needed after
-    # this; no [C, V] temporary). A batched dot product (bmm [C, 1, V] x [C, V, 1]) does the same
-    # more slowly on CPU (docs/performance.md, benchmarks/train_step.py).
-    stats = torch.stack([exp.sum(-1), target_x, x.mul_(exp).sum(-1)])
-    if shard.group is not None:
-        dist.all_reduce(stats, group=shard.group)
-    log_sum, mean_shifted = torch.log(stats[0]), stats[2] / stats[0]
-    return m, log_sum, mean_shifted, stats[1] - log_sum, log_sum - mean_shifted
-
-
-def _chunk_backward(logits, target, shard, m, log_sum, mean_shifted, g_lp, g_h, out, probs):
-    """d(g_lp . log p + g_h . H) / d logits for one chunk: [C, valid] fp32, written into ``out``
-    (e.g. the gradient buffer itself); probs: a [C, valid] fp32 work buffer (used only for an
-    entropy gradient). logits: [C, V_local] raw, read only.
-
-    With log p = x - M - log S, d log p_t / dx = onehot(t) - p and dH/dx = -p (log p + H), so
-    d/d logits = -(p / T) (g_h (log p + H) + g_lp) + onehot(t) g_lp / T  (T the temperature).
-    Without an entropy gradient that is three passes over the chunk and no other buffer."""
-    t = shard.temperature
-    g_lp = torch.zeros_like(m) if g_lp is None else g_lp
-    x = torch.add(-(m + log_sum)[:, None], logits[:, :shard.valid], alpha=1.0 / t, out=out)  # log p
-    if g_h is None:
-        x.exp_().mul_((g_lp / -t)[:, None])
-    else:
-        torch.exp(x, out=probs)
-        x.mul_((g_h / -t)[:, None]).add_((((log_sum - mean_shifted) * g_h + g_lp) / -t)[:, None])
-        x.mul_(probs)
-    return _add_target_term(x, target, shard, g_lp)
-
-
-def _add_target_term(gx, target, shard, g_lp):
-    """gx += onehot(target) g_lp / T on this rank's vocabulary slice: the log p gradient's own-token
-    term, for the backward and for the forward's early gradients alike. gx: [C, valid] fp32."""
-    if shard.valid:
-        local_t, in_shard = _local_target(target, shard)
-        gx.scatter_add_(1, local_t[:, None], torch.where(in_shard, g_lp / shard.temperature, 0.0)[:, None])
-    return gx
-
-
-def _accumulate_output_grads(gx, weight, hidden_rows, grad_hidden, rows, grad_weight):
-    """The output layer's gradients from a chunk's logit gradient gx ([C, valid] fp32): writes
-    grad_hidden[rows] = gx @ weight and adds gx^T @ hidden_rows into grad_weight (fp32, in place:
-    no [V, H] temporary). weight, grad_weight: the [valid, H] rows."""
-    grad_hidden[rows] = (gx.to(weight.dtype) @ weight).to(grad_hidden.dtype)
-    grad_weight.addmm_(gx.t(), hidden_rows.float())
-
-
-def _run_forward(ctx, n, target, shard, logits_of, on_chunk=None):
-    """Loop over token chunks; logits_of(rows) gives [C, V_local] logits of those tokens.
-    on_chunk(rows, target, log_probs, log_sum, exp): called after each chunk with its [C, valid]
-    buffer exp(x - M), which it may overwrite."""
-    tgt = target.reshape(-1)
-    stats = torch.empty(3, n, dtype=torch.float32, device=target.device)  # M, log S, E_p[x - M]
-    log_probs, entropy = torch.empty_like(stats[0]), torch.empty_like(stats[0])
-    buffers = _work_buffers(2, min(n, shard.chunk), shard, target.device)
-    for start in range(0, n, shard.chunk):
-        rows = slice(start, min(start + shard.chunk, n))
-        m, log_sum, mean, log_probs[rows], entropy[rows] = _chunk_forward(
-            logits_of(rows), tgt[rows], shard, buffers)
-        stats[:, rows] = torch.stack([m, log_sum, mean])
-        if on_chunk is not None:
-            on_chunk(rows, tgt[rows], log_probs[rows], log_sum, buffers[1][: rows.stop - rows.start])
-    ctx.shard = shard
-    return log_probs.view(target.shape), entropy.view(target.shape), stats
-
-
-def _work_buffers(count, rows, shard, device):
-    """fp32 [rows, valid] buffers allocated once per call: reusing them (instead of allocating per
-    chunk) keeps the CPU allocator from returning and page-faulting the memory on every chunk."""
-    return [torch.empty(rows, shard.valid, dtype=torch.float32, device=device) for _ in range(count)]
-
-
-def _chunk_projection(hidden, weight, shard):
-    """rows -> hidden[rows] @ weight.T ([C, V_local], weight's dtype) in one reused buffer."""
-    out = torch.empty(min(hidden.shape[0], shard.chunk), weight.shape[0], dtype=weight.dtype,
-                      device=weight.device)
-    return lambda rows: torch.matmul(hidden[rows], weight.t(), out=out[: rows.stop - rows.start])
-
-
-def _grads_out(grad_log_probs, grad_entropy):
-    # Both Functions set_materialize_grads(False): an output nobody differentiates (the entropy,
-    # usually) arrives as None, so backward skips its terms instead of multiplying zeros.
-    g_lp = None if grad_log_probs is None else grad_log_probs.reshape(-1).float()
-    g_h = None if grad_entropy is None else grad_entropy.reshape(-1).float()
-    return g_lp, g_h
-
-
 class _VocabParallelLogProbs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, shard):
         ctx.set_materialize_grads(False)
         flat = logits.reshape(-1, logits.shape[-1])  # a view for contiguous logits
-        lp, ent, stats = _run_forward(ctx, flat.shape[0], target, shard, lambda rows: flat[rows])
+        lp, ent, stats = chunks.run_forward(ctx, flat.shape[0], target, shard, lambda rows: flat[rows])
         ctx.save_for_backward(logits, target, stats)
         return lp, ent
 
     @staticmethod
     def backward(ctx, grad_log_probs, grad_entropy):
         logits, target, stats = ctx.saved_tensors
-        shard, (g_lp, g_h) = ctx.shard, _grads_out(grad_log_probs, grad_entropy)
+        shard, (g_lp, g_h) = ctx.shard, chunks.grads_out(grad_log_probs, grad_entropy)
         flat, tgt = logits.reshape(-1, logits.shape[-1]), target.reshape(-1)
         grad = torch.empty_like(flat)
         grad[:, shard.valid:] = 0  # padding columns
         fp32 = grad.dtype == torch.float32  # then compute straight in the gradient buffer
-        buffers = _work_buffers(1 if fp32 else 2, min(flat.shape[0], shard.chunk), shard, grad.device)
+        buffers = chunks.work_buffers(1 if fp32 else 2, min(flat.shape[0], shard.chunk), shard, grad.device)
         for start in range(0, flat.shape[0], shard.chunk):
             rows = slice(start, min(start + shard.chunk, flat.shape[0]))
             c, out = rows.stop - rows.start, grad[rows, :shard.valid]
-            x = _chunk_backward(flat[rows], tgt[rows], shard, *stats[:, rows],
+            x = chunks.chunk_backward(flat[rows], tgt[rows], shard, *stats[:, rows],
                                 None if g_lp is None else g_lp[rows], None if g_h is None else g_h[rows],
                                 out if fp32 else buffers[1][:c], buffers[0][:c])
             if not fp32:
@@ -379,8 +248,8 @@ class _HiddenLogProbs(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         flat = hidden.reshape(-1, hidden.shape[-1])
         if grad_hint is None:
-            logits_of = _chunk_projection(flat, weight, shard)
-            lp, ent, stats = _run_forward(ctx, flat.shape[0], target, shard, logits_of)
+            logits_of = chunks.chunk_projection(flat, weight, shard)
+            lp, ent, stats = chunks.run_forward(ctx, flat.shape[0], target, shard, logits_of)
             ctx.early = None
         else:
             lp, ent, stats, ctx.early = _forward_with_grads(ctx, flat, weight, target, shard, grad_hint)
@@ -396,24 +265,24 @@ class _HiddenLogProbs(torch.autograd.Function):
             SHORTCUT_STATS.record(used=grads is not None)
         if grads is not None:
             return grads[0].view_as(hidden), grads[1].to(weight.dtype), None, None, None
-        shard, (g_lp, g_h) = ctx.shard, _grads_out(grad_log_probs, grad_entropy)
+        shard, (g_lp, g_h) = ctx.shard, chunks.grads_out(grad_log_probs, grad_entropy)
         flat, tgt, w = hidden.reshape(-1, hidden.shape[-1]), target.reshape(-1), weight[:shard.valid]
         grad_hidden = torch.empty_like(flat)
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)  # accumulates
-        buffers = _work_buffers(2, min(flat.shape[0], shard.chunk), shard, hidden.device)
-        logits_of = _chunk_projection(flat, weight, shard)
+        buffers = chunks.work_buffers(2, min(flat.shape[0], shard.chunk), shard, hidden.device)
+        logits_of = chunks.chunk_projection(flat, weight, shard)
         for start in range(0, flat.shape[0], shard.chunk):
             rows = slice(start, min(start + shard.chunk, flat.shape[0]))
             c = rows.stop - rows.start
-            gx = _chunk_backward(logits_of(rows), tgt[rows], shard, *stats[:, rows],
+            gx = chunks.chunk_backward(logits_of(rows), tgt[rows], shard, *stats[:, rows],
                                  None if g_lp is None else g_lp[rows], None if g_h is None else g_h[rows],
                                  buffers[1][:c], buffers[0][:c])
-            _accumulate_output_grads(gx, w, flat[rows], grad_hidden, rows, grad_weight[:shard.valid])
+            chunks.accumulate_output_grads(gx, w, flat[rows], grad_hidden, rows, grad_weight[:shard.valid])
         return grad_hidden.view_as(hidden), grad_weight.to(weight.dtype), None, None, None
 
 
 def _forward_with_grads(ctx, flat, weight, target, shard, hint: GradHint):
-    """_run_forward plus the gradients for ``hint`` (an _EarlyGrads), with the rows reordered so
+    """chunks.run_forward plus the gradients for ``hint`` (an _EarlyGrads), with the rows reordered so
     that the inactive ones come first, in chunks of their own; results in the original order."""
     n, shape = flat.shape[0], target.shape
     order = None
@@ -424,8 +293,8 @@ def _forward_with_grads(ctx, flat, weight, target, shard, hint: GradHint):
         order = order.to(flat.device)
         flat, target = flat.index_select(0, order), target.reshape(-1).index_select(0, order)
     early = _EarlyGrads(flat, weight, shard, hint, order, None if order is None else active_run)
-    logits_of = _chunk_projection(flat, weight, shard)
-    lp, ent, stats = _run_forward(ctx, n, target, shard, logits_of, on_chunk=early.chunk)
+    logits_of = chunks.chunk_projection(flat, weight, shard)
+    lp, ent, stats = chunks.run_forward(ctx, n, target, shard, logits_of, on_chunk=early.chunk)
     early.finish()
     if order is None:
         return lp, ent, stats, early
@@ -457,8 +326,8 @@ class _EarlyGrads:
         g = self.hint.grad(index, log_probs.detach()).float().reshape(-1)
         self.expected[rows] = g
         gx = exp.mul_((g / -self.shard.temperature * torch.exp(-log_sum))[:, None])  # p = exp(x - M) / S
-        _add_target_term(gx, target, self.shard, g)
-        _accumulate_output_grads(gx, self.weight, self.flat[rows], self.grad_hidden, rows,
+        chunks.add_target_term(gx, target, self.shard, g)
+        chunks.accumulate_output_grads(gx, self.weight, self.flat[rows], self.grad_hidden, rows,
                                  self.grad_weight[:self.shard.valid])
 
     def finish(self):
@@ -480,10 +349,3 @@ class _EarlyGrads:
         if not (g - c * h).abs().max() <= _HINT_RTOL * g.abs().max():
             return None
         return self.grad_hidden.mul_(c.to(self.grad_hidden.dtype)), self.grad_weight.mul_(c)
-
-
-def _local_target(target: torch.Tensor, shard: _Shard):
-    """Column of each target in this shard (0 where it is not here) and whether it is here."""
-    local = target - shard.start
-    in_shard = (local >= 0) & (local < shard.valid)
-    return torch.where(in_shard, local, 0), in_shard

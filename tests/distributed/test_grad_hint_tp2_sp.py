@@ -25,7 +25,7 @@ def _params(actor) -> dict[str, torch.nn.Parameter]:
 def _worker(rank):
     from megatron.core import parallel_state as ps
 
-    from megatron_dapo.mcore import logprobs, train_step
+    from megatron_dapo.mcore import logprob_chunks, train_step
     from megatron_dapo.mcore.actor import MegatronActor
 
     # TP=2 + SP over the 2 ranks; a token budget that makes several micro-batches (one hint each);
@@ -45,8 +45,8 @@ def _worker(rank):
     # calls inactive), old log-probs = the actor's plus noise so that ratios reach the clips
     xs = with_actor_log_probs(hinted, make_samples(0), seed=1)
 
-    calls, real_backward, real_hint = [], logprobs._chunk_backward, train_step._loss_grad_hint
-    logprobs._chunk_backward = lambda *a: calls.append(1) or real_backward(*a)
+    calls, real_backward, real_hint = [], logprob_chunks.chunk_backward, train_step._loss_grad_hint
+    logprob_chunks.chunk_backward = lambda *a: calls.append(1) or real_backward(*a)
     try:
         fast = hinted.get_loss_and_metrics(xs)
         assert fast["actor/num_micro_batches"] > 1
@@ -55,7 +55,7 @@ def _worker(rank):
         slow = plain.get_loss_and_metrics(xs)
         assert calls, f"rank {rank}: without the hint nothing was recomputed: not the reference path"
     finally:
-        logprobs._chunk_backward, train_step._loss_grad_hint = real_backward, real_hint
+        logprob_chunks.chunk_backward, train_step._loss_grad_hint = real_backward, real_hint
 
     assert fast.keys() == slow.keys()
     # The shortcut's own counts differ by construction: every hinted micro-batch took the

@@ -14,10 +14,10 @@ from tests.helpers.policy import ODD, bf16_actor, bf16_hf_dir, make_samples, wit
 
 @pytest.fixture
 def recomputed(monkeypatch):
-    from megatron_dapo.mcore import logprobs
+    from megatron_dapo.mcore import logprob_chunks
 
-    calls, real = [], logprobs._chunk_backward
-    monkeypatch.setattr(logprobs, "_chunk_backward", lambda *a: calls.append(1) or real(*a))
+    calls, real = [], logprob_chunks.chunk_backward
+    monkeypatch.setattr(logprob_chunks, "chunk_backward", lambda *a: calls.append(1) or real(*a))
     return calls
 
 

@@ -139,14 +139,14 @@ def test_grad_hint_gives_the_recomputed_grads(monkeypatch, chunk_tokens):
     that arrives is the hint times a scalar (a loss scale). Both against the plain
     matmul + log_softmax reference; then a gradient the hint did not predict (an entropy term,
     other weights) falls back to the recompute and is still exact."""
-    from megatron_dapo.mcore import logprobs
+    from megatron_dapo.mcore import logprob_chunks, logprobs
 
     hidden, weight, target, active, w = hint_case()
     flat_w = w.reshape(-1)
     hint = logprobs.GradHint(grad=lambda index, lp: flat_w[index] * 3.0, active=active)
     recomputed = []
-    real_backward = logprobs._chunk_backward
-    monkeypatch.setattr(logprobs, "_chunk_backward",
+    real_backward = logprob_chunks.chunk_backward
+    monkeypatch.setattr(logprob_chunks, "chunk_backward",
                         lambda *a: recomputed.append(1) or real_backward(*a))
     ref_lp, ref_h = reference(hidden @ weight.t(), target, 0.8, valid=36)
 
