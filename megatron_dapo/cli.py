@@ -135,13 +135,13 @@ def cmd_train(args: argparse.Namespace) -> int:
 def _serve_or_join(cfg, stop):
     """rollout.placement=separate: the world splits into trainer and engine ranks (rollout/worlds.py).
     An engine rank serves generations until the trainers stop it and gets None; a trainer rank gets
-    its handle on the engines (rollout/separate.py ``Engines``) for ``train``, told to stop however
+    its handle on the engines (rollout/separate.py ``RemoteEngines``) for ``train``, told to stop however
     the run ends."""
     import logging
 
     from megatron_dapo import ranks
     from megatron_dapo.rollout.engine_server import serve
-    from megatron_dapo.rollout.separate import Engines
+    from megatron_dapo.rollout.separate import RemoteEngines
     from megatron_dapo.rollout.worlds import rank_counts, split_world
     from megatron_dapo.run import check_settings
 
@@ -149,7 +149,7 @@ def _serve_or_join(cfg, stop):
     split = split_world(cfg.rollout.num_ranks, tensor_parallel_size=cfg.rollout.tensor_parallel_size,
                         timeout_minutes=cfg.parallel.timeout_minutes, wait_minutes=cfg.rollout.wait_timeout_minutes)
     if split.is_trainer:
-        return Engines(split)
+        return RemoteEngines(split)
     logging.getLogger("megatron_dapo").setLevel(logging.NOTSET)  # each engine rank's events are its own
     logger = logging.getLogger("megatron_dapo.train")
     try:

@@ -1,6 +1,6 @@
 """The training loop's generation batches: drawn in their step or asked for ahead, and the carry.
 
-A batch's prompts are drawn by the loop's order and seeded by its place in its step (``seed``), so
+A batch's prompts are drawn by the loop's order and seeded by its place in its step (``rollout_seed``), so
 it is the same whether generated in its step or asked for ahead (rollout/pipeline.py). With
 ``rollout.partial`` a batch also continues the responses cut in earlier batches (the carry,
 rollout/partial.py): its items are one response each, and only the groups complete after it go
@@ -19,21 +19,20 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from megatron_dapo.config import DAPOConfig
 from megatron_dapo.groups import GenBatch, generate_groups
 from megatron_dapo.observe.rows import RowSpec
 from megatron_dapo.preemption import StopRequest
 from megatron_dapo.rollout.engine import SamplingParams, rollout_sampling_params
-from megatron_dapo.rollout.partial import Carried, items, merge
+from megatron_dapo.rollout.partial import Carried, engine_inputs, split_complete
 from megatron_dapo.rollout.pipeline import GenRequest, RolloutPipeline
 
 logger = logging.getLogger(__name__)
 
 
-def seed(cfg: DAPOConfig, step: int, num_gen_batches: int) -> int:
+def rollout_seed(seed: int, step: int, num_gen_batches: int) -> int:
     """Rollout seed of step ``step``'s generation batch after ``num_gen_batches`` others:
     reproducible across a resume, and the same whether asked for ahead or not."""
-    return (cfg.seed * 1_000_003 + step) * 1_009 + num_gen_batches
+    return (seed * 1_000_003 + step) * 1_009 + num_gen_batches
 
 
 class GenerationBatches:
@@ -56,7 +55,8 @@ class GenerationBatches:
         whole carry, whose groups take the first of the ``size`` places (so at most ``size`` groups
         are in flight, however long their responses)."""
         fresh = max(0, size - len(self.carry)) if self.partial else size
-        ahead = GenRequest(step, self.obs.draw(self.run.sampler, fresh), seed(self.run.cfg, step, num_gen_batches))
+        ahead = GenRequest(step, self.obs.draw(self.run.sampler, fresh),
+                           rollout_seed(self.run.cfg.seed, step, num_gen_batches))
         if self.partial:
             ahead.carried, self.carry = self.carry, []
         return ahead
@@ -93,7 +93,7 @@ class GenerationBatches:
         release is finished (the sync waited for it)."""
         pipeline.collect_in_flight(lambda request: self.run.placement.collect(request)[1])
 
-    def generate(self, ahead: GenRequest, *, keep: Callable[[torch.Tensor], torch.Tensor], rows: RowSpec | None,
+    def scored_groups(self, ahead: GenRequest, *, keep: Callable[[torch.Tensor], torch.Tensor], rows: RowSpec | None,
                  carry_all: bool = False) -> tuple[GenBatch, list[int]]:
         """``ahead``'s scored groups (groups.generate_groups, ``carry_all`` as there) and their prompts,
         on every rank; its rollouts from a stop's checkpoint, from the engines' answer to ``submit``,
@@ -106,7 +106,7 @@ class GenerationBatches:
             complete: list[Carried] = []
             cut: list[Carried] = []
             if placement.is_leader:
-                complete, cut = merge(ahead.indices, cfg.rollout.n, ahead.carried, outputs,
+                complete, cut = split_complete(ahead.indices, cfg.rollout.n, ahead.carried, outputs,
                                       cfg.rollout.max_response_length)
             # every rank learns which groups completed and which go on: the carry's size decides how
             # many new prompts the next draw takes from the sampler, which every rank keeps in step
@@ -140,7 +140,8 @@ class GenerationBatches:
         params, train_ids = self._params(ahead), run.inputs.train_ids
         if not self.partial:
             return [train_ids[i] for i in ahead.indices], r.n, params
-        batch = run.placement.from_leader(items(train_ids, ahead.indices, r.n, ahead.carried, r.max_response_length))
+        batch = run.placement.from_leader(engine_inputs(train_ids, ahead.indices, r.n, ahead.carried,
+                                                        r.max_response_length))
         return batch, 1, dataclasses.replace(params, max_tokens=r.piece_tokens)
 
     def _fetch(self, ahead: GenRequest):

@@ -69,7 +69,7 @@ class Prepared:
     inputs: Inputs
     resume: TrainerState | None  # the state of the checkpoint resumed from (or evaluated); None: a fresh start
     lock: Any = None  # run_lock.RunDirLock on rank 0 of a trainer
-    engines: Any = None  # rollout.separate.Engines with rollout.placement=separate, else None
+    engines: Any = None  # rollout.separate.RemoteEngines with rollout.placement=separate, else None
     derived: tuple[Derived, ...] = ()  # the settings set-up derived (config_derived.py), in order
     eval_only: EvalOnly | None = None  # an evaluation job, not a training run
 

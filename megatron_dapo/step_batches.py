@@ -75,7 +75,7 @@ class StepBatches:
             ahead = pipeline.take(step)
             if ahead is None:
                 ahead = gen.draw(step, dyn.num_gen_batches, dyn.request_size(self.gen_batch))
-            batch, indices = gen.generate(ahead, keep=dyn.keep_mask, rows=self.obs.row_spec(dyn.num_gen_batches),
+            batch, indices = gen.scored_groups(ahead, keep=dyn.keep_mask, rows=self.obs.row_spec(dyn.num_gen_batches),
                                           carry_all=dyn.carries_all())
             self.obs.add_batch(batch, indices)
             dyn.add(batch.groups, batch.acc)

@@ -59,7 +59,7 @@ class TrainResult:
 def train(cfg: DAPOConfig, stop: StopRequest | None = None, engines=None) -> TrainResult:
     """Runs (or resumes) DAPO training. SIGTERM, SIGUSR1 and Ctrl-C stop it after the current
     step with a checkpoint (preemption.py); ``stop``: handlers installed by the caller, else here.
-    ``engines``: rollout.placement=separate, the remote engines (rollout/separate.py ``Engines``) of
+    ``engines``: rollout.placement=separate, the remote engines (rollout/separate.py ``RemoteEngines``) of
     this trainer rank, told to stop however the run ends; the engine ranks never come here (cli.py)."""
     own = stop is None
     stop = StopRequest().install() if own else stop

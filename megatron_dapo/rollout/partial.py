@@ -47,7 +47,7 @@ def is_cut(rollout: Rollout, max_response_length: int) -> bool:
     return rollout.finish_reason == "length" and len(rollout.response_ids) < max_response_length
 
 
-def items(prompt_ids: Sequence[Sequence[int]], fresh: Sequence[int], n: int, carried: Sequence[Carried],
+def engine_inputs(prompt_ids: Sequence[Sequence[int]], fresh: Sequence[int], n: int, carried: Sequence[Carried],
           max_response_length: int) -> list[list[int]]:
     """A batch's items (module doc): each new prompt ``prompt_ids[i]`` for i in ``fresh``, n times,
     then prompt + response so far of every cut response of ``carried``."""
@@ -67,9 +67,9 @@ def extend(prefix: Rollout, piece: Rollout) -> Rollout:
                    routed_experts=piece.routed_experts)
 
 
-def merge(fresh: Sequence[int], n: int, carried: Sequence[Carried], outputs: Sequence[Sequence[Rollout]],
+def split_complete(fresh: Sequence[int], n: int, carried: Sequence[Carried], outputs: Sequence[Sequence[Rollout]],
           max_response_length: int) -> tuple[list[Carried], list[Carried]]:
-    """A batch's engine outputs (one rollout per item, in ``items``' order) -> (the groups now
+    """A batch's engine outputs (one rollout per item, in ``engine_inputs``' order) -> (the groups now
     complete, the groups still carried), each in carry order then draw order."""
     if len(outputs) != len(fresh) * n + sum(is_cut(r, max_response_length) for c in carried for r in c.rollouts):
         raise ValueError(f"{len(outputs)} outputs for a batch of {len(fresh)} new prompts x {n} and the cut "

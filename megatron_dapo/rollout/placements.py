@@ -94,7 +94,7 @@ class Placement(Protocol):
 
 
 def make_placement(cfg, engines=None) -> Placement:
-    """This trainer rank's placement: with ``engines`` (rollout/separate.py ``Engines``: the launch
+    """This trainer rank's placement: with ``engines`` (rollout/separate.py ``RemoteEngines``: the launch
     split off engine ranks) the separate one, its engines started with the engine's part of the run's
     resolved config ``cfg`` (rollout/engine.py ``EngineSpec``); else
     the colocated one around an engine of its own, built here from ``cfg`` (every rank at the same

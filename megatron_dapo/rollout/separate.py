@@ -48,7 +48,7 @@ logger = logging.getLogger(__name__)
 POLL_S = (0.001, 0.05)  # trainer rank 0's polls of the progress counters: the first pause, the longest
 
 
-class Engines:
+class RemoteEngines:
     """The remote engines, as the trainers hold them: ``shutdown`` (trainer rank 0 tells them to
     stop, and every trainer rank closes its links; once, however the run ends, also before they
     were started)."""
@@ -114,7 +114,7 @@ class CutRequests:
 class SeparatePlacement:
     """The trainers' rollout placement when the engines hold ranks of their own (module doc)."""
 
-    def __init__(self, engines: Engines):
+    def __init__(self, engines: RemoteEngines):
         split = self.split = engines.split
         self.rank, self.world_size = split.side_rank, split.num_trainers
         self.replica, self.num_replicas, self.is_leader = 0, 1, split.side_rank == 0
@@ -231,7 +231,7 @@ class SeparatePlacement:
         """See sleep()."""
 
     def shutdown(self) -> None:
-        """Nothing here: ``Engines.shutdown`` (train.py) tells the engines, once it knows how the run ended."""
+        """Nothing here: ``RemoteEngines.shutdown`` (train.py) tells the engines, once it knows how the run ended."""
 
     aborts = True  # abort() below
 

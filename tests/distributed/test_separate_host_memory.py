@@ -68,7 +68,7 @@ def _worker(rank, out):
     from megatron_dapo.rollout import SamplingParams
     from megatron_dapo.rollout.engine import ENGINES
     from megatron_dapo.rollout.engine_server import serve
-    from megatron_dapo.rollout.separate import Engines, SeparatePlacement
+    from megatron_dapo.rollout.separate import RemoteEngines, SeparatePlacement
     from megatron_dapo.rollout.worlds import split_world
 
     if "measured_hf" not in ENGINES:
@@ -80,7 +80,7 @@ def _worker(rank, out):
         return
     cfg = load_config(None, [f"model.hf_path={out}/model", "rollout.engine=measured_hf", "rollout.n=2",
                              f"rollout.weight_sync_bucket_mb={BUCKET_MB}"])
-    engines = Engines(split)
+    engines = RemoteEngines(split)
     try:
         placement = SeparatePlacement(engines)
         placement.start(cfg)

@@ -13,7 +13,9 @@ from megatron_dapo.errors import ConfigError
 from megatron_dapo.rollout import SamplingParams
 from megatron_dapo.rollout.engine import Rollout
 from megatron_dapo.rollout.hf_engine import HFEngine
-from megatron_dapo.rollout.partial import Carried, is_cut, items, merge, partial_metrics, token_versions
+from megatron_dapo.rollout.partial import (
+    Carried, engine_inputs, is_cut, partial_metrics, split_complete, token_versions,
+)
 from megatron_dapo.rollout.pipeline import GenRequest
 from megatron_dapo.config_derived import ASYNC_TIS_CAP, derive
 from megatron_dapo.run import check_rollout
@@ -33,7 +35,7 @@ def test_items_are_the_new_prompts_n_times_then_every_cut_prefix():
                Carried(9, [_r([8], [1, 1, 1, 1]),
                            _r([8], [2, 2, 2, 2, 3, 3, 3, 3], version=1, pieces=[[0, 4], [1, 4]])])]
     prompts = {0: [10], 1: [11, 12], 2: [13]}
-    assert items(prompts, [2, 0], 2, carried, MAX) == [
+    assert engine_inputs(prompts, [2, 0], 2, carried, MAX) == [
         [13], [13], [10], [10],  # new prompts in draw order, n each
         [1, 2, 3, 4, 5], [8, 1, 1, 1, 1], [8, 2, 2, 2, 2, 3, 3, 3, 3]]  # the cut ones, in carry order
     assert not is_cut(_r([1], [6] * MAX), MAX)  # at the limit: finished ("length", truncated)
@@ -45,7 +47,7 @@ def test_merge_extends_the_cut_responses_and_splits_complete_from_carried():
     outputs = [[_r([13], [4], "stop", 2)], [_r([13], [5, 5, 5, 5], "length", 2)],  # new prompt 2: one cut
                [_r([], [9], "stop", 2)],  # group 7's cut response ends
                [_r([], [1, 1, 1, 1], "length", 2)], [_r([], [3], "stop", 2)]]  # group 9: one goes on
-    complete, carry = merge([2], 2, carried, outputs, MAX)
+    complete, carry = split_complete([2], 2, carried, outputs, MAX)
     assert [g.prompt_index for g in complete] == [7] and [g.prompt_index for g in carry] == [9, 2]
     done = complete[0].rollouts[0]
     assert (done.prompt_ids, done.response_ids, done.finish_reason) == ([1], [2, 3, 4, 5, 9], "stop")
@@ -56,12 +58,12 @@ def test_merge_extends_the_cut_responses_and_splits_complete_from_carried():
     assert carry[1].rollouts[0].finish_reason == "stop" and is_cut(carry[1].rollouts[1], MAX)
     assert carried[0].rollouts[0].response_ids == [2, 3, 4, 5]  # the batch's own carry is left as it was
     with pytest.raises(ValueError, match="4 outputs for a batch of 1 new prompts x 2"):
-        merge([2], 2, carried, outputs[:4], MAX)
+        split_complete([2], 2, carried, outputs[:4], MAX)
 
 
 def test_a_response_at_the_limit_over_its_pieces_is_finished():
     carried = [Carried(3, [_r([1], [2] * 8, pieces=[[0, 4], [1, 4]]), _r([1], [5], "stop")])]
-    complete, carry = merge([], 2, carried, [[_r([], [3] * 4, "length", 2)]], MAX)
+    complete, carry = split_complete([], 2, carried, [[_r([], [3] * 4, "length", 2)]], MAX)
     assert not carry and complete[0].rollouts[0].finish_reason == "length"
     assert complete[0].rollouts[0].pieces == [[0, 4], [1, 4], [2, 4]] \
         and len(complete[0].rollouts[0].response_ids) == MAX
@@ -97,8 +99,8 @@ def test_greedy_pieces_continue_exactly_as_one_call_generates(one_thread):
     carry, done = [], {}
     for batch in range(6):
         fresh = [batch] if batch < len(PROMPTS) else []
-        outputs = engine.generate(items(PROMPTS, fresh, 2, carry, MAX), 1, piece)
-        complete, carry = merge(fresh, 2, carry, outputs, MAX)
+        outputs = engine.generate(engine_inputs(PROMPTS, fresh, 2, carry, MAX), 1, piece)
+        complete, carry = split_complete(fresh, 2, carry, outputs, MAX)
         done |= {g.prompt_index: g.rollouts for g in complete}
     assert not carry and sorted(done) == [0, 1, 2, 3]
     assert any(len(r.pieces) > 1 for group in done.values() for r in group), "nothing was continued"

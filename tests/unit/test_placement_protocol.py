@@ -13,7 +13,7 @@ from megatron_dapo.rollout.engine import SamplingParams
 from megatron_dapo.rollout.hf_engine import HFEngine
 from megatron_dapo.rollout.placement import RolloutPlacement
 from megatron_dapo.rollout.placements import Placement
-from megatron_dapo.rollout.separate import Engines, SeparatePlacement
+from megatron_dapo.rollout.separate import RemoteEngines, SeparatePlacement
 from tests.helpers.rollout import tiny_qwen2
 
 METHODS = sorted(name for name, member in vars(Placement).items()
@@ -36,7 +36,7 @@ def separate():
     # what SeparatePlacement reads of its world split before the engines start (no links yet)
     split = SimpleNamespace(side_rank=0, num_trainers=1, wait_s=60.0, num_engines=1, links=None, trainers=None,
                             cuts=None)
-    return SeparatePlacement(Engines(split))
+    return SeparatePlacement(RemoteEngines(split))
 
 
 def test_the_protocol_names_what_the_loop_uses():

@@ -17,7 +17,7 @@ from megatron_dapo.errors import ConfigError
 from megatron_dapo.rollout.channel import Channel, WaitTimeout, send_object
 from megatron_dapo.rollout.engine import GenerationAborted, SamplingParams
 from megatron_dapo.rollout.protocol import Collect, Generate, Progress
-from megatron_dapo.rollout.separate import Engines, SeparatePlacement
+from megatron_dapo.rollout.separate import RemoteEngines, SeparatePlacement
 from megatron_dapo.rollout.worlds import EngineLinks, WorldSplit
 
 ENGINES = 2
@@ -30,7 +30,7 @@ def _placement(wait_s: float = 60.0) -> tuple[SeparatePlacement, Progress]:
     links = EngineLinks(control=control, progress=progress, stream=None, transfer=None, member=0, device=None)
     split = WorldSplit(is_trainer=True, rank=0, world_size=1 + ENGINES, num_trainers=1, num_engines=ENGINES,
                        links=links, wait_s=wait_s)
-    return SeparatePlacement(Engines(split)), progress
+    return SeparatePlacement(RemoteEngines(split)), progress
 
 
 def _later(seconds: float, action) -> threading.Thread:
@@ -113,8 +113,8 @@ def _linked(stalls: tuple[int, ...] = ()) -> tuple[SeparatePlacement, SeparatePl
     links = EngineLinks(control=channel(0), progress=progress, stream=None, transfer=None, member=0, device=None)
     cuts = dist.PrefixStore("cuts/", store)
     split = dict(is_trainer=True, world_size=3, num_trainers=2, num_engines=1, wait_s=20.0, cuts=cuts)
-    leader = SeparatePlacement(Engines(WorldSplit(rank=0, links=links, **split)))
-    other = SeparatePlacement(Engines(WorldSplit(rank=1, **split)))
+    leader = SeparatePlacement(RemoteEngines(WorldSplit(rank=0, links=links, **split)))
+    other = SeparatePlacement(RemoteEngines(WorldSplit(rank=1, **split)))
     leader._leaders = [0]  # what Start sets: engine rank 0 answers for the replica
     engine, seen = channel(1), []
 
