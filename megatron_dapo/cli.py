@@ -143,7 +143,7 @@ def _serve_or_join(cfg, stop):
     from megatron_dapo.rollout.engine_server import serve
     from megatron_dapo.rollout.separate import RemoteEngines
     from megatron_dapo.rollout.worlds import rank_counts, split_world
-    from megatron_dapo.run import check_settings
+    from megatron_dapo.launch_checks import check_settings
 
     check_settings(cfg, rank_counts(cfg.rollout, ranks.world_size())[1])  # every rank, before any group
     split = split_world(cfg.rollout.num_ranks, tensor_parallel_size=cfg.rollout.tensor_parallel_size,

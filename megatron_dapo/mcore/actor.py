@@ -43,7 +43,8 @@ class MegatronActor:
         self.cfg, self.hf_config = cfg, hf_config
         use_dist_opt = cfg.parallel.use_distributed_optimizer
         chunks = build_model(hf_config, model=cfg.model, parallel=cfg.parallel, moe=cfg.moe, **model_overrides)
-        if cfg.train.pack_sequences:  # run.check_layout said it at launch; here for callers of the class itself
+        # launch_checks.check_layout said it at launch; here for callers of the class itself
+        if cfg.train.pack_sequences:
             config = chunks[0].config
             check_packing(transformer_impl=config.transformer_impl, moe=bool(config.num_moe_experts),
                           expert_parallel=config.expert_model_parallel_size)

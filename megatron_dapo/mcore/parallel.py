@@ -104,7 +104,7 @@ def check_packing(*, transformer_impl: str, moe: bool, expert_parallel: int) -> 
 
 def check_moe_layout(hf_config, *, moe: MoEConfig, parallel: ParallelConfig) -> None:
     """The mixture-of-experts settings this model or layout cannot run; a ConfigError (the machine's:
-    run.check_model)."""
+    launch_checks.check_model)."""
     arch = hf_arch(hf_config)
     if not arch.num_moe_experts:
         if moe.router_replay == "R3":

@@ -108,12 +108,12 @@ def test_uniform_packs_share_one_shape_and_empty_ones_fill_the_count():
 
 
 def test_the_launch_refuses_packing_where_it_has_not_run():
-    """run.check_layout, before any model is built: a Qwen3-MoE at EP 2 packed is one ConfigError line."""
+    """launch_checks.check_layout, before any model is built: a Qwen3-MoE at EP 2 packed is one ConfigError line."""
     import dataclasses
 
     from megatron_dapo.config import DAPOConfig, ParallelConfig, TrainConfig
     from megatron_dapo.errors import ConfigError
-    from megatron_dapo.run import check_layout
+    from megatron_dapo.launch_checks import check_layout
     from tests.helpers.moe import TINY_MOE
 
     hf = {**TINY_MOE, "model_type": "qwen3_moe", "hidden_act": "silu", "rms_norm_eps": 1e-6,

@@ -18,7 +18,7 @@ from megatron_dapo.rollout.partial import (
 )
 from megatron_dapo.rollout.pipeline import GenRequest
 from megatron_dapo.config_derived import ASYNC_TIS_CAP, derive
-from megatron_dapo.run import check_rollout
+from megatron_dapo.launch_checks import check_rollout
 from megatron_dapo.trainer_state import TrainerState
 from tests.helpers.rollout import VOCAB, tiny_qwen2
 

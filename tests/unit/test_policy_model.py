@@ -147,7 +147,7 @@ def test_every_tp_a_layout_error_suggests_is_one_the_layout_accepts():
     for (batch, overrides), pp in itertools.product(batches.items(), (1, 2)):
         cfg = load_config(None, [f"parallel.pipeline_model_parallel_size={pp}", *overrides])
         for shape in SHAPES:
-            hf, _ = model_shape(cfg, shape)
+            hf, _ = model_shape(cfg.model, shape)
             for world in (8, 16, 28, 40, 64):
                 for tp in (t for t in range(2, world + 1) if world % (t * pp) == 0):
                     error = refusal(cfg, world, hf, tp)
@@ -276,18 +276,19 @@ def test_a_qwen2_checkpoint_is_refused_under_a_qwen3_model_and_an_older_one_stil
     checkpoint written before they were recorded is checked on the fields it has."""
     from megatron_dapo.errors import InputError
     from megatron_dapo.mcore.checkpoint import check_model_shape
-    from megatron_dapo.run import _shape
+    from megatron_dapo.launch_checks import model_shape_of
 
     qwen2 = tiny_hf_config()
     qwen3 = tiny_hf_config(model_type="qwen3", architectures=["Qwen3ForCausalLM"], head_dim=16)
-    saved = {"model_shape": _shape(qwen2)}
+    saved = {"model_shape": model_shape_of(qwen2)}
     with pytest.raises(InputError, match=r"another model shape \(add_qkv_bias True -> False, qk_layernorm False -> "
                                          r"True; checkpoint -> this run's model\)"):
-        check_model_shape(tmp_path, saved, _shape(qwen3))
-    older = {"model_shape": {k: v for k, v in _shape(qwen2).items() if k not in ("add_qkv_bias", "qk_layernorm")}}
-    check_model_shape(tmp_path, older, _shape(qwen2))
+        check_model_shape(tmp_path, saved, model_shape_of(qwen3))
+    older = {"model_shape": {k: v for k, v in model_shape_of(qwen2).items()
+                             if k not in ("add_qkv_bias", "qk_layernorm")}}
+    check_model_shape(tmp_path, older, model_shape_of(qwen2))
     with pytest.raises(InputError, match=r"kv_channels 16 -> 32"):
-        check_model_shape(tmp_path, older, _shape(tiny_hf_config(head_dim=32)))
+        check_model_shape(tmp_path, older, model_shape_of(tiny_hf_config(head_dim=32)))
 
 
 def test_an_moe_checkpoint_is_refused_under_a_dense_model_and_the_reverse(tmp_path):
@@ -296,7 +297,7 @@ def test_an_moe_checkpoint_is_refused_under_a_dense_model_and_the_reverse(tmp_pa
     reverse."""
     from megatron_dapo.errors import InputError
     from megatron_dapo.mcore.checkpoint import check_model_shape
-    from megatron_dapo.run import _shape
+    from megatron_dapo.launch_checks import model_shape_of
     from tests.helpers.moe import TINY_MOE
 
     moe = {**TINY_MOE, "model_type": "qwen3_moe", "rms_norm_eps": 1e-6, "max_position_embeddings": 64}
@@ -304,30 +305,31 @@ def test_an_moe_checkpoint_is_refused_under_a_dense_model_and_the_reverse(tmp_pa
     for saved, run, diff in ((moe, dense, "num_moe_experts 4 -> 0, moe_ffn_hidden_size 32 -> 0"),
                              (dense, moe, "num_moe_experts 0 -> 4, moe_ffn_hidden_size 0 -> 32")):
         with pytest.raises(InputError, match=rf"another model shape \({diff}; checkpoint -> this run's model\)"):
-            check_model_shape(tmp_path, {"model_shape": _shape(saved)}, _shape(run))
+            check_model_shape(tmp_path, {"model_shape": model_shape_of(saved)}, model_shape_of(run))
 
 
 def test_a_checkpoint_of_another_vocabulary_is_refused_in_one_line_and_an_older_one_still_loads(world_of_one,
                                                                                                    tmp_path):
     """A run resumed under a model.hf_path of another vocab_size is refused before anything is built,
     naming the vocabulary (not the padding knobs): the saved shape records vocab_size, the same on the
-    run's side (run._shape of config.json) and the model's (checkpoint.model_shape of a built model).
+    run's side (launch_checks.model_shape_of of config.json) and the model's (checkpoint.model_shape of a built model).
     A checkpoint written before vocab_size was recorded is checked on the fields it has."""
     from megatron_dapo.errors import InputError
     from megatron_dapo.mcore.checkpoint import check_model_shape, model_shape
-    from megatron_dapo.run import _shape
+    from megatron_dapo.launch_checks import model_shape_of
 
     hf = tiny_hf_config()
     world_of_one(hf)
     built = build_model(hf, model=ModelConfig(), parallel=ONE)  # pads 120 rows to 128
-    assert built[0].vocab_size == 128 and model_shape(built) == _shape(hf) and _shape(hf)["vocab_size"] == 120
-    saved = {"model_shape": _shape(hf)}
+    assert built[0].vocab_size == 128 and model_shape(built) == model_shape_of(hf)
+    assert model_shape_of(hf)["vocab_size"] == 120
+    saved = {"model_shape": model_shape_of(hf)}
     # 100 rows: at the default make_vocab_size_divisible_by=128 both pad to 128 rows, so megatron's
     # loader would take the checkpoint without a word; at MODEL's 8 the padded sizes differ as well
-    other = _shape(tiny_hf_config(vocab_size=100))
+    other = model_shape_of(tiny_hf_config(vocab_size=100))
     fix = "resume with the model it was trained with"
     with pytest.raises(InputError, match=rf"^checkpoint {tmp_path} holds another model shape \(vocab_size 120 -> 100; "
                                          rf"checkpoint -> this run's model\): {fix}$"):
         check_model_shape(tmp_path, saved, other, fix=fix)
-    older = {"model_shape": {k: v for k, v in _shape(hf).items() if k != "vocab_size"}}
+    older = {"model_shape": {k: v for k, v in model_shape_of(hf).items() if k != "vocab_size"}}
     check_model_shape(tmp_path, older, other)

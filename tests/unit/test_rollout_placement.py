@@ -35,7 +35,7 @@ def test_rollout_settings_fail_as_one_config_error_before_heavy_work(monkeypatch
 
     from megatron_dapo.config import DAPOConfig, RolloutConfig
     from megatron_dapo.config_loading import ConfigError
-    from megatron_dapo.run import check_rollout
+    from megatron_dapo.launch_checks import check_rollout
 
     with pytest.raises(ConfigError, match="rollout.tensor_parallel_size=3 does not divide the world size 4"):
         check_rollout(DAPOConfig(rollout=RolloutConfig(engine="hf", tensor_parallel_size=3)), 4)
