@@ -93,6 +93,12 @@ if [ "$mode" = test ]; then .venv/bin/python -c "import wandb" 2>/dev/null || $P
 # test: ruff, at the version tests/unit/test_lint.py was written against (pyproject.toml's [tool.ruff]
 # rules). Not in the `test` extra either: the GPU image runs no lint.
 if [ "$mode" = test ]; then [ "$(.venv/bin/ruff --version 2>/dev/null)" = "ruff 0.17.6" ] || $PIP install "ruff==0.17.6"; fi
+# test: mypy, for tests/unit/test_typecheck.py (pyproject.toml's [tool.mypy]: the rollout placements
+# against their protocol). Not in the `test` extra, as ruff: the GPU image runs no type check (it skips).
+if [ "$mode" = test ]; then
+  .venv/bin/python -c "import importlib.metadata as m; assert m.version('mypy') == '2.4.1'" 2>/dev/null \
+    || $PIP install "mypy==2.4.1"
+fi
 
 # apt_install WHAT PKG...: Debian packages that tests run as programs, where root and apt-get are
 # there (apt's lists refreshed once if the first try fails); elsewhere a line saying WHAT will skip.

@@ -159,14 +159,14 @@ class EngineSpec:
         """The engine's part of a run's resolved config.DAPOConfig (``model_path``: another checkpoint
         than model.hf_path)."""
         return cls(model_path=str(cfg.model.hf_path if model_path is None else model_path), rollout=cfg.rollout,
-                   dtype=engine_dtype(cfg), seed=cfg.seed, num_threads=cfg.num_threads,
+                   dtype=engine_dtype(cfg.rollout.dtype, cfg.model.dtype), seed=cfg.seed, num_threads=cfg.num_threads,
                    max_model_len=cfg.data.max_prompt_length + cfg.rollout.max_response_length,
                    return_routed_experts=cfg.moe.router_replay == "R3")
 
 
-def engine_dtype(cfg: Any) -> str:
+def engine_dtype(rollout_dtype: str, model_dtype: str) -> str:
     """The engine's dtype setting ("auto", "bf16", "fp32"): rollout.dtype, or the trainer's model.dtype."""
-    return cfg.model.dtype if cfg.rollout.dtype == "auto" else cfg.rollout.dtype
+    return model_dtype if rollout_dtype == "auto" else rollout_dtype
 
 
 class GenerationAborted(RuntimeError):
@@ -277,7 +277,24 @@ ENGINES.register("hf")("megatron_dapo.rollout.hf_engine:HFEngine")
 ENGINES.register("vllm")("megatron_dapo.rollout.vllm_engine:VLLMEngine")
 
 
-def get_engine_cls(name: str) -> type:
+class EngineClass(Protocol):
+    """An engine class, before any engine of it exists: what set-up asks of it (RolloutEngine's
+    docstring says what each member means)."""
+
+    reads_hf_weights: bool
+    continues_prefixes: bool
+    fp32_logprobs_are_the_trainers: bool
+    returns_routed_experts: bool
+    aborts: bool
+
+    def from_spec(self, spec: EngineSpec) -> RolloutEngine:
+        ...
+
+    def preflight(self, spec: EngineSpec) -> None:
+        ...
+
+
+def get_engine_cls(name: str) -> EngineClass:
     """The engine class registered as ``name`` ("hf", "vllm"); ValueError lists the names."""
     module_name, _, attr = ENGINES.get(name).partition(":")
     return getattr(importlib.import_module(module_name), attr)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -33,6 +33,9 @@ import torch.distributed as dist
 from megatron_dapo.errors import ConfigError
 from megatron_dapo.rollout.engine import GenerationAborted, Rollout, RolloutEngine, SamplingParams
 from megatron_dapo.rollout.weight_sync import sync_weights
+
+if TYPE_CHECKING:
+    from megatron_dapo.rollout.gen_progress import ProgressSink
 
 CUT_SHORT = "the generation batch was aborted (a stop cut the step short)"  # both placements' message
 
@@ -220,7 +223,7 @@ class RolloutPlacement:
         self.engine.abort()
         return True
 
-    def report_progress(self, sink) -> None:
+    def report_progress(self, sink: ProgressSink | None) -> None:
         """``Placement.report_progress``: an engine without ``on_progress`` reports nothing."""
         if hasattr(self.engine, "on_progress"):
             self.engine.on_progress = sink

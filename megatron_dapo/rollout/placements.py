@@ -10,12 +10,17 @@ which one runs is decided here, from whether the launch split off engine ranks (
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
 from megatron_dapo.rollout.engine import Rollout, SamplingParams
 from megatron_dapo.rollout.gen_progress import ProgressSink
+
+if TYPE_CHECKING:  # annotations only: make_placement imports a placement when it builds one, so that
+    # importing the protocol (the loop, eval) loads neither placement's modules
+    from megatron_dapo.rollout.placement import RolloutPlacement
+    from megatron_dapo.rollout.separate import RemoteEngines, SeparatePlacement
 
 
 @runtime_checkable
@@ -33,7 +38,13 @@ class Placement(Protocol):
     replica: int
     num_replicas: int
     is_leader: bool
-    aborts: bool
+    if TYPE_CHECKING:
+        # Read-only: the loop only reads it, and the colocated placement derives it from its engine
+        # (a property). At run time it stays an annotation, one of the protocol's data members.
+        @property
+        def aborts(self) -> bool: ...
+    else:
+        aborts: bool
 
     def generate(self, prompt_ids: Sequence[Sequence[int]], n: int,
                  params: SamplingParams) -> tuple[range, list[list[Rollout]]]:
@@ -93,7 +104,7 @@ class Placement(Protocol):
         """This rank's engine tells ``sink`` how far its generation batches are (None: nobody)."""
 
 
-def make_placement(cfg, engines=None) -> Placement:
+def make_placement(cfg: Any, engines: RemoteEngines | None = None) -> Placement:
     """This trainer rank's placement: with ``engines`` (rollout/separate.py ``RemoteEngines``: the launch
     split off engine ranks) the separate one, its engines started with the engine's part of the run's
     resolved config ``cfg`` (rollout/engine.py ``EngineSpec``); else
@@ -110,3 +121,14 @@ def make_placement(cfg, engines=None) -> Placement:
 
     engine = get_engine_cls(cfg.rollout.engine).from_spec(EngineSpec.of(cfg))
     return RolloutPlacement(engine, tensor_parallel_size=cfg.rollout.tensor_parallel_size)
+
+
+if TYPE_CHECKING:
+    def _conforms(colocated: RolloutPlacement, separate: SeparatePlacement) -> tuple[Placement, Placement]:
+        """Both placements are ``Placement``s, stated for the type checker (tests/unit/test_typecheck.py
+        runs mypy): it names any member whose parameters, their types or defaults, or its return type
+        differ from the protocol's. One assignment each, so that a mismatch names its placement and
+        member. Never defined at run time."""
+        as_colocated: Placement = colocated
+        as_separate: Placement = separate
+        return as_colocated, as_separate

@@ -20,9 +20,13 @@ engine's worker takes them strictly in that order.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from megatron_dapo.errors import ConfigError
 from megatron_dapo.rollout.engine import EngineSpec, SamplingParams
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
 
 
 @dataclass(frozen=True)
@@ -108,7 +112,7 @@ class Progress:
     rank the worker thread writes while the main thread may sit in a blocking wait on its channel.
     """
 
-    def __init__(self, store, num_engines: int):
+    def __init__(self, store: dist.Store, num_engines: int) -> None:
         self.store, self.num_engines = store, num_engines
 
     def done(self, request: int) -> None:

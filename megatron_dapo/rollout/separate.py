@@ -33,7 +33,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn, cast
 
 import torch
 
@@ -42,7 +42,12 @@ from megatron_dapo.rollout.engine import EngineSpec, GenerationAborted, Rollout,
 from megatron_dapo.rollout.placement import CUT_SHORT, replica_layout
 from megatron_dapo.rollout.protocol import Cancel, Collect, Generate, Start, Stop, Stream, Weights
 from megatron_dapo.rollout.weight_stream import send_weights
-from megatron_dapo.rollout.worlds import WorldSplit
+from megatron_dapo.rollout.worlds import EngineLinks, WorldSplit
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+
+    from megatron_dapo.rollout.gen_progress import ProgressSink
 
 logger = logging.getLogger(__name__)
 POLL_S = (0.001, 0.05)  # trainer rank 0's polls of the progress counters: the first pause, the longest
@@ -95,7 +100,7 @@ class CutRequests:
 
     KEY = "asked"
 
-    def __init__(self, store):
+    def __init__(self, store: dist.Store) -> None:
         self.store, self.seen = store, 0
 
     def ask(self) -> None:
@@ -127,20 +132,20 @@ class SeparatePlacement:
         self._waited = self._idle = 0.0  # since take_waits: trainer rank 0 waiting, the engines idle
         self.wait_s = split.wait_s  # trainer rank 0's limit on a wait for the engines
 
-    def start(self, cfg) -> None:
+    def start(self, cfg: Any) -> None:
         """The engines build their engine from the run's resolved config."""
         if self.is_leader:
             tp = cfg.rollout.tensor_parallel_size
             engines = self.split.num_engines
             self._leaders = [e for e in range(engines) if replica_layout(e, engines, tp)[2]]
-            self.split.links.control.send(Start(EngineSpec.of(cfg)))
+            self._links.control.send(Start(EngineSpec.of(cfg)))
 
     def submit(self, prompt_ids: Sequence[Sequence[int]], n: int, params: SamplingParams) -> int:
         """Asks the engines for a generation batch and returns at once: the request's id for
         ``collect`` (every trainer rank calls it; only the leader sends)."""
         request = self._next()
         if self.is_leader:
-            self.split.links.control.send(Generate(request, [list(p) for p in prompt_ids], n, params))
+            self._links.control.send(Generate(request, [list(p) for p in prompt_ids], n, params))
         return request
 
     def collect(self, request: int) -> tuple[range, list[list[Rollout]]]:
@@ -151,7 +156,7 @@ class SeparatePlacement:
             return range(0), []
         if not self._await(request, self._cut_deadline):
             self._cut(request)
-        links = self.split.links
+        links = self._links
         links.control.send(Collect(request))
         parts = [recv_object(links.control.group, 1 + engine) for engine in self._leaders]  # replica order
         links.progress.forget(request)
@@ -178,7 +183,7 @@ class SeparatePlacement:
         them (or, queued, end them at once) and serve on (every trainer rank calls it; only the
         leader sends)."""
         if self.is_leader and requests:
-            self.split.links.control.send(Cancel(tuple(requests), why))
+            self._links.control.send(Cancel(tuple(requests), why))
             self._cancelled += requests
 
     def generate(self, prompt_ids: Sequence[Sequence[int]], n: int,
@@ -210,15 +215,14 @@ class SeparatePlacement:
         the engines have generated every batch asked for before it (the wait is rank 0's poll; the
         other trainer ranks wait for its word before the export's first collective)."""
         request = self._next()
-        links = self.split.links
         if self.is_leader:
-            links.control.send(Weights(request, version, bucket_bytes))
+            self._links.control.send(Weights(request, version, bucket_bytes))
             self._await(request)
-            links.progress.forget(request)
+            self._links.progress.forget(request)
         self._share(None)  # the others start the export: its first collective waits for rank 0 alone
         if self.is_leader:
-            links.control.send(Stream(request))  # from here on send_weights tells the engines if it fails
-        return send_weights(links, weights, bucket_bytes)
+            self._links.control.send(Stream(request))  # from here on send_weights tells the engines if it fails
+        return send_weights(self.split.links, weights, bucket_bytes)
 
     def from_leader(self, items: list) -> list:
         """``items`` as they are: only the leader sends a request."""
@@ -264,11 +268,17 @@ class SeparatePlacement:
         self._aborted.clear()
         self._armed = False
 
-    def report_progress(self, sink) -> None:
+    def report_progress(self, sink: ProgressSink | None) -> None:
         """Not here: the engines run in processes of their own; the trainers show which batch they
         wait for (step_batches.py)."""
 
     # ------------------------------------------------------------------ trainer rank 0's waits
+    @property
+    def _links(self) -> EngineLinks:
+        """Trainer rank 0's links to the engines. Only trainer rank 0 holds them (``WorldSplit.links``
+        is None on the others), and only its code paths (``is_leader``) read them here."""
+        return cast(EngineLinks, self.split.links)
+
     def _cut_deadline(self) -> float | None:
         """A deadline already passed once a cut is asked for (``_await``'s ``until``), else none."""
         asked = self._aborted.is_set() or (self._armed and self._cuts is not None and self._cuts.asked())
@@ -292,7 +302,7 @@ class SeparatePlacement:
         """Polls until every engine is done with ``request`` (True), or ``until()`` has passed
         (False); raises an engine's failure, or WaitTimeout at ``limit`` (time.monotonic(); default
         ``rollout.wait_timeout_minutes`` from now)."""
-        progress, engines = self.split.links.progress, self.split.num_engines
+        progress, engines = self._links.progress, self.split.num_engines
         started = time.monotonic()
         limit = started + self.wait_s if limit is None else limit
         pause = POLL_S[0]
@@ -320,7 +330,7 @@ class SeparatePlacement:
         finally:
             self._waited += time.monotonic() - started
 
-    def _share(self, value):
+    def _share(self, value: Any) -> Any:
         """Trainer rank 0's ``value`` on every trainer rank (the others wait for it in the store)."""
         channel = self.split.trainers
         if channel is None:
