@@ -62,7 +62,7 @@ def project(steps: int = 4) -> dict:
     from megatron_dapo.memory_plan import plan
 
     cfg = load_config(str(RECIPE), [])
-    hf, _ = model_shape(cfg, "32B")
+    hf, _ = model_shape(cfg.model, "32B")
     p = plan(cfg, hf, WORLD, gpu="h100")
     hbm = p.gpu.hbm_bytes_per_s * DECODE_EFFICIENCY
     costs = dict(weights_step_s=p.rollout.weights / hbm, kv_step_s_per_token=p.rollout.kv_bytes_per_token_per_gpu / hbm,

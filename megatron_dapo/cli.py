@@ -34,7 +34,7 @@ def cmd_config(args: argparse.Namespace) -> int:
     if args.world_size:
         from megatron_dapo.layout import describe_layout, model_shape
 
-        print(describe_layout(cfg, args.world_size, *model_shape(cfg, args.shape)))
+        print(describe_layout(cfg, args.world_size, *model_shape(cfg.model, args.shape)))
         return 0
     sys.stdout.write(dump_yaml(cfg))
     return 0
@@ -60,14 +60,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config, args.overrides)
     world = args.world_size or ranks.world_size()
-    hf_config, source = model_shape(cfg, args.shape)  # read once: the layout and the plan share it
+    hf_config, source = model_shape(cfg.model, args.shape)  # read once: the layout and the plan share it
     print(f"run directory: {cfg.logging.dir} (checkpoints: {cfg.checkpoint_root})")
     print(describe_layout(cfg, world, hf_config, source))
     result = plan(cfg, hf_config, world, gpu=args.gpu, capacity_gb=args.gpu_memory_gb, mfu=args.mfu,
                   gpus_per_node=args.gpus_per_node)
     print(format_plan(result), flush=True)
     check_fits(result, cfg)
-    check_waits(result, cfg)
+    check_waits(result, cfg.rollout)
     return 0
 
 

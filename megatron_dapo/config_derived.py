@@ -91,7 +91,7 @@ def derive(cfg: DAPOConfig, *, on_gpu: bool) -> tuple[DAPOConfig, list[Derived]]
     if alarms.audit_fn == AUTO:
         from megatron_dapo.observe.observer import audit_fn_name
 
-        name = audit_fn_name(cfg) or "none"
+        name = audit_fn_name(cfg.alarms, cfg.eval, cfg.reward) or "none"
         out.append(Derived("alarms.audit_fn", AUTO, name,
                            "eval.reward_fn, or the value scorer, unless it is reward.fn"))
         alarms = dataclasses.replace(alarms, audit_fn=name)
@@ -126,7 +126,7 @@ def exact_rollout_log_probs(cfg: DAPOConfig, *, on_gpu: bool) -> tuple[bool, str
     same_math = get_engine_cls(r.engine).fp32_logprobs_are_the_trainers
     for stands, why in ((not same_math, f"rollout.engine={r.engine} computes with kernels of its own"),
                         (dtype != "fp32", f"the model runs in {dtype}"),
-                        (resolve_dtype(engine_dtype(cfg), on_gpu) != dtype,
+                        (resolve_dtype(engine_dtype(r.dtype, cfg.model.dtype), on_gpu) != dtype,
                          f"the engine runs in rollout.dtype={r.dtype}"),
                         (r.max_staleness > 0, f"rollout.max_staleness={r.max_staleness}: older weights' responses"),
                         (r.partial, "rollout.partial=true: responses begun by older weights"),

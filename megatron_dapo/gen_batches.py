@@ -6,7 +6,7 @@ it is the same whether generated in its step or asked for ahead (rollout/pipelin
 rollout/partial.py): its items are one response each, and only the groups complete after it go
 on to scoring and dynamic sampling; the others are carried to the next batch drawn or asked for.
 The carry lives with the leader of the rollout replica that answers every batch (trainer rank 0:
-one colocated replica or separate placement; run.check_rollout refuses more; the other ranks hold
+one colocated replica or separate placement; launch_checks.check_rollout refuses more; the other ranks hold
 its groups without their rollouts, so that every rank draws the same prompts), is saved in the
 trainer state, and is empty before the first step.
 """

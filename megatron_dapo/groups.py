@@ -14,7 +14,8 @@ import torch
 
 from megatron_dapo.algo import get_advantage_fn, overlong_filter_mask, overlong_penalty
 from megatron_dapo.batching import Sample
-from megatron_dapo.config import DAPOConfig
+from megatron_dapo.config import DAPOConfig, RewardConfig, RolloutConfig
+from megatron_dapo.config_algo import AlgorithmConfig
 from megatron_dapo.observe.audit import GroupAudit, audit_group
 from megatron_dapo.observe.rows import RowSpec, SampleRow, group_rows, pick_flagged
 from megatron_dapo.rollout.engine import Rollout, SamplingParams
@@ -60,16 +61,16 @@ def score_rollouts(outputs: list[list[Rollout]], truths: list[str], *, tokenizer
     return [scored[fn] for fn in fns]
 
 
-def shape_groups(indices: list[int], outputs: list[list[Rollout]], results: list[dict],
-                 cfg: DAPOConfig) -> list[Group]:
+def shape_groups(indices: list[int], outputs: list[list[Rollout]], results: list[dict], reward: RewardConfig,
+                 rollout: RolloutConfig) -> list[Group]:
     """Scored rollouts of the prompts ``indices`` -> Groups with overlong-shaped rewards."""
-    n = cfg.rollout.n
+    n = rollout.n
     scores = torch.tensor([r["score"] for r in results], dtype=torch.float32)
     rewards = scores.clone()
-    ob = cfg.reward.overlong_buffer
+    ob = reward.overlong_buffer
     if ob.enable:
         lengths = torch.tensor([len(r.response_ids) for group in outputs for r in group])
-        rewards += overlong_penalty(lengths, max_response_len=cfg.rollout.max_response_length,
+        rewards += overlong_penalty(lengths, max_response_len=rollout.max_response_length,
                                     buffer_len=ob.len, penalty_factor=ob.penalty_factor)
     groups = []
     for g, (index, rollouts) in enumerate(zip(indices, outputs)):
@@ -132,7 +133,7 @@ def generate_groups(placement: Placement, prompt_ids: list[list[int]], indices: 
     flag_counts: dict[str, int] = {}  # this leader's share: flagged rows sent so far, per flag
 
     def summarise(p: int, rollouts: list[Rollout], scored: list[list[dict]], texts: list[str]):
-        group, = shape_groups([indices[p]], [rollouts], scored[0], cfg)
+        group, = shape_groups([indices[p]], [rollouts], scored[0], cfg.reward, cfg.rollout)
         kept = bool(keep(torch.tensor([group.acc], dtype=torch.bool))[0])
         audit_results = scored[1] if len(scored) > 1 else None
         audit, flags = audit_group(texts, group.acc, [r["acc"] for r in audit_results] if audit_results else None)
@@ -155,20 +156,20 @@ def generate_groups(placement: Placement, prompt_ids: list[list[int]], indices: 
                     flagged=[r for g in gathered for r in g[4]])
 
 
-def to_samples(groups: list[Group], cfg: DAPOConfig):
+def to_samples(groups: list[Group], algorithm: AlgorithmConfig, reward: RewardConfig):
     """Kept groups -> trainer samples with GRPO advantages (per response) and loss masks, and the
     engine's log-probs where it returned them (for rollout correction, algorithm.rollout_correction, and
     train.old_log_probs=rollout). One tensor per kind for the whole batch, split into per-sample
     views: a tensor per sample and kind was a visible cost of the CPU demo's step."""
     rewards = torch.tensor([g.rewards for g in groups], dtype=torch.float32)  # [P, G]
-    advantages = get_advantage_fn(cfg.algorithm.estimator)(rewards, eps=cfg.algorithm.adv_eps)
+    advantages = get_advantage_fn(algorithm.estimator)(rewards, eps=algorithm.adv_eps)
     rollouts = [r for g in groups for r in g.rollouts]
     resp_n = [len(r.response_ids) for r in rollouts]
     prompts = torch.tensor([t for r in rollouts for t in r.prompt_ids], dtype=torch.long).split(
         [len(r.prompt_ids) for r in rollouts])
     responses = torch.tensor([t for r in rollouts for t in r.response_ids], dtype=torch.long).split(resp_n)
     keep = torch.ones(len(rollouts))
-    if cfg.reward.overlong_filter:
+    if reward.overlong_filter:
         keep = overlong_filter_mask(torch.tensor([r.finish_reason == "length" for r in rollouts])).float()
     masks = keep.repeat_interleave(torch.tensor(resp_n, dtype=torch.long)).split(resp_n)
     with_lp = [bool(r.logprobs) for r in rollouts]

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from megatron_dapo.config import DAPOConfig
+from megatron_dapo.config import DAPOConfig, ModelConfig, MoEConfig, ParallelConfig
 from megatron_dapo.errors import InputError
 from megatron_dapo.gpu_models import nccl_comm_bytes
 from megatron_dapo.moe_plan import expert_data_parallel
@@ -29,7 +29,7 @@ SHAPE_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_ke
               "moe_intermediate_size")  # what the layout and the plan read
 
 
-def model_shape(cfg: DAPOConfig, shape: str | None = None) -> tuple[dict, str]:
+def model_shape(model: ModelConfig, shape: str | None = None) -> tuple[dict, str]:
     """(HF config dict, where it came from): model.hf_path's config.json whenever it is on this host
     (what will run, even under a recipe that names another ``shape``), else the nominal ``shape``
     (a Qwen2.5, Qwen3 or Qwen3-MoE size: convert/synthetic.SHAPES), said as such."""
@@ -37,14 +37,14 @@ def model_shape(cfg: DAPOConfig, shape: str | None = None) -> tuple[dict, str]:
 
     if shape is not None and shape not in SHAPES:
         raise InputError(f"--shape {shape!r} is not one of {list(SHAPES)} (Qwen2.5, Qwen3 and Qwen3-MoE sizes)")
-    path = Path(cfg.model.hf_path) / "config.json" if cfg.model.hf_path else None
+    path = Path(model.hf_path) / "config.json" if model.hf_path else None
     if path is not None and path.is_file():
         hf = json.loads(path.read_text())
         if shape is not None and any(hf.get(k) != SHAPES[shape].get(k) for k in SHAPE_KEYS):
             return hf, f"{path} (not the {shape_label(shape)} shape the launch names: planned as found)"
         return hf, str(path)
     if shape is not None:
-        where = f"model.hf_path={cfg.model.hf_path} is not on this host" if cfg.model.hf_path else "no model.hf_path"
+        where = f"model.hf_path={model.hf_path} is not on this host" if model.hf_path else "no model.hf_path"
         return SHAPES[shape], f"the nominal {shape_label(shape)} shape ({where})"
     raise InputError(f"{path or 'model.hf_path'} not found: point model.hf_path at the HF model, or name its shape "
                      f"with --shape ({', '.join(SHAPES)})")
@@ -130,7 +130,7 @@ def communicators(cfg: DAPOConfig, world_size: int, *, dispatcher: str | None = 
               ("trainer", "TP", tp), ("trainer", "PP", pp), ("trainer", "CP", cp), ("trainer", "DP", dp),
               ("trainer", "DP x CP", dp * cp)]
     if dispatcher is not None:
-        groups += expert_communicators(cfg, world_size, dispatcher)
+        groups += expert_communicators(cfg.moe, cfg.parallel, world_size, dispatcher)
     if cfg.rollout.placement == "separate":
         groups.append(("trainer", "transfer", 1 + cfg.rollout.num_ranks))
     if cfg.rollout.engine == "vllm" and cfg.rollout.placement == "colocated":
@@ -139,13 +139,14 @@ def communicators(cfg: DAPOConfig, world_size: int, *, dispatcher: str | None = 
     return [Communicator(o, n, r) for o, n, r in groups if r > 1]
 
 
-def expert_communicators(cfg: DAPOConfig, world_size: int, dispatcher: str) -> list[tuple[str, str, int]]:
+def expert_communicators(moe: MoEConfig, parallel: ParallelConfig, world_size: int,
+                          dispatcher: str) -> list[tuple[str, str, int]]:
     """An MoE model's groups besides the dense ones, each a group object of its own in megatron's
     parallel_state, so a communicator of its own even over the same ranks as another (megatron-core
     0.19.2): the dispatcher's, the expert-data-parallel group (the expert gradients' reduce-scatter and
     their optimizer), the router's load-balancing reduction, and without the distributed optimizer the
     expert optimizer's gradient-norm group (optimizer/__init__.py:882, TP x EP x PP)."""
-    p, lb = cfg.parallel, cfg.moe.load_balancing if cfg.moe.aux_loss_coeff != 0 else "none"
+    p, lb = parallel, moe.load_balancing if moe.aux_loss_coeff != 0 else "none"
     tp, pp, cp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size
     ep, dp = p.expert_model_parallel_size, p.data_parallel_size(world_size)
     if dispatcher == "alltoall":  # token counts over TP x EP (:565), tokens over EP (:698), over expert TP (:739)

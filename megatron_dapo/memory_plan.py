@@ -45,7 +45,7 @@ from typing import Literal
 
 from megatron_dapo import generation_model as gm
 from megatron_dapo import moe_plan
-from megatron_dapo.config import DAPOConfig
+from megatron_dapo.config import ActorConfig, DAPOConfig, ModelConfig, ParallelConfig, RolloutConfig
 from megatron_dapo.layout import Communicator, communicators
 from megatron_dapo.plan_params import Experts, Shard, active_ffn, count_parameters, experts
 from megatron_dapo.save_memory import SaveHost, save_seconds
@@ -212,16 +212,16 @@ class Plan:
         return math.floor(100 * (self.capacity_bytes - others) / self.capacity_bytes) / 100
 
 
-def _activations(cfg: DAPOConfig, hf: dict, tokens: int, in_flight: int) -> float:
+def _activations(model: ModelConfig, parallel: ParallelConfig, hf: dict, tokens: int, in_flight: int) -> float:
     """Bytes a stage keeps for ``in_flight`` micro-batches of ``tokens`` tokens (module docstring)."""
-    p, moe = cfg.parallel, experts(hf)
+    p, moe = parallel, experts(hf)
     tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
     h, f = hf["hidden_size"], active_ffn(hf)
     per_layer = tokens * h * (18 + 4 * f / h) / tp  # megatron's estimate (selective recompute, SP)
     if moe:
         per_layer += moe_plan.saved_per_layer(moe, h, tokens, tp)
     layers = hf["num_hidden_layers"] // pp
-    if cfg.model.recompute == "full":
+    if model.recompute == "full":
         return in_flight * (layers * tokens * h * 2 / tp) + per_layer
     return in_flight * layers * per_layer
 
@@ -312,12 +312,12 @@ def _trainer_items(cfg: DAPOConfig, hf: dict, lay: _Layout, comms: list[Communic
              optimizer_bytes * (on_rank if dist else dense / lay.state_dp + routed / lay.edp), False, "none",
              counted=False),
         Item("activations", f"activations, first stage ({lay.tokens} tokens/micro-batch{cp_share}, recompute "
-             f"{cfg.model.recompute}, x{lay.pp} in flight)", _activations(cfg, hf, lay.rank_tokens, lay.pp), False,
-             "first"),
+             f"{cfg.model.recompute}, x{lay.pp} in flight)", _activations(cfg.model, p, hf, lay.rank_tokens, lay.pp),
+             False, "first"),
     ]
     if lay.pp > 1:
         items.append(Item("activations_last", "activations, last stage (x1 in flight)",
-                          _activations(cfg, hf, lay.rank_tokens, 1), False, "last"))
+                          _activations(cfg.model, p, hf, lay.rank_tokens, 1), False, "last"))
     if lay.experts:
         items.append(Item("moe_dispatch", f"MoE {lay.dispatcher} dispatcher buffers (one layer's; moe_plan.py)",
                           moe_plan.dispatcher_bytes(lay.dispatcher, lay.experts, hf["hidden_size"], lay.rank_tokens,
@@ -333,29 +333,28 @@ def _trainer_items(cfg: DAPOConfig, hf: dict, lay: _Layout, comms: list[Communic
                  "logprobs.py)", early, False, "last")]
 
 
-def _rollout(cfg: DAPOConfig, hf: dict, lay: _Layout, items: list[Item], device: GPUModel,
+def _rollout(actor: ActorConfig, rollout: RolloutConfig, hf: dict, lay: _Layout, items: list[Item], device: GPUModel,
              world_size: int) -> tuple[list[Item], RolloutPlan]:
     """The engine's two items and its side of the plan (RolloutPlan)."""
-    r, a = cfg.rollout, cfg.actor
-    rtp = r.tensor_parallel_size
+    rtp = rollout.tensor_parallel_size
     vocab = -(-hf["vocab_size"] // (VLLM_VOCAB_PADDING * rtp)) * VLLM_VOCAB_PADDING * rtp
     engine_weights = count_parameters(hf, tp=rtp, pp=1, padded_vocab=vocab).on_rank * lay.weight_bytes
     activations = gm.vllm_activation_bytes(hf, rtp, dtype_bytes=lay.weight_bytes)
-    if r.kv_cache_memory_mb:  # vLLM sizes the KV cache from it and ignores gpu_memory_utilization
-        share = engine_weights + activations + (r.kv_cache_memory_mb << 20)
-        what = f"weights + activations + rollout.kv_cache_memory_mb {r.kv_cache_memory_mb}"
+    if rollout.kv_cache_memory_mb:  # vLLM sizes the KV cache from it and ignores gpu_memory_utilization
+        share = engine_weights + activations + (rollout.kv_cache_memory_mb << 20)
+        what = f"weights + activations + rollout.kv_cache_memory_mb {rollout.kv_cache_memory_mb}"
     else:
-        share = r.gpu_memory_utilization * device.reported_bytes
-        what = f"gpu_memory_utilization {r.gpu_memory_utilization} x {device.reported_bytes / GB:.2f} GB"
+        share = rollout.gpu_memory_utilization * device.reported_bytes
+        what = f"gpu_memory_utilization {rollout.gpu_memory_utilization} x {device.reported_bytes / GB:.2f} GB"
     engine = [Item("vllm_generating", f"vLLM's share: {what}", share, True, "none"),
-              Item("vllm_asleep", f"vLLM asleep (sleep level {r.sleep_level}: what sleep leaves)",
+              Item("vllm_asleep", f"vLLM asleep (sleep level {rollout.sleep_level}: what sleep leaves)",
                    SLEEP_RESIDUE_BYTES, False, "all")]
     parts = {i.key: i.bytes for i in items}
     offload = parts["gradients"] + parts.get("master", 0.0) + parts["adam"]
-    if a.offload_weights:
+    if actor.offload_weights:
         offload += parts["weights"]
     resident = sum(i.bytes for i in items if i.counted and i.generating)
-    if a.offload_during_rollout:  # the room "without offload" counts the moved state as resident
+    if actor.offload_during_rollout:  # the room "without offload" counts the moved state as resident
         resident += offload
     plan_ = RolloutPlan(
         replicas=world_size // rtp, tensor_parallel=rtp, share=share, weights=engine_weights,
@@ -386,7 +385,7 @@ def plan(cfg: DAPOConfig, hf: dict, world_size: int, *, gpu: str | GPUModel = "h
     padded = padded_vocab_size(hf["vocab_size"], cfg.model.make_vocab_size_divisible_by, tp)
     seq = cfg.data.max_prompt_length + r.max_response_length
     bf16 = resolve_runtime(cfg.model, on_gpu, check_installed=False).params_dtype.itemsize == 2
-    dispatcher = moe_plan.token_dispatcher(cfg, hf, on_gpu) if moe else ""
+    dispatcher = moe_plan.token_dispatcher(cfg.moe, p, hf, on_gpu) if moe else ""
     lay = _Layout(count_parameters(hf, tp=tp, pp=pp, padded_vocab=padded, ep=ep), tp, pp,
                   p.data_parallel_size(world_size), padded, 2 if bf16 else 4,
                   t.max_tokens_per_micro_batch or t.micro_batch_size * seq, seq,
@@ -396,7 +395,7 @@ def plan(cfg: DAPOConfig, hf: dict, world_size: int, *, gpu: str | GPUModel = "h
     items = _trainer_items(cfg, hf, lay, groups, on_gpu)
     rollout = None
     if r.engine == "vllm" and r.placement == "colocated":
-        engine, rollout = _rollout(cfg, hf, lay, items, device, world_size)
+        engine, rollout = _rollout(cfg.actor, r, hf, lay, items, device, world_size)
         items += engine
 
     d = cfg.data

@@ -36,16 +36,16 @@ from __future__ import annotations
 
 import dataclasses
 
-from megatron_dapo.config import DAPOConfig
+from megatron_dapo.config import MoEConfig, ParallelConfig
 from megatron_dapo.plan_params import Experts, Shard
 from megatron_dapo.save_memory import SaveHost, save_host
 
 
-def token_dispatcher(cfg: DAPOConfig, hf: dict, on_gpu: bool) -> str:
+def token_dispatcher(moe: MoEConfig, parallel: ParallelConfig, hf: dict, on_gpu: bool) -> str:
     """megatron's token dispatcher of this run (mcore/model.moe_fields resolves moe.token_dispatcher=auto)."""
     from megatron_dapo.mcore.model import hf_arch, moe_fields
 
-    return moe_fields(hf_arch(hf), cfg.moe, cfg.parallel, on_gpu)["moe_token_dispatcher_type"]
+    return moe_fields(hf_arch(hf), moe, parallel, on_gpu)["moe_token_dispatcher_type"]
 
 
 def expert_data_parallel(world_size: int, tp: int, pp: int, ep: int) -> int:

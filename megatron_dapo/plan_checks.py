@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 
-from megatron_dapo.config import DAPOConfig
+from megatron_dapo.config import DAPOConfig, RolloutConfig
 from megatron_dapo.errors import ConfigError
 from megatron_dapo.memory_plan import GB, Plan
 
@@ -17,7 +17,7 @@ def check_fits(result: Plan, cfg: DAPOConfig) -> None:
     """ConfigError naming the knob when either phase exceeds the reported capacity, then when vLLM's
     share leaves no KV cache for one sequence of data.max_prompt_length + rollout.max_response_length."""
     r, cap = result.rollout, result.capacity_gb
-    knob = _kv_knob(cfg)
+    knob = _kv_knob(cfg.rollout)
     worst = max(result.generating_gb, result.training_gb)
     if worst > cap:
         raise ConfigError(_over_capacity(result, cfg, worst))
@@ -28,22 +28,21 @@ def check_fits(result: Plan, cfg: DAPOConfig) -> None:
             f"rollout.tensor_parallel_size={cfg.rollout.tensor_parallel_size}")
 
 
-def check_waits(result: Plan, cfg: DAPOConfig) -> None:
+def check_waits(result: Plan, rollout: RolloutConfig) -> None:
     """Separate placement: a ConfigError naming rollout.wait_timeout_minutes when it is less than
     twice the planned step (the longest a rank waits for the other side is a generation batch or a
     training phase, each within a step; twice, since the plan's estimates are not measurements)."""
-    limit = cfg.rollout.wait_timeout_minutes
-    if cfg.rollout.placement == "separate" and 2 * result.step_s / 60 > limit:
+    limit = rollout.wait_timeout_minutes
+    if rollout.placement == "separate" and 2 * result.step_s / 60 > limit:
         raise ConfigError(f"rollout.wait_timeout_minutes={limit:g} is less than twice the planned step "
                           f"(~{result.step_s / 60:.0f} min): a rank waiting for the other side's generation or "
                           f"training would give up; raise it to >= {math.ceil(2 * result.step_s / 60)}")
 
 
-def _kv_knob(cfg: DAPOConfig) -> str:
+def _kv_knob(rollout: RolloutConfig) -> str:
     """The setting that sizes vLLM's KV cache, with its value."""
-    r = cfg.rollout
-    return (f"rollout.kv_cache_memory_mb={r.kv_cache_memory_mb}" if r.kv_cache_memory_mb
-            else f"rollout.gpu_memory_utilization={r.gpu_memory_utilization}")
+    return (f"rollout.kv_cache_memory_mb={rollout.kv_cache_memory_mb}" if rollout.kv_cache_memory_mb
+            else f"rollout.gpu_memory_utilization={rollout.gpu_memory_utilization}")
 
 
 def _over_capacity(result: Plan, cfg: DAPOConfig, worst: float) -> str:
@@ -91,11 +90,12 @@ def _generating_fix(result: Plan, cfg: DAPOConfig) -> str:
     kept = "what the offload leaves" if a.offload_during_rollout else "the trainer's state"
     room = cap - result.beside_engine(offload=a.offload_during_rollout, offload_weights=a.offload_weights)
     if room >= result.engine_floor:
-        fix = f"lower {_kv_knob(cfg)} to <= {_most(result, cfg, room)} ({kept} stays resident while vLLM generates)"
+        fix = (f"lower {_kv_knob(cfg.rollout)} to <= {_most(result, cfg.rollout, room)} ({kept} stays resident "
+               "while vLLM generates)")
         if not a.offload_during_rollout:
             offloaded = cap - result.beside_engine(offload=True, offload_weights=a.offload_weights)
             fix += (f", or set actor.offload_during_rollout=true (moves {r.offload / GB:.1f} GB off the GPU "
-                    f"while generating; then up to {_most(result, cfg, offloaded)})")
+                    f"while generating; then up to {_most(result, cfg.rollout, offloaded)})")
         elif not a.offload_weights:
             fix += f", or set actor.offload_weights=true (another {result.parts['weights'] / GB:.1f} GB)"
         return fix
@@ -105,8 +105,8 @@ def _generating_fix(result: Plan, cfg: DAPOConfig) -> str:
         share = ""
     else:
         share = f"a utilization of {result.least_utilization:.2f}: "
-    return (f"no {_kv_knob(cfg).split('=')[0]} fits: vLLM needs {result.engine_floor / GB:.1f} GB per GPU ({share}"
-            f"its weights at rollout TP {r.tensor_parallel} {r.weights / GB:.1f} GB, activations "
+    return (f"no {_kv_knob(cfg.rollout).split('=')[0]} fits: vLLM needs {result.engine_floor / GB:.1f} GB per GPU "
+            f"({share}its weights at rollout TP {r.tensor_parallel} {r.weights / GB:.1f} GB, activations "
             f"{r.activations / GB:.1f} GB, the KV cache of one {r.max_sequence}-token sequence "
             f"{r.max_sequence * r.kv_bytes_per_token_per_gpu / GB:.1f} GB) and {max(0.0, room) / GB:.1f} GB is left "
             f"beside {kept}; " + " or ".join(_room_for_engine(result, cfg)))
@@ -117,10 +117,10 @@ def _has_experts(result: Plan) -> bool:
     return result.shard is not None and result.shard.experts_on_rank > 0
 
 
-def _most(result: Plan, cfg: DAPOConfig, room: float) -> str:
+def _most(result: Plan, rollout: RolloutConfig, room: float) -> str:
     """The largest value of the knob that sizes vLLM's share (_kv_knob) within ``room`` bytes per GPU."""
     r = result.rollout
-    if cfg.rollout.kv_cache_memory_mb:
+    if rollout.kv_cache_memory_mb:
         return str(int((room - r.weights - r.activations) // 2**20))
     return f"{math.floor(100 * room / result.capacity_bytes) / 100:.2f}"
 
@@ -140,8 +140,9 @@ def _room_for_engine(result: Plan, cfg: DAPOConfig) -> list[str]:
     for keys, weights in offloads:
         room = cap - result.beside_engine(offload=True, offload_weights=weights)
         if room >= floor:
-            most = _most(result, cfg, room)
-            then = f"{_kv_knob(cfg)} then fits" if value <= float(most) else f"then lower {_kv_knob(cfg)} to <= {most}"
+            most = _most(result, cfg.rollout, room)
+            knob = _kv_knob(cfg.rollout)
+            then = f"{knob} then fits" if value <= float(most) else f"then lower {knob} to <= {most}"
             fixes.append(f"set {' and '.join(keys)} ({then})")
             break
     fixed = result.beside_engine(offload=True, offload_weights=True)  # the context and the communicators

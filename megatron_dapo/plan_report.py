@@ -140,7 +140,7 @@ def _plans(root: Path) -> list[Plan]:
     from megatron_dapo.memory_plan import plan
 
     cfg = load_config(root / README_RECIPE, [])
-    hf, _ = model_shape(cfg, "32B")
+    hf, _ = model_shape(cfg.model, "32B")
     return [plan(cfg, hf, README_WORLD, gpu=g) for g in ("h100", "h200")]
 
 

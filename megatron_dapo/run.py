@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from megatron_dapo import ranks
-from megatron_dapo.config import DAPOConfig
+from megatron_dapo.config import DAPOConfig, DataConfig, EvalConfig, RewardConfig, RolloutConfig
 from megatron_dapo.config_derived import Derived, derive
 from megatron_dapo.errors import InputError
 from megatron_dapo.launch_checks import (
@@ -167,7 +167,7 @@ def build_run(prep: Prepared) -> Run:
         raise
 
 
-def _log_replicas(cfg: DAPOConfig, placement) -> None:
+def _log_replicas(rollout: RolloutConfig, placement) -> None:
     """One line from rank 0: which ranks hold which rollout replica, and which rank scores for it
     (each rank's own line was the same news from every rank); at most six replicas named. Collective
     over the placement."""
@@ -183,7 +183,7 @@ def _log_replicas(cfg: DAPOConfig, placement) -> None:
     if len(parts) > 6:
         parts = parts[:3] + ["..."] + parts[-1:]
     logger.info("rollout: %d replica(s) of rollout TP %d (%s engine) over %d trainer rank(s): %s",
-                placement.num_replicas, cfg.rollout.tensor_parallel_size, cfg.rollout.engine, len(seats),
+                placement.num_replicas, rollout.tensor_parallel_size, rollout.engine, len(seats),
                 "; ".join(parts))
 
 
@@ -211,10 +211,10 @@ def _load_inputs(cfg: DAPOConfig, ckpt_dir: Path, world: int, *, saves: bool,
         resume_from = _resume_point(ckpt_dir, hf.config) if cfg.checkpoint.resume == "auto" else None
     train_ids, train_truths = [], []
     if eval_only is None:
-        train_ids, train_truths = _prompts("data.train_files", cfg.data.train_files, hf.tokenizer, cfg,
+        train_ids, train_truths = _prompts("data.train_files", cfg.data.train_files, hf.tokenizer, cfg.data,
                                            dedup=cfg.data.dedup)
     # Always merged: eval.n draws the samples, and copies would skew pass@n and cons@n.
-    val_ids, val_truths = _prompts("data.val_files", cfg.data.val_files, hf.tokenizer, cfg, dedup=True)
+    val_ids, val_truths = _prompts("data.val_files", cfg.data.val_files, hf.tokenizer, cfg.data, dedup=True)
     if cfg.model.checkpoint and resume_from is None:
         check_start_checkpoint(Path(cfg.model.checkpoint), hf.config)
     if (resume_from is None and not cfg.model.checkpoint) or get_engine_cls(cfg.rollout.engine).reads_hf_weights:
@@ -275,40 +275,40 @@ def _build(prep: Prepared) -> Run:
     if cfg.actor.offload_during_rollout:
         placement.sleep()
         actor.onload_after_rollout()
-    pool = make_reward_pool(cfg) if placement.is_leader else None
-    _log_replicas(cfg, placement)
+    pool = make_reward_pool(cfg.reward, cfg.eval) if placement.is_leader else None
+    _log_replicas(cfg.rollout, placement)
     run = Run(**{f.name: getattr(prep, f.name) for f in dataclasses.fields(Prepared)}, actor=actor,
               placement=placement, pool=pool, sampler=sampler)
     prep.lock = None  # the Run holds it now
     return run
 
 
-def make_reward_pool(cfg: DAPOConfig):
+def make_reward_pool(reward: RewardConfig, eval: EvalConfig):
     """One RewardPool for every scorer the run uses: reward.fn (the default, for training),
     eval.reward_fn and our value scorer (both for evaluation), picked per call by name. One set of
     reward.num_workers processes serves them all (no pool per scorer on small machines). What a
     scorer's quick companion decides is scored in this process (reward.QUICK_FNS)."""
     from megatron_dapo.reward import QUICK_FNS, VALUE_REWARD_FN, RewardPool, get_reward_fn
 
-    names = {cfg.reward.fn, cfg.eval.reward_fn, VALUE_REWARD_FN}
+    names = {reward.fn, eval.reward_fn, VALUE_REWARD_FN}
     quick = {n: QUICK_FNS.get(n) for n in names}
-    return RewardPool(num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s,
-                      score_fn=get_reward_fn(cfg.reward.fn), score_fns={n: get_reward_fn(n) for n in names},
-                      quick_fns={None: quick[cfg.reward.fn], **quick})
+    return RewardPool(num_workers=reward.num_workers, timeout_s=reward.timeout_s,
+                      score_fn=get_reward_fn(reward.fn), score_fns={n: get_reward_fn(n) for n in names},
+                      quick_fns={None: quick[reward.fn], **quick})
 
 
-def _prompts(key: str, files, tokenizer, cfg: DAPOConfig, *, dedup: bool) -> tuple[list[list[int]], list[str]]:
+def _prompts(key: str, files, tokenizer, data: DataConfig, *, dedup: bool) -> tuple[list[list[int]], list[str]]:
     from megatron_dapo.data import apply_chat_template, filter_by_prompt_length, load_prompts, no_prompts_message
     from megatron_dapo.data.schema import DAPO_FILE
 
     if not files:
         raise InputError(f"{key} is empty: give it {DAPO_FILE} (megatron-dapo prepare-data makes them), or set "
                          "toy.enable=true for the CPU demo's task")
-    loaded = load_prompts(list(files), dedup=dedup, on_bad_row=cfg.data.on_bad_row)
+    loaded = load_prompts(list(files), dedup=dedup, on_bad_row=data.on_bad_row)
     all_ids = [apply_chat_template(tokenizer, r.chat()) for r in loaded.records]
-    records, ids, dropped = filter_by_prompt_length(loaded.records, all_ids, cfg.data.max_prompt_length)
+    records, ids, dropped = filter_by_prompt_length(loaded.records, all_ids, data.max_prompt_length)
     logger.info("%s: %d prompts (%d rows, %d duplicates, %d too long)", ",".join(files), len(records),
                 loaded.num_rows, loaded.num_duplicates, dropped)
     if not records:
-        raise InputError(no_prompts_message(key, files, loaded, [len(i) for i in all_ids], cfg.data.max_prompt_length))
+        raise InputError(no_prompts_message(key, files, loaded, [len(i) for i in all_ids], data.max_prompt_length))
     return ids, [r.ground_truth for r in records]

@@ -12,22 +12,22 @@ from __future__ import annotations
 
 import time
 
-from megatron_dapo.config import DAPOConfig
+from megatron_dapo.config import DAPOConfig, EvalConfig, TrainConfig
 from megatron_dapo.observe.profiler import StepProfiler
 from megatron_dapo.preemption import ABANDON_SAFETY_S, TIME_LIMIT, StopRequest
 from megatron_dapo.time_limit import StepClock
 
 
-def finished(cfg: DAPOConfig, steps: int, generated: int) -> bool:
+def finished(train: TrainConfig, steps: int, generated: int) -> bool:
     """Nothing left to do after ``steps`` steps and ``generated`` responses: train.total_steps
     reached, or the generation budget spent."""
-    return steps >= cfg.train.total_steps or 0 < cfg.train.generation_budget <= generated
+    return steps >= train.total_steps or 0 < train.generation_budget <= generated
 
 
-def evaluates(cfg: DAPOConfig, step: int) -> bool:
+def evaluates(eval: EvalConfig, train: TrainConfig, step: int) -> bool:
     """Whether step ``step`` (from 1) ends with an evaluation (eval.every, and the last step; a
     generation budget's last step is known only once it ran)."""
-    return bool(cfg.eval.every and step % cfg.eval.every == 0) or step == cfg.train.total_steps
+    return bool(eval.every and step % eval.every == 0) or step == train.total_steps
 
 
 def job_ends_after_next(cfg: DAPOConfig, clock: StepClock, end_time: float | None, step: int,
@@ -40,7 +40,7 @@ def job_ends_after_next(cfg: DAPOConfig, clock: StepClock, end_time: float | Non
         return False
     this_ends = time.time() + (clock.step_estimate or 0.0) + ((clock.eval or 0.0) if step_evaluates else 0.0)
     return not clock.next_step_fits(end_time, cfg.checkpoint.time_limit_margin_s, now=this_ends,
-                                    evaluates=evaluates(cfg, step + 2))
+                                    evaluates=evaluates(cfg.eval, cfg.train, step + 2))
 
 
 class StepSchedule:
@@ -62,7 +62,7 @@ class StepSchedule:
     def begin(self, step: int) -> bool:
         """Whether step ``step`` (from 0) runs: False when the run stops before it, every rank alike
         (a signal, or the job's end: the step with its evaluation and save would end past it)."""
-        self.step_evaluates = evaluates(self.cfg, step + 1)
+        self.step_evaluates = evaluates(self.cfg.eval, self.cfg.train, step + 1)
         if self.end_time is not None and not self.clock.next_step_fits(
                 self.end_time, self.cfg.checkpoint.time_limit_margin_s, evaluates=self.step_evaluates):
             self.stop.request(TIME_LIMIT)
@@ -73,7 +73,7 @@ class StepSchedule:
         return True
 
     def finished(self, steps: int, generated: int) -> bool:
-        return finished(self.cfg, steps, generated)
+        return finished(self.cfg.train, steps, generated)
 
     def saves(self, steps: int, run_finished: bool) -> bool:
         """Whether the step that makes ``steps`` saves (checkpoint.save_every, or the run's end)."""

@@ -69,7 +69,7 @@ def train(cfg: DAPOConfig, stop: StopRequest | None = None, engines=None) -> Tra
         # filled in): what runs, and what config.yaml and W&B record.
         prep = prepare_run(cfg, engines=engines)
         cfg = prep.cfg
-        if prep.resume is not None and finished(cfg, prep.resume.step, prep.resume.responses_generated):
+        if prep.resume is not None and finished(cfg.train, prep.resume.step, prep.resume.responses_generated):
             prep.release()  # nothing to build: the checkpoint it would resume from ends the run
             return TrainResult(final_eval=_last_eval(prep.dir), step=prep.resume.step, already_complete=True)
         run = build_run(prep)
@@ -175,7 +175,7 @@ class Loop:
             last = ends or bool(cfg.rollout.max_staleness and placement.gather([schedule.job_ends_after_next(step)])[0])
             batches.ask_ahead(step, finished=ends, last=last)
             metrics.update(batch.metrics)
-            samples = to_samples(batch.groups, cfg)
+            samples = to_samples(batch.groups, cfg.algorithm, cfg.reward)
             progress.phase("old log-probs", f"{len(samples)} responses")
             samples, mismatch_in_update = old_log_probs(run, self.log, samples, metrics, batch.groups, step)
             with self.log.timer("train"):

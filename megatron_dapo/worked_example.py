@@ -69,13 +69,13 @@ def run_example(cfg: DAPOConfig, prompt_index: int = 0) -> Example:
     params = rollout_sampling_params(cfg.rollout, seed=cfg.seed, stop_token_ids=inputs.stops)
     _, outputs = placement.generate([inputs.train_ids[prompt_index]], cfg.rollout.n, params)
     truth = inputs.train_truths[prompt_index]
-    pool = make_reward_pool(cfg)
+    pool = make_reward_pool(cfg.reward, cfg.eval)
     try:
         train_scores, paper_scores = score_rollouts(outputs, [truth], tokenizer=inputs.tokenizer, pool=pool,
                                                     fns=(cfg.reward.fn, cfg.eval.reward_fn))
     finally:
         pool.close()
-    group, = shape_groups([prompt_index], outputs, train_scores, cfg)
+    group, = shape_groups([prompt_index], outputs, train_scores, cfg.reward, cfg.rollout)
     advantages = get_advantage_fn(cfg.algorithm.estimator)(torch.tensor([group.rewards]),
                                                                eps=cfg.algorithm.adv_eps)[0]
     shares, loss, total = _loss_shares(outputs[0], advantages, cfg)

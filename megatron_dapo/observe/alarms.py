@@ -19,6 +19,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+from megatron_dapo.config import AlarmsConfig
 from megatron_dapo.observe import audit
 
 logger = logging.getLogger("megatron_dapo.alarms")
@@ -61,17 +62,17 @@ RULES: tuple[AlarmRule, ...] = (
 )
 
 
-def thresholds(cfg) -> dict[str, float]:
+def thresholds(alarms: AlarmsConfig) -> dict[str, float]:
     """AlarmsConfig's thresholds by field name (what ``AlarmRule.threshold`` names)."""
-    return {"scorer_disagreement": cfg.scorer_disagreement, "repeated_answer_label": cfg.repeated_answer_label,
-            "no_answer_line": cfg.no_answer_line, "identical_groups": cfg.identical_groups,
-            "entropy_min": cfg.entropy_min, "mismatch_max": cfg.mismatch_max, "all_correct": cfg.all_correct,
-            "shortcut_fallbacks": cfg.shortcut_fallbacks}
+    return {"scorer_disagreement": alarms.scorer_disagreement, "repeated_answer_label": alarms.repeated_answer_label,
+            "no_answer_line": alarms.no_answer_line, "identical_groups": alarms.identical_groups,
+            "entropy_min": alarms.entropy_min, "mismatch_max": alarms.mismatch_max, "all_correct": alarms.all_correct,
+            "shortcut_fallbacks": alarms.shortcut_fallbacks}
 
 
-def steps_in_a_row(cfg) -> dict[str, int]:
+def steps_in_a_row(alarms: AlarmsConfig) -> dict[str, int]:
     """AlarmsConfig's steps-in-a-row fields by name (what ``AlarmRule.steps`` names)."""
-    return {"all_correct_steps": cfg.all_correct_steps}
+    return {"all_correct_steps": alarms.all_correct_steps}
 
 
 @dataclass(frozen=True)
@@ -90,8 +91,8 @@ class AlarmEvent:
 class AlarmMonitor:
     """Checks a step's metrics against the rules; remembers which alarms are raised."""
 
-    def __init__(self, cfg, run_dir: Path, *, enabled_writes: bool):
-        self.cfg = cfg  # AlarmsConfig
+    def __init__(self, cfg: AlarmsConfig, run_dir: Path, *, enabled_writes: bool):
+        self.cfg = cfg
         self.path = Path(run_dir) / ALARMS_FILE
         self.writes = enabled_writes  # rank 0
         self.raised: set[str] = set()

@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from megatron_dapo.config import AlarmsConfig, EvalConfig, RewardConfig
 from megatron_dapo.metrics_log import to_floats, truncate_from_step
 from megatron_dapo.observe import audit
 from megatron_dapo.observe.alarms import ALARMS_FILE, AlarmMonitor
@@ -24,14 +25,14 @@ from megatron_dapo.reward import VALUE_REWARD_FN
 logger = logging.getLogger("megatron_dapo.observe")
 
 
-def audit_fn_name(cfg) -> str | None:
+def audit_fn_name(alarms: AlarmsConfig, eval: EvalConfig, reward: RewardConfig) -> str | None:
     """alarms.audit_fn resolved: ``auto`` = eval.reward_fn, or dapo_math when that is reward.fn."""
-    name = cfg.alarms.audit_fn
-    if name == "none" or not cfg.alarms.enable:
+    name = alarms.audit_fn
+    if name == "none" or not alarms.enable:
         return None
     if name == "auto":
-        name = cfg.eval.reward_fn if cfg.eval.reward_fn != cfg.reward.fn else VALUE_REWARD_FN
-    return None if name == cfg.reward.fn else name
+        name = eval.reward_fn if eval.reward_fn != reward.fn else VALUE_REWARD_FN
+    return None if name == reward.fn else name
 
 
 @dataclass
@@ -59,7 +60,7 @@ class Observer:
             first = start + 1 if start else 0
             drop_from_step(self.dir, first)
             truncate_from_step(self.dir / ALARMS_FILE, first)
-        self.audit_fn = audit_fn_name(cfg)
+        self.audit_fn = audit_fn_name(cfg.alarms, cfg.eval, cfg.reward)
         lg, n = cfg.logging, cfg.rollout.n
         self._dump_groups = math.ceil(lg.samples_per_step / n) if lg.samples_every else 0
         self._flag_cap = math.ceil(cfg.alarms.max_samples / max(1, num_replicas)) if cfg.alarms.enable else 0

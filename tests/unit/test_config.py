@@ -138,7 +138,7 @@ def test_gen_prompts_per_batch_is_unused_without_dynamic_sampling():
                                  f"data.gen_prompts_per_batch={gen}", "data.prompts_per_step=16",
                                  "train.mini_batch_prompts=4"])
         assert cfg.data.gen_prompts_per_batch == gen  # loaded as given, not rewritten
-        hf, source = model_shape(cfg, "0.5B")
+        hf, source = model_shape(cfg.model, "0.5B")
         return describe_layout(cfg, 1, hf, source, on_gpu=False), plan(cfg, hf, 1).step_s
 
     off = planned(False, 8)

@@ -93,8 +93,8 @@ def _load_for_run(key, files, tokenizer, *, max_prompt_length, on_bad_row="error
 
     from megatron_dapo import run
 
-    cfg = SimpleNamespace(data=SimpleNamespace(on_bad_row=on_bad_row, max_prompt_length=max_prompt_length))
-    return run._prompts(key, files, tokenizer, cfg, dedup=True)
+    data = SimpleNamespace(on_bad_row=on_bad_row, max_prompt_length=max_prompt_length)
+    return run._prompts(key, files, tokenizer, data, dedup=True)
 
 
 def test_prompts_all_too_long_ask_for_a_larger_limit_not_other_data(tokenizer, aime_records, aime_path):

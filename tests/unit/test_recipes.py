@@ -209,7 +209,7 @@ def test_the_paper_layout_by_hand():
     from megatron_dapo.layout import describe_layout, model_shape
 
     cfg = load_config(ROOT / "conf/recipes/dapo-qwen2.5-32b-math-16n8g-tp8pp2.v1.yaml")
-    text = describe_layout(cfg, 128, *model_shape(cfg, "32B"))
+    text = describe_layout(cfg, 128, *model_shape(cfg.model, "32B"))
     assert "TP 8 x PP 2 x CP 1 x DP 8; 32 layers per pipeline chunk" in text
     assert "32 engine replica(s) of rollout TP 4" in text and "(64 responses per DP rank)" in text
     assert "vocabulary 152064 (padded to 152064)" in text  # 152064 = 128 x 1188: no padding at TP 8
@@ -247,5 +247,5 @@ def test_the_warning_signals_lead_holds_a_steps_updates_and_a_save_by_the_plan(r
     lead = int(re.search(r"^#SBATCH --signal=USR1@(\d+)$", sbatch, re.M).group(1))
     nodes = int(re.search(r"^#SBATCH --nodes=(\d+)$", sbatch, re.M).group(1))
     cfg = load_config(ROOT / env["RECIPE"])
-    need = plan(cfg, model_shape(cfg, env["SHAPE"])[0], nodes * 8, gpu="h100").stop_lead_s
+    need = plan(cfg, model_shape(cfg.model, env["SHAPE"])[0], nodes * 8, gpu="h100").stop_lead_s
     assert 1.1 * need <= lead <= 1.5 * need + 300, (recipe.name, lead, need)

@@ -30,7 +30,7 @@ def _groups(seed: int, num: int = 3, n: int = 4) -> list[Group]:
 def test_each_sample_is_its_rollout(overlong_filter):
     cfg = DAPOConfig(reward=RewardConfig(overlong_filter=overlong_filter))
     groups = _groups(0)
-    samples = to_samples(groups, cfg)
+    samples = to_samples(groups, cfg.algorithm, cfg.reward)
     assert len(samples) == sum(len(g.rollouts) for g in groups)
     rollouts = [(g, r) for g in groups for r in g.rollouts]
     for s, (g, r) in zip(samples, rollouts):
