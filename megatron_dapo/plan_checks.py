@@ -66,8 +66,8 @@ def _over_capacity(result: Plan, cfg: DAPOConfig, worst: float) -> str:
 def _activations_fix(result: Plan, cfg: DAPOConfig) -> str:
     """What shrinks the activations: full recompute, a smaller micro-batch while it holds more than
     one sequence, and context parallelism, which divides every sequence's positions (the only one
-    left when a single sequence is the micro-batch: 20k-32k-token responses; refused for
-    mixture-of-experts models); else more TP or PP ranks."""
+    left when a single sequence is the micro-batch: 20k-32k-token responses); else more TP or PP
+    ranks."""
     t, p = cfg.train, cfg.parallel
     fixes = ["set model.recompute=full"] if cfg.model.recompute != "full" else []
     sequence = cfg.data.max_prompt_length + cfg.rollout.max_response_length
@@ -75,11 +75,10 @@ def _activations_fix(result: Plan, cfg: DAPOConfig) -> str:
         fixes.append(f"lower train.max_tokens_per_micro_batch (down to one sequence, {sequence})")
     elif not t.max_tokens_per_micro_batch and t.micro_batch_size > 1:
         fixes.append(f"lower train.micro_batch_size={t.micro_batch_size}")
-    if not _has_experts(result):
-        cp, dp = p.context_parallel_size, p.data_parallel_size(result.world_size)
-        where = "" if dp % 2 == 0 else f" on twice the GPUs (DP {dp} does not halve)"
-        fixes.append(f"raise parallel.context_parallel_size={cp} to {2 * cp}{where} (each rank then holds "
-                     f"1/{2 * cp} of every sequence)")
+    cp, dp = p.context_parallel_size, p.data_parallel_size(result.world_size)
+    where = "" if dp % 2 == 0 else f" on twice the GPUs (DP {dp} does not halve)"
+    fixes.append(f"raise parallel.context_parallel_size={cp} to {2 * cp}{where} (each rank then holds "
+                 f"1/{2 * cp} of every sequence)")
     return " or ".join(fixes or ["raise parallel.tensor_model_parallel_size or parallel.pipeline_model_parallel_size"])
 
 

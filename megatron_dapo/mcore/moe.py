@@ -77,13 +77,14 @@ def logged_router_losses(config) -> list[str]:
 def moe_metrics(config, real_microbatches: int, microbatches: int, device) -> dict[str, torch.Tensor]:
     """``router_losses`` and, under R3, moe/route_agreement: the fraction of (token, layer) pairs whose
     replayed experts the trainer's router would have chosen itself, over the update's forwards (a TP rank
-    counts its sequence-parallel slice: summed over TP, PP and DP). Collective over TP, PP and DP."""
+    counts its sequence-parallel slice, a CP rank its positions: summed over TP x CP, PP and DP). Collective
+    over TP x CP, PP and DP."""
     from megatron.core import parallel_state as ps
 
     out = router_losses(config, real_microbatches, microbatches, device)
     if config.moe_enable_routing_replay:
         counts = AGREEMENT.take(device)
-        for group in (ps.get_tensor_model_parallel_group(), ps.get_pipeline_model_parallel_group(),
+        for group in (ps.get_tensor_and_context_parallel_group(), ps.get_pipeline_model_parallel_group(),
                       ps.get_data_parallel_group()):
             if dist.get_world_size(group) > 1:
                 dist.all_reduce(counts, group=group)
@@ -96,10 +97,11 @@ def router_losses(config, real_microbatches: int, microbatches: int, device) -> 
     micro-batches with a real token of every DP rank (``real_microbatches``: this rank's); the tracker is
     cleared for the next schedule. Under sequence parallelism a TP rank's load-balancing loss is its
     slice's share (summed over TP, as megatron's own report does) and its z-loss a mean over its slice
-    (averaged over TP). The global load-balancing loss is one loss per slot of the schedule shared over
-    TP x DP (router.py ``_apply_global_aux_loss``): summed over them, then the mean over the
-    ``microbatches`` slots (as many on every DP rank), micro-batches of padding only included. Collective
-    over TP, PP and DP (every rank of them calls it)."""
+    (averaged over TP); under context parallelism a CP rank's likewise over its positions (TP x CP). The
+    global load-balancing loss is one loss per slot of the schedule shared over TP x DP x CP (router.py
+    ``_apply_global_aux_loss``): summed over them, then the mean over the ``microbatches`` slots (as many
+    on every DP rank), micro-batches of padding only included. Collective over TP x CP, PP and DP (every
+    rank of them calls it)."""
     from megatron.core import parallel_state as ps
     from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 
@@ -111,7 +113,9 @@ def router_losses(config, real_microbatches: int, microbatches: int, device) -> 
             if (entry := tracker.metrics.get(kind)) is not None:
                 sums[i] += entry.values.detach().double().sum().to(device)
     tracker.clear()
-    tp, pp, dp = (ps.get_tensor_model_parallel_group(), ps.get_pipeline_model_parallel_group(),
+    # a TP rank routes its sequence-parallel slice and a CP rank its positions: megatron reduces the
+    # router's token counts over TP x CP, and so do these sums
+    tp, pp, dp = (ps.get_tensor_and_context_parallel_group(), ps.get_pipeline_model_parallel_group(),
                   ps.get_data_parallel_group())
     if dist.get_world_size(tp) > 1:
         dist.all_reduce(sums, group=tp)
@@ -179,11 +183,15 @@ def install_replay(chunks) -> None:
             router.register_forward_hook(AGREEMENT.count, with_kwargs=True)
 
 
-def replay(chunk, routes: torch.Tensor | None, shape: tuple[int, int], *, has_samples: bool = True) -> None:
+def replay(chunk, routes: torch.Tensor | None, shape: tuple[int, int], *, has_samples: bool = True,
+           token_index: torch.Tensor | None = None) -> None:
     """Give each replaying router of ``chunk`` its layer's experts of a micro-batch of ``shape`` [b, s]:
     ``routes`` [b, s, layers x k] (batching.MicroBatch.routed_experts, -1 where none; None for a micro-batch
     of padding only, ``has_samples`` False) for REPLAY_FORWARD. Positions without a route replay experts
-    spread over all (token t: t x k .. t x k + k - 1, mod E), so that padding loads no EP rank alone."""
+    spread over all (token t: t x k .. t x k + k - 1, mod E), so that padding loads no EP rank alone.
+    ``token_index`` [b, s]: each position's t, its number in the whole micro-batch (position x rows + row)
+    when the rank holds some of its positions (context parallelism: ``filler_index``); None: all of them.
+    A position's filler is then the same at any CP, and so are the load-balancing loss's counts."""
     from megatron.core import parallel_state as ps
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
@@ -197,7 +205,8 @@ def replay(chunk, routes: torch.Tensor | None, shape: tuple[int, int], *, has_sa
     b, s = shape
     if routes is not None and routes.shape[2] != config.num_layers * k:
         raise ValueError(f"routed experts of width {routes.shape[2]} for {config.num_layers} layers x top-{k}")
-    filler = (torch.arange(s * b).view(s, b, 1) * k + torch.arange(k)) % config.num_moe_experts  # [s, b, k]
+    tokens = filler_index(b, s) if token_index is None else token_index
+    filler = (tokens.transpose(0, 1)[..., None] * k + torch.arange(k)) % config.num_moe_experts  # [s, b, k]
     tp = ps.get_tensor_model_parallel_world_size()
     rows = slice(None)
     if config.sequence_parallel and tp > 1:  # this TP rank routes its contiguous s / TP positions
@@ -211,6 +220,11 @@ def replay(chunk, routes: torch.Tensor | None, shape: tuple[int, int], *, has_sa
         router.r3_known = known.reshape(-1)  # for RouteAgreement
         router.router_replay.set_target_indices(idx.reshape(-1, k).contiguous())
         router.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+
+
+def filler_index(b: int, s: int) -> torch.Tensor:
+    """[b, s] long: each position's number in a [b, s] micro-batch, position-major (``replay``'s t)."""
+    return torch.arange(s * b).view(s, b).transpose(0, 1)
 
 
 def stage_padding_mask(chunk, mask: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """torch.distributed and Megatron's parallel state, checked against the model before anything is built.
 
 ``validate_parallel`` names every inconsistency (world size, heads, KV groups, layers per stage,
-context parallelism with experts) with the values and the fix; ``initialize_parallel`` runs it,
+experts over the expert-parallel ranks) with the values and the fix; ``initialize_parallel`` runs it,
 then starts the process group (gloo on CPU, NCCL on GPU) and ``initialize_model_parallel``.
 """
 
@@ -39,13 +39,9 @@ def validate_parallel(hf_config, *, parallel: ParallelConfig, model: ModelConfig
         raise ConfigError(f"num_hidden_layers={arch.num_layers} is not divisible by pipeline_model_parallel"
                          f"_size x virtual_pipeline_model_parallel_size = {pp} x {vpp}; pick sizes whose "
                          f"product divides {arch.num_layers} ({_divisors(arch.num_layers)})")
-    if (fault := _ep_fault(arch, parallel.expert_model_parallel_size, dp)) is not None:
+    if (fault := _ep_fault(arch, parallel.expert_model_parallel_size, dp, parallel.context_parallel_size)) is not None:
         raise ConfigError(fault)
     resolve_runtime(model, on_gpu, check_installed=check_installed)  # refuses a spec that is not installed
-    if parallel.context_parallel_size > 1 and arch.num_moe_experts:
-        raise ConfigError(f"context_parallel_size={parallel.context_parallel_size} with a mixture-of-experts "
-                         "model: the router's padding mask and replayed routes are not split over CP ranks yet; "
-                         "set it to 1")
     return dict(data_parallel_size=dp,
                 padded_vocab_size=padded_vocab_size(arch.vocab_size, model.make_vocab_size_divisible_by, tp),
                 layers_per_chunk=arch.num_layers // (pp * vpp))
@@ -69,10 +65,11 @@ def _tied_state_shift(hf_config, tp: int, pp: int, distributed_optimizer: bool) 
     return bool(hf_config.get("tie_word_embeddings", False)) and tp > 1 and pp > 1 and distributed_optimizer
 
 
-def _ep_fault(arch, ep: int, dp: int) -> str | None:
-    """What an expert-parallel size of ``ep`` cannot do for this model at data-parallel size ``dp``.
-    megatron-core takes the EP ranks from the data-parallel ones (its expert TP size is TP):
-    TP x EP x PP must divide the world, i.e. EP divides DP."""
+def _ep_fault(arch, ep: int, dp: int, cp: int = 1) -> str | None:
+    """What an expert-parallel size of ``ep`` cannot do for this model at data-parallel size ``dp`` and
+    context-parallel size ``cp``. megatron-core takes the EP ranks from the data- and context-parallel
+    ones (its expert TP size is TP, its expert layers see no CP: parallel_state's expert rank generator):
+    TP x EP x PP must divide the world, i.e. EP divides DP x CP."""
     experts = arch.num_moe_experts
     if ep == 1:
         return None
@@ -81,11 +78,12 @@ def _ep_fault(arch, ep: int, dp: int) -> str | None:
                 "set it to 1")
     if experts % ep:
         return (f"parallel.expert_model_parallel_size={ep} does not divide the model's num_experts={experts}; "
-                f"pick one of {[d for d in _divisors(experts) if dp % d == 0]}")
-    if dp % ep:
-        return (f"parallel.expert_model_parallel_size={ep} does not divide the data-parallel size {dp} "
-                "(world / (TP x PP x CP)): megatron takes the expert-parallel ranks from the data-parallel ones; "
-                f"pick one of {[d for d in _divisors(dp) if experts % d == 0]} or change the number of processes")
+                f"pick one of {[d for d in _divisors(experts) if dp * cp % d == 0]}")
+    if dp * cp % ep:
+        what = f"the data-parallel size {dp}" if cp == 1 else f"DP x CP = {dp} x {cp}"
+        return (f"parallel.expert_model_parallel_size={ep} does not divide {what} (world / (TP x PP)): megatron "
+                "takes the expert-parallel ranks from the data- and context-parallel ones; "
+                f"pick one of {[d for d in _divisors(dp * cp) if experts % d == 0]} or change the number of processes")
     return None
 
 

@@ -60,7 +60,7 @@ from megatron_dapo.mcore.context_parallel import gather_sequence, slice_for_rank
 from megatron_dapo.mcore.logprobs import SHORTCUT_STATS, GradHint, logprobs_output_processor
 from megatron_dapo.mcore.micro_batches import has_tokens, log_prob_micro_batches, update_micro_batches
 from megatron_dapo.mcore.moe import (
-    AGREEMENT, TokenOutputs, clear_replay, moe_metrics, replay, stage_padding_mask, without_router_losses,
+    AGREEMENT, TokenOutputs, clear_replay, filler_index, moe_metrics, replay, stage_padding_mask, without_router_losses,
 )
 from megatron_dapo.mcore.optimizer import current_lr
 from megatron_dapo.mcore.step_metrics import PendingMetrics, local_metrics, mismatch_sums, reduce_metrics
@@ -78,11 +78,14 @@ def _forward_step(settings: StepSettings, counts, scale: float, mismatch: bool, 
                                           chunk_tokens=settings.chunk_tokens,
                                           grad_hint=_loss_grad_hint(settings, counts, mb, device, local))
     # Last stage: (log_probs, entropy), each [b, s] fp32; other stages: hidden states. An MoE router
-    # keeps padding out of its load-balancing loss.
-    moe = {"padding_mask": stage_padding_mask(model, padding_mask(mb)).to(device)} if model.config.num_moe_experts \
-        else {}
-    if model.config.moe_enable_routing_replay:  # R3: the engine's experts for this micro-batch's tokens
-        replay(model, mb.routed_experts, tuple(mb.input_ids.shape), has_samples=has_tokens(mb))
+    # keeps padding out of its load-balancing loss; under CP it routes this rank's positions, and
+    # megatron sums its token counts over TP x CP.
+    moe = {"padding_mask": stage_padding_mask(model, local(padding_mask(mb))).to(device)} \
+        if model.config.num_moe_experts else {}
+    if model.config.moe_enable_routing_replay:  # R3: the engine's experts for this rank's tokens
+        routes = None if mb.routed_experts is None else local(mb.routed_experts)
+        replay(model, routes, tuple(local(mb.input_ids).shape), has_samples=has_tokens(mb),
+               token_index=local(filler_index(*mb.input_ids.shape)))
     packed = {"packed_seq_params": packed_seq_params(mb, device)} if mb.packed else {}
     with without_router_losses(model.config, off=bool(moe) and not has_tokens(mb)):
         output = model(local(mb.input_ids).to(device), local(mb.position_ids).to(device), None,

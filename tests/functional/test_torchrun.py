@@ -17,10 +17,10 @@ SHORT = ["train.total_steps=1", "eval.every=1", "logging.tensorboard=false", "ch
          "toy.warmup_steps=40"]
 
 
-def _train(run_dir: Path, nproc: int, *overrides: str) -> list[dict]:
+def _train(run_dir: Path, nproc: int, *overrides: str, config: str = "cpu_tiny.yaml") -> list[dict]:
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
     cmd = (launcher if nproc > 1 else [sys.executable]) + [
-        "-m", "megatron_dapo.cli", "train", "--config", str(ROOT / "conf" / "cpu_tiny.yaml"),
+        "-m", "megatron_dapo.cli", "train", "--config", str(ROOT / "conf" / config),
         f"logging.dir={run_dir}", *SHORT, *overrides]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-5000:]
@@ -46,6 +46,18 @@ def test_torchrun_from_an_empty_dir_matches_one_process(one_process, tmp_path_fa
     assert [r["step"] for r in records] == [0, 1]
     for got, want in zip(records, one_process, strict=True):
         assert_same_record(got, want, rel=1e-4)
+
+
+@pytest.mark.extended  # its CI stand-in: tests/distributed/test_moe_cp.py (the update at CP 2 and CP 2 x EP 2)
+def test_the_moe_demo_at_cp2_ep2_matches_one_process(tmp_path_factory):
+    """The MoE demo (conf/cpu_tiny_moe.yaml) at CP 2 x EP 2 under torchrun (the expert-parallel ranks are the
+    CP ranks) against the same demo in one process (EP 1): the same first step, router loss included."""
+    want = _train(tmp_path_factory.mktemp("moe_one_process"), 1, "parallel.expert_model_parallel_size=1",
+                  config="cpu_tiny_moe.yaml")
+    got = _train(tmp_path_factory.mktemp("moe_cp2"), 2, "parallel.context_parallel_size=2", config="cpu_tiny_moe.yaml")
+    assert [r["step"] for r in got] == [0, 1] and "moe/load_balancing_loss" in got[1]
+    for a, b in zip(got, want, strict=True):
+        assert_same_record(a, b, round_off=("moe/",), rel=1e-4)
 
 
 def test_a_config_error_under_torchrun_is_said_once(tmp_path):

@@ -135,7 +135,8 @@ def test_a_share_that_cannot_hold_the_engine_is_never_advised_and_each_fix_named
 
 def test_activations_that_do_not_fit_name_context_parallelism_when_one_sequence_is_the_micro_batch(capsys):
     """A 43k-token sequence as the micro-batch, without recompute, at the paper's 128 GPUs: the refusal names
-    CP (DP 8 halves), and CP 2 then fits; a mixture-of-experts model (CP refused) is not offered it."""
+    CP (DP 8 halves), and CP 2 then fits; a mixture-of-experts model at 64k-token responses is offered it too,
+    and fits at CP 8 (its experts over EP 8 of DP x CP 16)."""
     from megatron_dapo.errors import ConfigError
     from megatron_dapo.plan_checks import check_fits
 
@@ -155,4 +156,8 @@ def test_activations_that_do_not_fit_name_context_parallelism_when_one_sequence_
                             "model.recompute=none"])
     with pytest.raises(ConfigError) as refused:
         check_fits(plan(cfg, SHAPES["Qwen3-30B-A3B"], 32), cfg)
-    assert "context_parallel_size" not in str(refused.value) and "recompute=full" in str(refused.value)
+    assert "raise parallel.context_parallel_size=1 to 2" in str(refused.value)
+    assert "recompute=full" in str(refused.value)
+    fixed = load_config(moe, ["rollout.max_response_length=65536", "train.max_tokens_per_micro_batch=67584",
+                              "model.recompute=none", "parallel.context_parallel_size=8"])
+    check_fits(plan(fixed, SHAPES["Qwen3-30B-A3B"], 32), fixed)

@@ -108,8 +108,8 @@ def test_runtime_resolution(monkeypatch):
     ({"num_hidden_layers": 6}, dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2),
      2, "num_hidden_layers=6 is not divisible by .* 2 x 2"),
     ({}, dict(tensor_model_parallel_size=2), 3, "world size 3 is not divisible"),
-    ({**TINY_MOE, "model_type": "qwen3_moe"}, dict(context_parallel_size=2), 2,
-     "context_parallel_size=2 with a mixture-of-experts model"),
+    ({**TINY_MOE, "model_type": "qwen3_moe"}, dict(context_parallel_size=2, expert_model_parallel_size=4), 2,
+     r"expert_model_parallel_size=4 does not divide DP x CP = 1 x 2 .*pick one of \[1, 2\]"),
 ])
 def test_validate_parallel_names_values_and_fix(hf_change, parallel, world, match):
     with pytest.raises(ValueError, match=match):

@@ -1,0 +1,136 @@
+"""Context parallelism with a mixture-of-experts model: a tiny Qwen3-MoE (tests/helpers/moe.py; 4 experts,
+top-2) updates at CP 2 and at CP 2 x EP 2 (2 gloo processes; megatron takes the expert-parallel ranks from
+the data- and context-parallel ones, so there the EP group is the CP group), from the same HF weights, and
+must give what the same update gives at CP 1 in one process.
+
+Reference: the CP 1 run of the same micro-batches (micro-batches of 3 samples at every layout, so the
+router's per-micro-batch statistics see the same tokens), itself held to transformers' router logits by
+tests/distributed/test_moe_metrics_parallel.py. Compared: every sample's log-probs, the loss, grad norm,
+entropy and token count, the router's load-balancing loss and z-loss, rollout routing replay's agreement,
+and every weight after the update.
+
+Cases: ragged rows with the load-balancing loss (padding in every micro-batch: the padding mask must be
+cut like the tokens), rows of one length (a multiple of 2 x CP: no padding) with a z-loss too (megatron's
+z-loss under CP is a mean of each rank's mean over its positions, like sequence parallelism's, which
+equals the batch's mean only when every rank holds as many real tokens: test_moe_metrics_parallel.py says
+why), replayed routes (R3: each rank must replay the routes of its own positions), and ragged rows packed
+(at CP 2 alone: packing under expert parallelism is refused).
+
+What fails here when CP is wrong for experts (each tried): the router metrics reduced over TP only, not
+TP x CP (moe/load_balancing_loss is one rank's share); the filler experts R3 gives positions without an
+engine route (a response's last token) numbered by the rank's own positions instead of the micro-batch's
+(the load-balancing loss counts other experts: grad norm 0.037440 against 0.037424). A padding mask or
+routes not cut per rank fail as shape errors.
+"""
+
+import json
+
+import pytest
+import torch
+
+from tests.distributed.harness import assert_close, spawn
+from tests.helpers.moe import TINY_MOE, save_tiny_moe
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+E, K, LAYERS = TINY_MOE["num_experts"], TINY_MOE["num_experts_per_tok"], TINY_MOE["num_hidden_layers"]
+BATCHES = {"ragged": [(3, 9), (5, 14), (2, 6), (7, 12), (4, 11), (6, 3)],  # (prompt, response)
+           "even": [(4, 8)] * 6}  # 12 tokens each: no padding at CP 1 or 2
+CASES = {  # name: (batch, z-loss, R3, packed)
+    "ragged": ("ragged", 0.0, False, False),
+    "even_z": ("even", 1e-3, False, False),
+    "ragged_r3": ("ragged", 0.0, True, False),
+    "ragged_packed": ("ragged", 0.0, False, True),
+}
+LAYOUTS = {"cp1": (1, 1, 1), "cp2": (2, 1, 2), "cp2_ep2": (2, 2, 2)}  # (CP, EP, processes)
+
+
+def _samples(shapes, routes: bool):
+    from megatron_dapo.batching import Sample
+
+    g = torch.Generator().manual_seed(4)
+    out = []
+    for p, r in shapes:
+        ids = torch.randint(0, TINY_MOE["vocab_size"], (p + r,), generator=g)
+        pairs = torch.rand(p + r - 1, LAYERS, E, generator=g).argsort(-1)[..., :K]  # two distinct experts
+        out.append(Sample(prompt_ids=ids[:p], response_ids=ids[p:], advantages=float(torch.randn((), generator=g)),
+                          old_log_probs=-torch.rand(r, generator=g),
+                          routed_experts=pairs.reshape(p + r - 1, LAYERS * K).to(torch.int16) if routes else None))
+    return out
+
+
+def _cfg(cp: int, ep: int, z_loss: float, replay: bool, packed: bool):
+    from megatron_dapo.config import (
+        DAPOConfig, DataConfig, ModelConfig, MoEConfig, OptimConfig, OverlongBufferConfig, ParallelConfig,
+        RewardConfig, RolloutConfig, TrainConfig,
+    )
+
+    return DAPOConfig(
+        seed=1, model=ModelConfig(make_vocab_size_divisible_by=64),
+        parallel=ParallelConfig(context_parallel_size=cp, expert_model_parallel_size=ep),
+        moe=MoEConfig(load_balancing="aux_loss", z_loss_coeff=z_loss, router_replay="R3" if replay else "disabled"),
+        data=DataConfig(prompts_per_step=2, gen_prompts_per_batch=2, max_prompt_length=8),
+        rollout=RolloutConfig(engine="hf", temperature=0.8, max_response_length=16, n=3),
+        reward=RewardConfig(overlong_buffer=OverlongBufferConfig(len=4)),
+        # micro-batches of 3 samples at every layout (the router losses are per-micro-batch statistics);
+        # packed: each micro-batch's 3 samples end to end
+        train=TrainConfig(mini_batch_prompts=2, max_tokens_per_micro_batch=0, micro_batch_size=3,
+                          pack_sequences=packed),
+        optim=OptimConfig(lr=1e-3, lr_warmup_steps=0))
+
+
+def _worker(rank, hf_dir, out_dir, layout):
+    from megatron.core import parallel_state as ps
+
+    from megatron_dapo.mcore import destroy_parallel
+    from megatron_dapo.mcore.actor import MegatronActor
+
+    cp, ep, _ = LAYOUTS[layout]
+    hf = json.loads((hf_dir / "config.json").read_text())
+    got = {}
+    for case, (batch, z_loss, replay, packed) in CASES.items():
+        if packed and ep > 1:  # packing under expert parallelism is refused (mcore/parallel.check_packing)
+            continue
+        actor = MegatronActor(_cfg(cp, ep, z_loss, replay, packed), hf)
+        assert ps.get_context_parallel_world_size() == cp and ps.get_expert_model_parallel_world_size() == ep
+        assert actor.load_hf_weights(str(hf_dir)) > 0
+        xs = _samples(BATCHES[batch], routes=replay)
+        log_probs = actor.get_inference_log_probs(xs)
+        m = actor.get_loss_and_metrics(xs)
+        weights = {name: tensor.clone() for name, tensor in actor.export_hf_weights()}
+        got[case] = {"log_probs": log_probs, "metrics": m, "weights": weights}
+        destroy_parallel(process_group=False)
+    torch.save(got, out_dir / f"{layout}_rank{rank}.pt")
+
+
+KEYS = ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/num_tokens", "moe/load_balancing_loss")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("moe_cp")
+    hf_dir = save_tiny_moe(root / "hf", seed=3)
+    for layout, (_, _, processes) in LAYOUTS.items():
+        spawn(_worker, hf_dir, root, layout, world_size=processes)
+    return {layout: [torch.load(root / f"{layout}_rank{r}.pt") for r in range(processes)]
+            for layout, (_, _, processes) in LAYOUTS.items()}
+
+
+@pytest.mark.parametrize("layout", ["cp2", "cp2_ep2"])
+def test_moe_at_cp2_equals_cp1(runs, layout):
+    ref = runs["cp1"][0]
+    for rank, got in enumerate(runs[layout]):
+        for case, (_, z_loss, replay, packed) in CASES.items():
+            if packed and LAYOUTS[layout][1] > 1:
+                continue
+            what = f"{layout} rank {rank}, {case}"
+            want, have = ref[case], got[case]
+            for i, (a, b) in enumerate(zip(have["log_probs"], want["log_probs"], strict=True)):
+                assert_close(a, b, f"{what}: log-probs of sample {i}")
+            keys = KEYS + (("moe/z_loss",) if z_loss else ()) + (("moe/route_agreement",) if replay else ())
+            for key in keys:
+                assert have["metrics"][key] == pytest.approx(want["metrics"][key], rel=1e-5), (what, key)
+            if replay:
+                assert 0.05 < have["metrics"]["moe/route_agreement"] < 0.95, what  # random routes: some agree
+            assert sorted(have["weights"]) == sorted(want["weights"]), what
+            for name, tensor in want["weights"].items():
+                assert_close(have["weights"][name], tensor, f"{what}: {name} after the update", atol=1e-5, rtol=1e-4)
