@@ -79,11 +79,10 @@ def check_layout(cfg: DAPOConfig, hf_config: dict, world_size: int) -> None:
     check_training_layout(hf_config, cfg.parallel)
     check_moe_layout(hf_config, moe=cfg.moe, parallel=cfg.parallel)
     if cfg.train.pack_sequences:
-        from megatron_dapo.mcore.model import hf_arch, resolve_runtime
+        from megatron_dapo.mcore.model import resolve_runtime
 
         runtime = resolve_runtime(cfg.model, torch.cuda.is_available(), check_installed=False)
-        check_packing(transformer_impl=runtime.transformer_impl, moe=bool(hf_arch(hf_config).num_moe_experts),
-                      expert_parallel=cfg.parallel.expert_model_parallel_size)
+        check_packing(transformer_impl=runtime.transformer_impl)
 
 
 def check_disk(cfg: DAPOConfig, hf_config: dict) -> None:

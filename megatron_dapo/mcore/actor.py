@@ -45,9 +45,7 @@ class MegatronActor:
         chunks = build_model(hf_config, model=cfg.model, parallel=cfg.parallel, moe=cfg.moe, **model_overrides)
         # launch_checks.check_layout said it at launch; here for callers of the class itself
         if cfg.train.pack_sequences:
-            config = chunks[0].config
-            check_packing(transformer_impl=config.transformer_impl, moe=bool(config.num_moe_experts),
-                          expert_parallel=config.expert_model_parallel_size)
+            check_packing(transformer_impl=chunks[0].config.transformer_impl)
         if cfg.moe.router_replay == "R3":
             install_replay(chunks)
         self.model = wrap_model(chunks, use_distributed_optimizer=use_dist_opt)

@@ -87,17 +87,13 @@ def _ep_fault(arch, ep: int, dp: int, cp: int = 1) -> str | None:
     return None
 
 
-def check_packing(*, transformer_impl: str, moe: bool, expert_parallel: int) -> None:
+def check_packing(*, transformer_impl: str) -> None:
     """train.pack_sequences where it has been verified: the local spec's attention (sdpa_attention.py),
-    dense or MoE without expert parallelism; a ConfigError elsewhere (docs/packing.md)."""
-    unverified = [what for what, bad in (
-        ("the Transformer Engine spec (its THD attention has not run on a GPU here)",
-         transformer_impl == "transformer_engine"),
-        ("expert parallelism (packed micro-batches of one shape over the EP ranks are untested)",
-         moe and expert_parallel > 1)) if bad]
-    if unverified:
-        raise ConfigError(f"train.pack_sequences=true is not supported with {' or '.join(unverified)}; "
-                          "set train.pack_sequences=false")
+    dense or MoE, at any TP, PP, CP, DP and EP; a ConfigError on the Transformer Engine spec
+    (docs/packing.md)."""
+    if transformer_impl == "transformer_engine":
+        raise ConfigError("train.pack_sequences=true is not supported with the Transformer Engine spec (its THD "
+                          "attention has not run on a GPU here); set train.pack_sequences=false")
 
 
 def check_moe_layout(hf_config, *, moe: MoEConfig, parallel: ParallelConfig) -> None:

@@ -13,8 +13,7 @@ Cases: ragged rows with the load-balancing loss (padding in every micro-batch: t
 cut like the tokens), rows of one length (a multiple of 2 x CP: no padding) with a z-loss too (megatron's
 z-loss under CP is a mean of each rank's mean over its positions, like sequence parallelism's, which
 equals the batch's mean only when every rank holds as many real tokens: test_moe_metrics_parallel.py says
-why), replayed routes (R3: each rank must replay the routes of its own positions), and ragged rows packed
-(at CP 2 alone: packing under expert parallelism is refused).
+why), replayed routes (R3: each rank must replay the routes of its own positions), and ragged rows packed.
 
 What fails here when CP is wrong for experts (each tried): the router metrics reduced over TP only, not
 TP x CP (moe/load_balancing_loss is one rank's share); the filler experts R3 gives positions without an
@@ -72,8 +71,9 @@ def _cfg(cp: int, ep: int, z_loss: float, replay: bool, packed: bool):
         rollout=RolloutConfig(engine="hf", temperature=0.8, max_response_length=16, n=3),
         reward=RewardConfig(overlong_buffer=OverlongBufferConfig(len=4)),
         # micro-batches of 3 samples at every layout (the router losses are per-micro-batch statistics);
-        # packed: each micro-batch's 3 samples end to end
-        train=TrainConfig(mini_batch_prompts=2, max_tokens_per_micro_batch=0, micro_batch_size=3,
+        # packed: first-fit decreasing under a budget of 40 tokens, which groups the samples alike whether
+        # their slots are rounded to 2 x CP or not (and every pack has one shape under EP: [1, 40])
+        train=TrainConfig(mini_batch_prompts=2, max_tokens_per_micro_batch=40 if packed else 0, micro_batch_size=3,
                           pack_sequences=packed),
         optim=OptimConfig(lr=1e-3, lr_warmup_steps=0))
 
@@ -88,8 +88,6 @@ def _worker(rank, hf_dir, out_dir, layout):
     hf = json.loads((hf_dir / "config.json").read_text())
     got = {}
     for case, (batch, z_loss, replay, packed) in CASES.items():
-        if packed and ep > 1:  # packing under expert parallelism is refused (mcore/parallel.check_packing)
-            continue
         actor = MegatronActor(_cfg(cp, ep, z_loss, replay, packed), hf)
         assert ps.get_context_parallel_world_size() == cp and ps.get_expert_model_parallel_world_size() == ep
         assert actor.load_hf_weights(str(hf_dir)) > 0
@@ -119,9 +117,7 @@ def runs(tmp_path_factory):
 def test_moe_at_cp2_equals_cp1(runs, layout):
     ref = runs["cp1"][0]
     for rank, got in enumerate(runs[layout]):
-        for case, (_, z_loss, replay, packed) in CASES.items():
-            if packed and LAYOUTS[layout][1] > 1:
-                continue
+        for case, (_, z_loss, replay, _) in CASES.items():
             what = f"{layout} rank {rank}, {case}"
             want, have = ref[case], got[case]
             for i, (a, b) in enumerate(zip(have["log_probs"], want["log_probs"], strict=True)):
