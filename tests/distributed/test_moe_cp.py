@@ -28,10 +28,9 @@ import pytest
 import torch
 
 from tests.distributed.harness import assert_close, spawn
-from tests.helpers.moe import TINY_MOE, save_tiny_moe
+from tests.helpers.moe import moe_samples, save_tiny_moe
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
-E, K, LAYERS = TINY_MOE["num_experts"], TINY_MOE["num_experts_per_tok"], TINY_MOE["num_hidden_layers"]
 BATCHES = {"ragged": [(3, 9), (5, 14), (2, 6), (7, 12), (4, 11), (6, 3)],  # (prompt, response)
            "even": [(4, 8)] * 6}  # 12 tokens each: no padding at CP 1 or 2
 CASES = {  # name: (batch, z-loss, R3, packed)
@@ -41,20 +40,6 @@ CASES = {  # name: (batch, z-loss, R3, packed)
     "ragged_packed": ("ragged", 0.0, False, True),
 }
 LAYOUTS = {"cp1": (1, 1, 1), "cp2": (2, 1, 2), "cp2_ep2": (2, 2, 2)}  # (CP, EP, processes)
-
-
-def _samples(shapes, routes: bool):
-    from megatron_dapo.batching import Sample
-
-    g = torch.Generator().manual_seed(4)
-    out = []
-    for p, r in shapes:
-        ids = torch.randint(0, TINY_MOE["vocab_size"], (p + r,), generator=g)
-        pairs = torch.rand(p + r - 1, LAYERS, E, generator=g).argsort(-1)[..., :K]  # two distinct experts
-        out.append(Sample(prompt_ids=ids[:p], response_ids=ids[p:], advantages=float(torch.randn((), generator=g)),
-                          old_log_probs=-torch.rand(r, generator=g),
-                          routed_experts=pairs.reshape(p + r - 1, LAYERS * K).to(torch.int16) if routes else None))
-    return out
 
 
 def _cfg(cp: int, ep: int, z_loss: float, replay: bool, packed: bool):
@@ -91,7 +76,7 @@ def _worker(rank, hf_dir, out_dir, layout):
         actor = MegatronActor(_cfg(cp, ep, z_loss, replay, packed), hf)
         assert ps.get_context_parallel_world_size() == cp and ps.get_expert_model_parallel_world_size() == ep
         assert actor.load_hf_weights(str(hf_dir)) > 0
-        xs = _samples(BATCHES[batch], routes=replay)
+        xs = moe_samples(BATCHES[batch], routes=replay)
         log_probs = actor.get_inference_log_probs(xs)
         m = actor.get_loss_and_metrics(xs)
         weights = {name: tensor.clone() for name, tensor in actor.export_hf_weights()}

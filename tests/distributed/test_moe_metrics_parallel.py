@@ -30,27 +30,13 @@ import pytest
 import torch
 
 from tests.distributed.harness import spawn
-from tests.helpers.moe import TINY_MOE, save_tiny_moe, tiny_moe_model
+from tests.helpers.moe import TINY_MOE, moe_samples, save_tiny_moe, tiny_moe_model
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 BATCHES = {"ragged": [(3, 9), (5, 14), (2, 6), (7, 12), (4, 11), (6, 3)],  # (prompt, response)
            "even": [(4, 8)] * 6}  # 12 tokens each: no padding, each sequence-parallel slice half the tokens
 LAYOUTS = ("tp1_dp2", "tp2_sp")
 E, K, LAYERS = TINY_MOE["num_experts"], TINY_MOE["num_experts_per_tok"], TINY_MOE["num_hidden_layers"]
-
-
-def _samples(shapes, routes: bool = False):
-    from megatron_dapo.batching import Sample
-
-    g = torch.Generator().manual_seed(4)
-    out = []
-    for p, r in shapes:
-        ids = torch.randint(0, TINY_MOE["vocab_size"], (p + r,), generator=g)
-        pairs = torch.rand(p + r - 1, LAYERS, E, generator=g).argsort(-1)[..., :K]  # two distinct experts
-        out.append(Sample(prompt_ids=ids[:p], response_ids=ids[p:], advantages=float(torch.randn((), generator=g)),
-                          old_log_probs=-torch.rand(r, generator=g),
-                          routed_experts=pairs.reshape(p + r - 1, LAYERS * K).to(torch.int16) if routes else None))
-    return out
 
 
 def _cfg(layout: str, replay: bool):
@@ -84,7 +70,7 @@ def _worker(rank, hf_dir, out_dir):
             shapes = BATCHES[batch]
             actor = MegatronActor(_cfg(layout, replay), hf)
             assert actor.load_hf_weights(str(hf_dir)) > 0
-            m = actor.get_loss_and_metrics(_samples(shapes, routes=replay))
+            m = actor.get_loss_and_metrics(moe_samples(shapes, routes=replay))
             keys = ("moe/route_agreement",) if replay else ("moe/load_balancing_loss", "moe/z_loss")
             got[f"{layout} {batch} {'r3' if replay else 'losses'}"] = {k: m[k] for k in keys}
             destroy_parallel(process_group=False)
@@ -122,7 +108,7 @@ def test_router_metrics_over_tp_and_dp_equal_transformers(tmp_path):
     assert ranks[0] == ranks[1]  # every rank reports the same
     got, model = ranks[0], tiny_moe_model(seed=3)
     for batch, shapes in BATCHES.items():
-        xs = _samples(shapes)
+        xs = moe_samples(shapes)
         shards = [[xs[i] for i in shard] for shard in split_for_data_parallel(xs, 2)]  # one micro-batch each
         for layout, micro_batches in (("tp1_dp2", shards), ("tp2_sp", [xs[:3], xs[3:]])):
             lb, z = _reference(model, micro_batches)
@@ -151,7 +137,7 @@ def _global_worker(rank, hf_dir, out_dir):
                               train=dataclasses.replace(cfg.train, micro_batch_size=1))
     actor = MegatronActor(cfg, json.loads((hf_dir / "config.json").read_text()))
     assert actor.load_hf_weights(str(hf_dir)) > 0
-    xs = _samples(BATCHES["ragged"])
+    xs = moe_samples(BATCHES["ragged"])
     m = train_step(actor.model, actor.optimizer, actor.scheduler, [xs[i] for i in GLOBAL_SHARDS[rank]],
                    actor.settings)
     (out_dir / f"global{rank}.json").write_text(json.dumps(m))
@@ -196,7 +182,7 @@ def test_the_global_load_balancing_loss_over_dp_with_micro_batches_of_padding_on
     got = [json.loads((tmp_path / f"global{r}.json").read_text()) for r in range(2)]
     assert got[0] == got[1] and got[0]["actor/num_micro_batches"] == 3
     assert torch.isfinite(torch.tensor(got[0]["actor/grad_norm"]))
-    xs = _samples(BATCHES["ragged"])
+    xs = moe_samples(BATCHES["ragged"])
     slots = [[xs[0] if s == 0 else None, xs[1 + s]] for s in range(3)]
     want = _global_reference(tiny_moe_model(seed=3), slots)
     assert got[0]["moe/load_balancing_loss"] == pytest.approx(want, rel=1e-5)

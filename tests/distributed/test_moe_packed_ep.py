@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from tests.distributed.harness import assert_close, spawn
-from tests.distributed.test_moe_cp import BATCHES, _cfg, _samples
-from tests.helpers.moe import save_tiny_moe
+from tests.distributed.test_moe_cp import BATCHES, _cfg
+from tests.helpers.moe import moe_samples, save_tiny_moe
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 CASES = {"ragged": False, "ragged_r3": True}  # name: R3
@@ -42,7 +42,7 @@ def _worker(rank, hf_dir, out_dir):
             assert ps.get_expert_model_parallel_world_size() == ep and ps.get_data_parallel_world_size() == 2
             assert actor.settings.pack_sequences
             assert actor.load_hf_weights(str(hf_dir)) > 0
-            xs = _samples(BATCHES["ragged"], routes=replay)  # the actor gives each DP rank its share
+            xs = moe_samples(BATCHES["ragged"], routes=replay)  # the actor gives each DP rank its share
             log_probs = actor.get_inference_log_probs(xs)
             m = actor.get_loss_and_metrics(xs)
             weights = {name: tensor.clone() for name, tensor in actor.export_hf_weights()}

@@ -31,6 +31,24 @@ TINY_MOE = dict(vocab_size=100, hidden_size=64, intermediate_size=96, num_hidden
                 rope_parameters={"rope_theta": 1e6, "rope_type": "default"}, architectures=["Qwen3MoeForCausalLM"])
 
 
+def moe_samples(shapes, *, routes: bool = False, seed: int = 4) -> list:
+    """Trainer samples of the given (prompt, response) lengths over TINY_MOE's vocabulary, with random
+    advantages and old log-probs; ``routes``: random R3 routes, two distinct experts per (token, layer)
+    (a sample's last token has none)."""
+    from megatron_dapo.batching import Sample
+
+    e, k, layers = TINY_MOE["num_experts"], TINY_MOE["num_experts_per_tok"], TINY_MOE["num_hidden_layers"]
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for p, r in shapes:
+        ids = torch.randint(0, TINY_MOE["vocab_size"], (p + r,), generator=g)
+        pairs = torch.rand(p + r - 1, layers, e, generator=g).argsort(-1)[..., :k]
+        out.append(Sample(prompt_ids=ids[:p], response_ids=ids[p:], advantages=float(torch.randn((), generator=g)),
+                          old_log_probs=-torch.rand(r, generator=g),
+                          routed_experts=pairs.reshape(p + r - 1, layers * k).to(torch.int16) if routes else None))
+    return out
+
+
 def tiny_moe_model(*, seed: int = 0, norm_topk_prob: bool = True, **overrides):
     """A random fp32 ``Qwen3MoeForCausalLM`` (TINY_MOE): norms N(1, 0.1) (HF initialises them to exactly
     1, which would hide a mix-up) and router weights N(0, 0.5) (so the top-k is far from ties and a
