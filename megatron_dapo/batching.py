@@ -391,7 +391,10 @@ def _layout(samples: Sequence[Sample], *, max_tokens: int, micro_batch_size: int
     lengths = [x.num_tokens for x in samples]
     shape = None
     if packed:
-        lengths = [_round_up(n, segment_multiple) for n in lengths]  # each sample's slot
+        # each sample's slot; the ranks' agreed longest too, so that a rank whose own slots round past
+        # it gets the shape every other rank gets
+        lengths = [_round_up(n, segment_multiple) for n in lengths]
+        uniform_length = _round_up(uniform_length, segment_multiple)
         if uniform:
             shape = uniform_shape(max(lengths + [uniform_length], default=1), max_tokens=max_tokens,
                                   micro_batch_size=micro_batch_size, multiple=multiple, packed=True)

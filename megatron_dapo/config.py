@@ -54,7 +54,8 @@ class ParallelConfig:
     sequence_parallel: bool = setting(False, "shard LayerNorm/dropout activations along the sequence (needs TP > 1)")
     context_parallel_size: int = setting(1, "CP: splits long sequences across ranks")
     expert_model_parallel_size: int = setting(1, "EP: splits an MoE layer's experts over this many of the "
-                                                 "data-parallel ranks (must divide DP and the experts)")
+                                                 "data- and context-parallel ranks (must divide DP x CP and the "
+                                                 "experts)")
     use_distributed_optimizer: bool = setting(True, "shard optimizer states across data-parallel ranks")
     timeout_minutes: float = setting(30.0, "how long one collective may wait for the other ranks (NCCL's watchdog, "
                                       "gloo's timeout); no collective waits for a generation batch or a training phase")

@@ -21,8 +21,9 @@ file), through four entries that ``run.prepare_run`` calls in this order:
    is read and before any data is: the parallel layout against the model (mcore/parallel.py:
    heads, layers, world size, experts, packing, context parallelism) and the disk for the
    checkpoints the run keeps.
-4. ``check_checkpoint_shape`` and ``check_start_checkpoint``: the checkpoint resumed from, evaluated
-   or started from holds a model of config.json's shape.
+4. ``check_checkpoint_shape`` and ``check_start_checkpoint``: the checkpoint resumed from or evaluated
+   (right after entry 3, before the data is read) and the one started from (``model.checkpoint``,
+   after the prompts are read) holds a model of config.json's shape.
 
 The data's own checks (empty files, prompts over data.max_prompt_length, malformed rows) are the
 loading's (run._prompts, data/), where the rows are read.

@@ -10,9 +10,11 @@ Replay (moe.router_replay=R3): with ``moe_enable_routing_replay`` every TopKRout
 ``RouterReplay``; before a micro-batch's forward each router of the rank gets the engine's experts of
 its layer for the micro-batch's tokens and the REPLAY_FORWARD action: it routes to those experts, its
 gate weights a softmax of its own logits over them (so the router still learns). Megatron orders a
-layer's tokens sequence-major ([s x b, k]) and, under sequence parallelism, a TP rank routes its
-contiguous s / TP slice. Positions without an engine route (a response's last token, never fed to the
-engine; padding) replay experts 0..k-1: their outputs reach no loss. Megatron replays again in a
+layer's tokens sequence-major ([s x b, k]); under context parallelism a CP rank routes its positions
+(cut as the tokens are) and, under sequence parallelism, a TP rank its contiguous slice of them.
+Positions without an engine route (a response's last token, never fed to the engine; padding) replay
+experts spread over all (``replay``): their outputs reach no log-prob, but a response's last token is
+a real token, so its experts count in the load-balancing loss. Megatron replays again in a
 recomputed backward from a list the 1F1B order does not keep in step: R3 refuses recompute
 (config_rules).
 """
@@ -191,7 +193,8 @@ def replay(chunk, routes: torch.Tensor | None, shape: tuple[int, int], *, has_sa
     spread over all (token t: t x k .. t x k + k - 1, mod E), so that padding loads no EP rank alone.
     ``token_index`` [b, s]: each position's t, its number in the whole micro-batch (position x rows + row)
     when the rank holds some of its positions (context parallelism: ``filler_index``); None: all of them.
-    A position's filler is then the same at any CP, and so are the load-balancing loss's counts."""
+    A padded row's filler is then the same at any CP, and so are the load-balancing loss's counts (a
+    packed row's samples sit at offsets that CP's slot rounding moves, and their fillers with them)."""
     from megatron.core import parallel_state as ps
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
 

@@ -89,8 +89,8 @@ def _ep_fault(arch, ep: int, dp: int, cp: int = 1) -> str | None:
 
 def check_packing(*, transformer_impl: str) -> None:
     """train.pack_sequences where it has been verified: the local spec's attention (sdpa_attention.py),
-    dense or MoE, at any TP, PP, CP, DP and EP; a ConfigError on the Transformer Engine spec
-    (docs/packing.md)."""
+    dense or MoE, at TP, PP, CP, DP, EP and their products; a ConfigError on the Transformer Engine
+    spec (docs/packing.md)."""
     if transformer_impl == "transformer_engine":
         raise ConfigError("train.pack_sequences=true is not supported with the Transformer Engine spec (its THD "
                           "attention has not run on a GPU here); set train.pack_sequences=false")
@@ -142,7 +142,8 @@ def _fitting_tps(hf_config, parallel: ParallelConfig, world_size: int) -> list[i
     rest = parallel.pipeline_model_parallel_size * parallel.context_parallel_size
     return [tp for tp in _divisors(arch.num_attention_heads)
             if _tp_fault(arch, tp) is None and world_size % (tp * rest) == 0
-            and (world_size // (tp * rest)) % parallel.expert_model_parallel_size == 0  # EP takes DP ranks
+            # EP takes its ranks from DP x CP (_ep_fault)
+            and (world_size // (tp * parallel.pipeline_model_parallel_size)) % parallel.expert_model_parallel_size == 0
             and not (tp == 1 and parallel.sequence_parallel)  # the config refuses sequence parallelism at TP 1
             and not (arch.num_moe_experts and tp > 1 and not parallel.sequence_parallel)  # check_moe_layout's rule
             and not _tied_state_shift(hf_config, tp, parallel.pipeline_model_parallel_size,

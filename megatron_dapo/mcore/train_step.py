@@ -82,13 +82,14 @@ def _forward_step(settings: StepSettings, counts, scale: float, mismatch: bool, 
     # megatron sums its token counts over TP x CP.
     moe = {"padding_mask": stage_padding_mask(model, local(padding_mask(mb))).to(device)} \
         if model.config.num_moe_experts else {}
+    input_ids = local(mb.input_ids)
     if model.config.moe_enable_routing_replay:  # R3: the engine's experts for this rank's tokens
         routes = None if mb.routed_experts is None else local(mb.routed_experts)
-        replay(model, routes, tuple(local(mb.input_ids).shape), has_samples=has_tokens(mb),
+        replay(model, routes, tuple(input_ids.shape), has_samples=has_tokens(mb),
                token_index=local(filler_index(*mb.input_ids.shape)))
     packed = {"packed_seq_params": packed_seq_params(mb, device)} if mb.packed else {}
     with without_router_losses(model.config, off=bool(moe) and not has_tokens(mb)):
-        output = model(local(mb.input_ids).to(device), local(mb.position_ids).to(device), None,
+        output = model(input_ids.to(device), local(mb.position_ids).to(device), None,
                        output_processor=processor, **moe, **packed)
     if moe and isinstance(output, tuple):  # the last stage's (log_probs, entropy)
         output = TokenOutputs(*output)

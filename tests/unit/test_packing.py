@@ -107,6 +107,18 @@ def test_uniform_packs_share_one_shape_and_empty_ones_fill_the_count():
     assert empty.sample_index == () and empty.cu_seqlens().tolist() == [0, 20] and padding_mask(empty).all()
 
 
+def test_uniform_packs_under_cp_have_one_shape_on_every_rank():
+    """Two DP ranks agree on the longest sample (13 tokens, unrounded: micro_batches._local_counts) and
+    pack without a budget under CP 2 (slots rounded to 4): the rank whose own slots round past the
+    agreed length (13 -> 16) and the one whose do not (10 -> 12) must get one shape, which the EP ranks'
+    allgather dispatcher needs; rounding only a rank's own slots gave (1, 48) against (1, 40)."""
+    kw = dict(max_tokens=0, micro_batch_size=3, multiple=4, uniform=True, packed=True, segment_multiple=4,
+              uniform_length=13)
+    shapes = {tuple(mb.input_ids.shape) for lengths in ([(6, 7), (2, 3), (3, 3)], [(4, 6), (3, 4), (4, 5)])
+              for mb in make_micro_batches(_samples(lengths), **kw)}
+    assert shapes == {(1, 48)}
+
+
 def test_the_launch_takes_packing_under_expert_parallelism():
     """launch_checks.check_layout, before any model is built: a Qwen3-MoE at EP 2 packed on the local spec
     passes (the Transformer Engine spec's refusal: test_packing_train_step.py; it needs CUDA first here)."""

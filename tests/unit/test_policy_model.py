@@ -110,6 +110,10 @@ def test_runtime_resolution(monkeypatch):
     ({}, dict(tensor_model_parallel_size=2), 3, "world size 3 is not divisible"),
     ({**TINY_MOE, "model_type": "qwen3_moe"}, dict(context_parallel_size=2, expert_model_parallel_size=4), 2,
      r"expert_model_parallel_size=4 does not divide DP x CP = 1 x 2 .*pick one of \[1, 2\]"),
+    # the TP sizes a refusal offers count EP over DP x CP: TP 1 (DP 12 x CP 2 = 24 ranks for EP 8) fits
+    ({**TINY_MOE, "model_type": "qwen3_moe", "num_experts": 8},
+     dict(tensor_model_parallel_size=3, context_parallel_size=2, expert_model_parallel_size=8), 24,
+     r"num_attention_heads=4 is not divisible by tensor_model_parallel_size=3; .*: \[1\]$"),
 ])
 def test_validate_parallel_names_values_and_fix(hf_change, parallel, world, match):
     with pytest.raises(ValueError, match=match):

@@ -93,3 +93,5 @@ def test_expert_parallelism_that_does_not_fit_the_job_becomes_one_rank_per_model
     assert fitted.parallel.expert_model_parallel_size == 1
     assert [d.key for d in changes] == ["parallel.expert_model_parallel_size"]
     assert fit_to_job(cfg, 2)[0].parallel.expert_model_parallel_size == 2  # DP 2: it fits
+    at_cp2 = load_config(ROOT / "conf" / "cpu_tiny_moe.yaml", ["parallel.context_parallel_size=2"])
+    assert fit_to_job(at_cp2, 2) == (at_cp2, [])  # DP 1 x CP 2: EP 2 takes the CP ranks, it fits
