@@ -86,6 +86,16 @@ class ParallelConfig:
                  "pipeline_model_parallel_size or context_parallel_size, or the number of processes")
         return world_size // mp
 
+    def expert_pool(self, world_size: int) -> int:
+        """The ranks expert parallelism draws its EP ranks from, which EP must divide (``expert_pool``)."""
+        return expert_pool(world_size, self.tensor_model_parallel_size, self.pipeline_model_parallel_size)
+
+
+def expert_pool(world_size: int, tp: int, pp: int) -> int:
+    """DP x CP = world / (TP x PP): megatron-core 0.19.2 draws the expert-parallel ranks from the data- and
+    context-parallel ones (its expert rank generator has no CP; expert TP = TP)."""
+    return world_size // (tp * pp)
+
 
 @dataclass(frozen=True, kw_only=True)
 class DataConfig:

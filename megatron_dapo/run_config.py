@@ -104,7 +104,6 @@ def fit_to_job(cfg: DAPOConfig, world_size: int, *, given: set[str] = frozenset(
     if world_size % p.model_parallel_size:
         p = fit(p, {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1, "context_parallel_size": 1,
                     "virtual_pipeline_model_parallel_size": None, "sequence_parallel": False}, "parallel", why_world)
-    # EP takes its ranks from DP x CP (mcore/parallel._ep_fault)
-    if (world_size // (p.tensor_model_parallel_size * p.pipeline_model_parallel_size)) % p.expert_model_parallel_size:
+    if p.expert_pool(world_size) % p.expert_model_parallel_size:
         p = fit(p, {"expert_model_parallel_size": 1}, "parallel", why_world)
     return dataclasses.replace(cfg, rollout=r, parallel=p), changes

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from megatron_dapo.errors import ConfigError
 from megatron_dapo.gpu_binding import bind_gpu, check_bindings
 from megatron_dapo import ranks
-from megatron_dapo.config import ModelConfig, ParallelConfig
+from megatron_dapo.config import ModelConfig, ParallelConfig, expert_pool
 from megatron_dapo.config_moe import MoEConfig
 from megatron_dapo.mcore.cpu_compat import require_cpu_compat
 from megatron_dapo.mcore.model import hf_arch, padded_vocab_size, resolve_runtime
@@ -39,7 +39,7 @@ def validate_parallel(hf_config, *, parallel: ParallelConfig, model: ModelConfig
         raise ConfigError(f"num_hidden_layers={arch.num_layers} is not divisible by pipeline_model_parallel"
                          f"_size x virtual_pipeline_model_parallel_size = {pp} x {vpp}; pick sizes whose "
                          f"product divides {arch.num_layers} ({_divisors(arch.num_layers)})")
-    if (fault := _ep_fault(arch, parallel.expert_model_parallel_size, dp, parallel.context_parallel_size)) is not None:
+    if (fault := _ep_fault(arch, parallel, world_size)) is not None:
         raise ConfigError(fault)
     resolve_runtime(model, on_gpu, check_installed=check_installed)  # refuses a spec that is not installed
     return dict(data_parallel_size=dp,
@@ -65,11 +65,11 @@ def _tied_state_shift(hf_config, tp: int, pp: int, distributed_optimizer: bool) 
     return bool(hf_config.get("tie_word_embeddings", False)) and tp > 1 and pp > 1 and distributed_optimizer
 
 
-def _ep_fault(arch, ep: int, dp: int, cp: int = 1) -> str | None:
-    """What an expert-parallel size of ``ep`` cannot do for this model at data-parallel size ``dp`` and
-    context-parallel size ``cp``. megatron-core takes the EP ranks from the data- and context-parallel
-    ones (its expert TP size is TP, its expert layers see no CP: parallel_state's expert rank generator):
-    TP x EP x PP must divide the world, i.e. EP divides DP x CP."""
+def _ep_fault(arch, parallel: ParallelConfig, world_size: int) -> str | None:
+    """What ``parallel``'s expert-parallel size cannot do for this model at ``world_size``: EP must divide the
+    experts and the ranks megatron-core draws it from, DP x CP (config.expert_pool)."""
+    ep, cp = parallel.expert_model_parallel_size, parallel.context_parallel_size
+    dp, pool = parallel.data_parallel_size(world_size), parallel.expert_pool(world_size)
     experts = arch.num_moe_experts
     if ep == 1:
         return None
@@ -78,12 +78,12 @@ def _ep_fault(arch, ep: int, dp: int, cp: int = 1) -> str | None:
                 "set it to 1")
     if experts % ep:
         return (f"parallel.expert_model_parallel_size={ep} does not divide the model's num_experts={experts}; "
-                f"pick one of {[d for d in _divisors(experts) if dp * cp % d == 0]}")
-    if dp * cp % ep:
+                f"pick one of {[d for d in _divisors(experts) if pool % d == 0]}")
+    if pool % ep:
         what = f"the data-parallel size {dp}" if cp == 1 else f"DP x CP = {dp} x {cp}"
         return (f"parallel.expert_model_parallel_size={ep} does not divide {what} (world / (TP x PP)): megatron "
                 "takes the expert-parallel ranks from the data- and context-parallel ones; "
-                f"pick one of {[d for d in _divisors(dp * cp) if experts % d == 0]} or change the number of processes")
+                f"pick one of {[d for d in _divisors(pool) if experts % d == 0]} or change the number of processes")
     return None
 
 
@@ -139,11 +139,11 @@ def _fitting_tps(hf_config, parallel: ParallelConfig, world_size: int) -> list[i
     sizes of ``parallel`` kept: every TP check of validate_parallel, a world that TP x PP x CP
     divides, and check_training_layout's (a suggestion must work for training too)."""
     arch = hf_arch(hf_config)
-    rest = parallel.pipeline_model_parallel_size * parallel.context_parallel_size
+    pp, ep = parallel.pipeline_model_parallel_size, parallel.expert_model_parallel_size
+    rest = pp * parallel.context_parallel_size
     return [tp for tp in _divisors(arch.num_attention_heads)
             if _tp_fault(arch, tp) is None and world_size % (tp * rest) == 0
-            # EP takes its ranks from DP x CP (_ep_fault)
-            and (world_size // (tp * parallel.pipeline_model_parallel_size)) % parallel.expert_model_parallel_size == 0
+            and expert_pool(world_size, tp, pp) % ep == 0
             and not (tp == 1 and parallel.sequence_parallel)  # the config refuses sequence parallelism at TP 1
             and not (arch.num_moe_experts and tp > 1 and not parallel.sequence_parallel)  # check_moe_layout's rule
             and not _tied_state_shift(hf_config, tp, parallel.pipeline_model_parallel_size,
