@@ -260,9 +260,11 @@ class TrainConfig:
     micro_batch_size: int = setting(1, "sequences per micro-batch when max_tokens_per_micro_batch is 0")
     max_tokens_per_micro_batch: int = setting(22528, "token budget per micro-batch (dynamic batch size); 0 = fixed "
                                               "size")
-    pack_sequences: bool = setting(False, "micro-batches of samples laid end to end without padding (THD), up to "
-                                   "max_tokens_per_micro_batch tokens, attention kept within each sample; false = "
-                                   "rows padded to their longest")
+    pack_sequences: bool | Literal["auto"] = setting(
+        "auto", "micro-batches of samples laid end to end without padding (THD), up to max_tokens_per_micro_batch "
+                "tokens, attention kept within each sample; false = rows padded to their longest; auto = packed where "
+                "the layout needs one shape for every micro-batch (interleaved PP 2, an MoE model's allgather "
+                "dispatcher under EP or PP) on the local spec, padded elsewhere (docs/packing.md)")
     generation_budget: int = setting(0, "also stop after the step in which this many responses have been generated in "
                                    "all (kept or dropped by dynamic sampling): runs compared at equal generation "
                                    "cost; 0 = no budget")

@@ -7,7 +7,8 @@ Two kinds:
   partial rollouts' piece and surplus, the adaptive batch cap, the async correction, the audit
   scorer): the resolved config holds the value, so the run's config.yaml records what ran;
 * decided by the machine (model.dtype and model.transformer_impl: bf16 and Transformer Engine on a
-  GPU, fp32 and the local spec on a CPU; train.old_log_probs where the dtype decides it): the config
+  GPU, fp32 and the local spec on a CPU; train.old_log_probs where the dtype decides it;
+  train.pack_sequences, by the spec and the model's layout, ``derive_for_model``): the config
   keeps "auto", so that one config.yaml runs on either (an export on a CPU node of a GPU run), and
   config.yaml records what this launch chose as comments (``comments``); the code that uses one
   resolves it with the same function (``resolve_dtype``, ``pi_old_source``).
@@ -24,7 +25,7 @@ from typing import Any
 
 from megatron_dapo.config import DAPOConfig
 from megatron_dapo.config_algo import AUTO
-from megatron_dapo.precision import resolve_dtype
+from megatron_dapo.precision import resolve_dtype, resolve_transformer_impl
 
 ASYNC_TIS_CAP = 2.0  # verl's tis_imp_ratio_cap (decoupled_token_is): the correction stale rollouts get
 
@@ -99,11 +100,24 @@ def derive(cfg: DAPOConfig, *, on_gpu: bool) -> tuple[DAPOConfig, list[Derived]]
     if m.dtype == AUTO:
         out.append(Derived("model.dtype", AUTO, resolve_dtype(m.dtype, on_gpu), _machine(on_gpu), kept=True))
     if m.transformer_impl == AUTO:
-        out.append(Derived("model.transformer_impl", AUTO, "transformer_engine" if on_gpu else "local",
+        out.append(Derived("model.transformer_impl", AUTO, resolve_transformer_impl(m.transformer_impl, on_gpu),
                            _machine(on_gpu), kept=True))
     algorithm = dataclasses.replace(cfg.algorithm, filter_groups=fg, rollout_correction=corr)
     resolved = dataclasses.replace(cfg, loss=loss, eval=ev, rollout=r, algorithm=algorithm, alarms=alarms, train=t)
     return resolved, out
+
+
+def derive_for_model(cfg: DAPOConfig, hf_config: dict, *, on_gpu: bool) -> list[Derived]:
+    """The derived settings that read the model's config.json as well (run.prepare_run: once the inputs are
+    read), decided by the machine and kept "auto" (module doc): train.pack_sequences, packed where the
+    layout needs one shape for every micro-batch (micro_batch_shapes.py)."""
+    from megatron_dapo.micro_batch_shapes import launch_pack_choice
+
+    if cfg.train.pack_sequences != AUTO:
+        return []
+    packed, why = launch_pack_choice(AUTO, hf_config, model=cfg.model, parallel=cfg.parallel, moe=cfg.moe,
+                                     on_gpu=on_gpu)
+    return [Derived("train.pack_sequences", AUTO, packed, why, kept=True)]
 
 
 def pi_old_source(cfg: DAPOConfig, *, on_gpu: bool) -> str:
@@ -141,7 +155,7 @@ def comments(derived: list[Derived]) -> str:
     kept = [d for d in derived if d.kept]
     if not kept:
         return ""
-    return "# decided by this launch's machine (the keys above stay auto):\n" + "".join(
+    return "# decided by this launch's machine and model (the keys above stay auto):\n" + "".join(
         f"#   {d.line()}\n" for d in kept)
 
 
@@ -150,4 +164,7 @@ def _machine(on_gpu: bool) -> str:
 
 
 def _show(value: Any) -> str:
+    """``value`` as config.yaml spells it."""
+    if isinstance(value, bool):
+        return str(value).lower()
     return "null" if value is None else str(value)

@@ -247,13 +247,15 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
-        errors = []
-        for arg in (a for a in args if a is not type(None)):
+        errors, named = [], []  # named: the literal values an alternative after the first allows
+        for i, arg in enumerate(a for a in args if a is not type(None)):
             try:
                 return _coerce(arg, value, key)
             except ConfigError as e:
                 errors.append(str(e))
-        raise ConfigError(errors[0])
+            if i and typing.get_origin(arg) is typing.Literal:
+                named += typing.get_args(arg)
+        raise ConfigError(errors[0] + (f", or one of {named}" if named else ""))
     if origin is typing.Literal:
         if value not in args:
             raise ConfigError(f"{key}={value!r} is not one of {list(args)}")

@@ -79,7 +79,7 @@ def check_layout(cfg: DAPOConfig, hf_config: dict, world_size: int) -> None:
                       on_gpu=torch.cuda.is_available())
     check_training_layout(hf_config, cfg.parallel)
     check_moe_layout(hf_config, moe=cfg.moe, parallel=cfg.parallel)
-    if cfg.train.pack_sequences:
+    if cfg.train.pack_sequences is True:  # auto packs only where it is supported (micro_batch_shapes.py)
         from megatron_dapo.mcore.model import resolve_runtime
 
         runtime = resolve_runtime(cfg.model, torch.cuda.is_available(), check_installed=False)

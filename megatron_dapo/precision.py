@@ -1,5 +1,6 @@
-"""The one home of the training dtype rule, shared by the trainer (mcore/model.py) and the rollout
-engine (rollout/vllm_translation.py); a leaf module, so the engine does not import the config schema."""
+"""The rules by which a launch's machine decides the settings left at "auto": the training dtype (shared
+by the trainer, mcore/model.py, and the rollout engine, rollout/vllm_translation.py), the layer spec and
+the MoE token dispatcher. A leaf module, so the engine does not import the config schema."""
 
 from typing import Literal
 
@@ -12,3 +13,18 @@ def resolve_dtype(dtype: str, on_gpu: bool) -> Literal["bf16", "fp32"]:
     if dtype not in ("bf16", "fp32"):
         raise ValueError(f"model.dtype must be auto, bf16 or fp32, got {dtype!r}")
     return dtype
+
+
+def resolve_transformer_impl(impl: str, on_gpu: bool) -> str:
+    """model.transformer_impl with "auto" resolved: Transformer Engine's spec on GPU, the local spec on CPU."""
+    if impl == "auto":
+        return "transformer_engine" if on_gpu else "local"
+    return impl
+
+
+def resolve_token_dispatcher(dispatcher: str, on_gpu: bool) -> str:
+    """moe.token_dispatcher with "auto" resolved: alltoall on GPU, allgather on CPU (alltoall needs CUDA
+    streams there)."""
+    if dispatcher == "auto":
+        return "alltoall" if on_gpu else "allgather"
+    return dispatcher

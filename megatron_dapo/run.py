@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from megatron_dapo import ranks
 from megatron_dapo.config import DAPOConfig, DataConfig, EvalConfig, RewardConfig, RolloutConfig
-from megatron_dapo.config_derived import Derived, derive
+from megatron_dapo.config_derived import Derived, derive, derive_for_model
 from megatron_dapo.errors import InputError
 from megatron_dapo.launch_checks import (
     check_against_model, check_checkpoint_shape, check_checkpoints, check_settings, check_start_checkpoint,
@@ -142,6 +142,11 @@ def prepare_run(cfg: DAPOConfig, *, lock: bool = True, engines=None, eval_only: 
             cfg = toy.materialise(cfg, run_dir, rank)
         if inputs is None:
             inputs = _load_inputs(cfg, ckpt_dir, world, saves=lock, eval_only=eval_only)
+        by_model = derive_for_model(cfg, inputs.hf_config, on_gpu=torch.cuda.is_available())
+        if rank == 0:
+            for d in by_model:
+                logger.info("derived %s", d.line())
+        derived += by_model
         resume = None
         if inputs.resume_from is not None:
             from megatron_dapo.mcore.checkpoint import TRAINER_STATE, read_trainer_state

@@ -64,8 +64,9 @@ VERL_KEYS: dict[str, tuple[str | None, str]] = {
                                                               "none"),
     "actor_rollout_ref.model.use_remove_padding": (
         None, "not translated: micro-batches are filled first-fit decreasing by length under the token budget (0.5% "
-              "padding modelled at the 32B recipe's lengths, docs/packing.md); train.pack_sequences=true removes the "
-              "rest on the local spec (not yet the TE spec)"),
+              "padding modelled at the 32B recipe's lengths, docs/packing.md); train.pack_sequences (auto: packed "
+              "where every micro-batch must have one shape) removes the rest on the local spec (not yet the TE "
+              "spec)"),
     "actor_rollout_ref.model.override_config.*": (
         None, "the model is built from model.hf_path's config.json; hidden dropout is always 0"),
     "actor_rollout_ref.hybrid_engine": ("rollout.placement", "true (trainer and engine share the GPUs) is colocated"),

@@ -30,6 +30,7 @@ from megatron_dapo.mcore.parallel import all_gather_rows, check_packing, initial
 from megatron_dapo.mcore.micro_batches import batch_counts
 from megatron_dapo.mcore.step_metrics import PendingMetrics, reduce_metrics
 from megatron_dapo.mcore.step_settings import StepSettings, compute_device
+from megatron_dapo.micro_batch_shapes import from_transformer_config
 from megatron_dapo.mcore.train_step import compute_log_probs, train_step
 
 
@@ -43,15 +44,17 @@ class MegatronActor:
         self.cfg, self.hf_config = cfg, hf_config
         use_dist_opt = cfg.parallel.use_distributed_optimizer
         chunks = build_model(hf_config, model=cfg.model, parallel=cfg.parallel, moe=cfg.moe, **model_overrides)
+        # auto resolved as run.prepare_run logged it (config_derived.derive_for_model), from the built config
+        packed, _ = from_transformer_config(cfg.train.pack_sequences, chunks[0].config)
         # launch_checks.check_layout said it at launch; here for callers of the class itself
-        if cfg.train.pack_sequences:
+        if packed:
             check_packing(transformer_impl=chunks[0].config.transformer_impl)
         if cfg.moe.router_replay == "R3":
             install_replay(chunks)
         self.model = wrap_model(chunks, use_distributed_optimizer=use_dist_opt)
         self.optimizer = build_optimizer(self.model, cfg.optim, use_distributed_optimizer=use_dist_opt)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, updates_per_step=cfg.updates_per_step)
-        self.settings = StepSettings.from_config(cfg, hf_arch(hf_config).vocab_size)
+        self.settings = StepSettings.from_config(cfg, hf_arch(hf_config).vocab_size, packed=packed)
         self.offloader = (StateOffloader(self.model, self.optimizer, weights=cfg.actor.offload_weights)
                           if cfg.actor.offload_during_rollout else None)
         self._offloaded_metrics: dict[str, float] = {}  # of the last offload that moved anything

@@ -35,7 +35,8 @@ from megatron_dapo.config import ModelConfig, ParallelConfig
 from megatron_dapo.config_moe import MoEConfig
 from megatron_dapo.convert.table import architecture, model_sizes
 from megatron_dapo.mcore.cpu_compat import require_cpu_compat
-from megatron_dapo.precision import resolve_dtype
+from megatron_dapo.micro_batch_shapes import exchanges_shapes
+from megatron_dapo.precision import resolve_dtype, resolve_token_dispatcher, resolve_transformer_impl
 
 
 @dataclass(frozen=True)
@@ -159,9 +160,7 @@ def _require_te() -> None:
 def resolve_runtime(model: ModelConfig, on_gpu: bool, *, check_installed: bool = True) -> Runtime:
     """``check_installed=False``: a layout check for another machine (a launcher's dry run on a login
     node) does not ask for Transformer Engine here."""
-    impl = model.transformer_impl
-    if impl == "auto":
-        impl = "transformer_engine" if on_gpu else "local"
+    impl = resolve_transformer_impl(model.transformer_impl, on_gpu)
     if impl == "transformer_engine" and not on_gpu:
         raise ConfigError("model.transformer_impl=transformer_engine needs CUDA; use local (or auto) on CPU")
     if check_installed and impl == "transformer_engine":
@@ -231,7 +230,7 @@ def transformer_config_from_hf(hf_config, *, model: ModelConfig, parallel: Paral
         # rejects that with its default MoE dispatcher even for a dense model; none runs here.
         # Not for interleaved PP=2: p2p_communication._communicate_shapes always batches its ops
         # and pairs them wrongly when prev == next; train_step then pads micro-batches to one shape.
-        variable_seq_lengths=pp > 1 and not (vpp is not None and pp == 2),
+        variable_seq_lengths=exchanges_shapes(pp, vpp),
         moe_token_dispatcher_type="alltoall",
         # With interleaving and PP=2, prev and next stage are the same rank and the batched p2p
         # op list pairs sends with the wrong receives: silently wrong results
@@ -259,9 +258,7 @@ def moe_fields(arch: HFArch, moe: MoEConfig, parallel: ParallelConfig, on_gpu: b
     (moe_router_pre_softmax). SequentialMLP experts (no grouped GEMM): one module per expert under
     both layer specs, the names convert/decoder.moe_mlp maps; TE's grouped MLP needs TE >= 2.14.
     """
-    dispatcher = moe.token_dispatcher
-    if dispatcher == "auto":
-        dispatcher = "alltoall" if on_gpu else "allgather"
+    dispatcher = resolve_token_dispatcher(moe.token_dispatcher, on_gpu)
     coeff = arch.moe_aux_loss_coeff if moe.aux_loss_coeff == "auto" else moe.aux_loss_coeff
     return dict(
         num_moe_experts=arch.num_moe_experts,

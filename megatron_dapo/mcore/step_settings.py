@@ -31,7 +31,8 @@ class StepSettings:
     pack_sequences: bool = False  # micro-batches of samples end to end (batching.py, packed)
 
     @classmethod
-    def from_config(cls, cfg: DAPOConfig, vocab_size: int) -> "StepSettings":
+    def from_config(cls, cfg: DAPOConfig, vocab_size: int, *, packed: bool) -> "StepSettings":
+        """``packed``: train.pack_sequences resolved against the model's layout (micro_batch_shapes.py)."""
         p, loss = cfg.parallel, cfg.loss_settings()
         return cls(policy_loss=loss.policy_loss, clip_ratio_low=loss.clip_ratio_low,
                    clip_ratio_high=loss.clip_ratio_high, clip_ratio_c=loss.clip_ratio_c,
@@ -41,7 +42,7 @@ class StepSettings:
                    max_tokens_per_micro_batch=cfg.train.max_tokens_per_micro_batch,
                    micro_batch_size=cfg.train.micro_batch_size,
                    chunk_tokens=cfg.train.logprob_chunk_tokens or None,
-                   pack_sequences=cfg.train.pack_sequences,
+                   pack_sequences=packed,
                    pad_multiple=pad_multiple(tensor_parallel=p.tensor_model_parallel_size,
                                              sequence_parallel=p.sequence_parallel,
                                              context_parallel=p.context_parallel_size,

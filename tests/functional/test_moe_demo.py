@@ -1,10 +1,11 @@
 """The CPU demo on a tiny Qwen3-MoE (conf/cpu_tiny_moe.yaml: 8 experts, top-2) under torchrun at DP=2.
 
 * Splitting the experts over the two processes (EP=2, megatron's allgather dispatcher, micro-batches of
-  one shape on both ranks) trains exactly as keeping every expert on each (EP=1): per step the same
-  actor/grad_norm, actor/pg_loss and actor/entropy to 1e-5 (measured: ~1e-7). The load-balancing loss
-  is off there (moe.load_balancing=none): it is computed per micro-batch, and the layouts' micro-batches
-  differ in padding, which the router masks (tests/unit/test_moe_router_losses.py checks that part).
+  one shape on both ranks: packed by default) trains exactly as keeping every expert on each (EP=1,
+  padded): per step the same actor/grad_norm, actor/pg_loss and actor/entropy to 1e-5 (measured: ~1e-7).
+  The load-balancing loss is off there (moe.load_balancing=none): it is computed per micro-batch, and the
+  layouts' micro-batches differ in padding, which the router masks (tests/unit/test_moe_router_losses.py
+  checks that part).
 * The demo learns: 30 steps at EP=2, held to the dense demo's bar (tests/functional/test_cpu_tiny.py).
 
 The demo's base (its full warm-up) is made once and copied into every run dir. A run is cut at 300 s: an
@@ -37,7 +38,9 @@ def moe_base(tmp_path_factory) -> Path:
     return make_demo_base(tmp_path_factory.mktemp("moe_base"), CONFIG, *TOY)
 
 
-def _train(base: Path, run_dir: Path, ep: int, overrides: list[str] = SHORT, nproc: int = 2) -> list[dict]:
+def _train(base: Path, run_dir: Path, ep: int, overrides: list[str] = SHORT, nproc: int = 2,
+           packed: bool | None = None) -> list[dict]:
+    """The demo's records; ``packed``: what train.pack_sequences=auto must choose (default: EP > 1)."""
     copy_demo_base(base, run_dir)
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS} | {"OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m",
@@ -45,7 +48,11 @@ def _train(base: Path, run_dir: Path, ep: int, overrides: list[str] = SHORT, npr
            f"parallel.expert_model_parallel_size={ep}"]
     out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-5000:]
-    assert f"expert_model_parallel_size: {ep}\n" in (run_dir / "config.yaml").read_text()
+    written = (run_dir / "config.yaml").read_text()
+    assert f"expert_model_parallel_size: {ep}\n" in written
+    # auto packs where every micro-batch needs one shape: the allgather dispatcher at EP or PP > 1
+    # (micro_batch_shapes.py)
+    assert f"#   train.pack_sequences: auto -> {str(ep > 1 if packed is None else packed).lower()} (" in written
     return records(run_dir)
 
 
@@ -62,8 +69,8 @@ def test_expert_parallelism_leaves_the_updates_unchanged(moe_base, tmp_path):
 
 def test_the_moe_demo_learns_as_the_dense_demo_is_required_to(moe_base, tmp_path):
     """30 steps at EP=2, as tests/functional/test_cpu_tiny.py runs the dense demo, held to its bar: from
-    near chance, held-out avg@4 up by more than 0.2 (measured: 0.076 -> 0.801; the dense demo 0.113 ->
-    0.539, docs/moe.md)."""
+    near chance, held-out avg@4 up by more than 0.2 (measured: 0.076 -> 0.408 packed, the default here;
+    0.801 padded; the dense demo 0.113 -> 0.539, docs/moe.md)."""
     records = _train(moe_base, tmp_path / "learn", 2, ["train.total_steps=30", "eval.every=30",
                                                          "checkpoint.save_every=30", "logging.tensorboard=false"])
     evals = [r for r in records if r.get("eval/avg@4") is not None]
@@ -96,12 +103,13 @@ def _export_at_ep2_equals_ep1(run: Path, tmp_path: Path) -> None:
 
 
 def test_tensor_and_pipeline_parallel_train_with_the_router_losses(moe_base, tmp_path):
-    """4 processes, TP 2 (sequence parallel) x PP 2, the load-balancing loss on: the second stage gets the
-    padding mask cut to its TP rank's positions (mcore/moe.stage_padding_mask). Uncut, its router met
+    """4 processes, TP 2 (sequence parallel) x PP 2, the load-balancing loss on, packed (the allgather
+    dispatcher under PP: one shape per micro-batch): the second stage gets the pack's padding mask cut to
+    its TP rank's positions (mcore/moe.stage_padding_mask). Uncut, its router met
     [s x b] mask rows against [s / TP x b] logits and the run crashed ("size of tensor a (1088) must match
     ... (2176)")."""
     layout = ["parallel.tensor_model_parallel_size=2", "parallel.pipeline_model_parallel_size=2",
               "parallel.sequence_parallel=true"]
-    records = _train(moe_base, tmp_path / "tp2pp2", 1, [*SHORT[:-1], *layout], nproc=4)
+    records = _train(moe_base, tmp_path / "tp2pp2", 1, [*SHORT[:-1], *layout], nproc=4, packed=True)
     assert [r["step"] for r in records] == [1, 2]
     assert all(r["moe/load_balancing_loss"] > 0 and r["actor/grad_norm"] > 0 for r in records)

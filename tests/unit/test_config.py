@@ -171,7 +171,8 @@ def test_the_logprob_chunk_setting_reaches_the_train_step():
     from megatron_dapo.config import TrainConfig
     from megatron_dapo.mcore.step_settings import StepSettings
 
-    assert StepSettings.from_config(DAPOConfig(), 1000).chunk_tokens is None  # logprobs.py's default
-    assert StepSettings.from_config(DAPOConfig(train=TrainConfig(logprob_chunk_tokens=64)), 1000).chunk_tokens == 64
+    assert StepSettings.from_config(DAPOConfig(), 1000, packed=False).chunk_tokens is None  # logprobs.py's default
+    chunked = DAPOConfig(train=TrainConfig(logprob_chunk_tokens=64))
+    assert StepSettings.from_config(chunked, 1000, packed=False).chunk_tokens == 64
     with pytest.raises(ConfigError, match="train.logprob_chunk_tokens must be >= 0"):
         TrainConfig(logprob_chunk_tokens=-1)
