@@ -1,7 +1,7 @@
 """The mixture-of-experts section of the config schema (``moe``): how tokens reach their experts, the
 router's auxiliary losses, and rollout routing replay. The keys act only on a model with experts
-(Qwen3-MoE); two are checked for any: alltoall without CUDA and R3 on a dense model are refused in one
-line. The expert-parallel size is ``parallel.expert_model_parallel_size``."""
+(Qwen3-MoE); one is checked for any: R3 on a dense model is refused in one line. The expert-parallel
+size is ``parallel.expert_model_parallel_size``."""
 
 from dataclasses import dataclass
 from typing import Literal
@@ -15,7 +15,8 @@ AUTO = "auto"
 class MoEConfig:
     token_dispatcher: Literal["auto", "allgather", "alltoall"] = setting(
         "auto", "how tokens reach their experts' EP ranks (megatron's moe_token_dispatcher_type); auto = alltoall on "
-                "GPU, allgather on CPU (alltoall needs CUDA streams there)")
+                "GPU, allgather on CPU (where alltoall runs too, through cpu_compat's stream shims: set it to try "
+                "the GPU's path)")
     load_balancing: Literal["aux_loss", "seq_aux_loss", "global_aux_loss", "none"] = setting(
         "aux_loss", "the router's load-balancing loss (megatron's moe_router_load_balancing_type): over each "
                     "micro-batch's tokens as transformers' Qwen3-MoE computes it, per sequence, or over the global "

