@@ -19,9 +19,9 @@ import json
 import pytest
 import torch
 
-from tests.distributed.harness import assert_close, spawn
-from tests.distributed.test_moe_cp import BATCHES, _cfg
-from tests.helpers.moe import moe_samples, save_tiny_moe
+from tests.distributed.harness import spawn
+from tests.distributed.test_moe_cp import BATCHES, KEYS, _cfg
+from tests.helpers.moe import assert_same_update, moe_samples, one_update, save_tiny_moe
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 CASES = {"ragged": False, "ragged_r3": True}  # name: R3
@@ -41,12 +41,7 @@ def _worker(rank, hf_dir, out_dir):
             actor = MegatronActor(cfg, hf)
             assert ps.get_expert_model_parallel_world_size() == ep and ps.get_data_parallel_world_size() == 2
             assert actor.settings.pack_sequences
-            assert actor.load_hf_weights(str(hf_dir)) > 0
-            xs = moe_samples(BATCHES["ragged"], routes=replay)  # the actor gives each DP rank its share
-            log_probs = actor.get_inference_log_probs(xs)
-            m = actor.get_loss_and_metrics(xs)
-            weights = {name: tensor.clone() for name, tensor in actor.export_hf_weights()}
-            got[f"ep{ep} {case}"] = {"log_probs": log_probs, "metrics": m, "weights": weights}
+            got[f"ep{ep} {case}"] = one_update(actor, hf_dir, moe_samples(BATCHES["ragged"], routes=replay))
             destroy_parallel(process_group=False)
     torch.save(got, out_dir / f"rank{rank}.pt")
 
@@ -58,11 +53,4 @@ def test_packed_moe_at_ep2_equals_ep1(tmp_path):
         got = torch.load(tmp_path / f"rank{rank}.pt")
         for case, replay in CASES.items():
             want, have, what = got[f"ep1 {case}"], got[f"ep2 {case}"], f"rank {rank}, {case}"
-            for i, (a, b) in enumerate(zip(have["log_probs"], want["log_probs"], strict=True)):
-                assert_close(a, b, f"{what}: log-probs of sample {i}")
-            keys = ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/num_tokens",
-                    "moe/load_balancing_loss") + (("moe/route_agreement",) if replay else ())
-            for key in keys:
-                assert have["metrics"][key] == pytest.approx(want["metrics"][key], rel=1e-5), (what, key)
-            for name, tensor in want["weights"].items():
-                assert_close(have["weights"][name], tensor, f"{what}: {name} after the update", atol=1e-5, rtol=1e-4)
+            assert_same_update(have, want, what, KEYS + (("moe/route_agreement",) if replay else ()))

@@ -20,6 +20,7 @@ import json
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from tests.helpers.convert import hf_to_megatron_by_hand
@@ -47,6 +48,32 @@ def moe_samples(shapes, *, routes: bool = False, seed: int = 4) -> list:
                           old_log_probs=-torch.rand(r, generator=g),
                           routed_experts=pairs.reshape(p + r - 1, layers * k).to(torch.int16) if routes else None))
     return out
+
+
+def one_update(actor, hf_dir, samples) -> dict:
+    """What the MoE equality tests compare of one update from ``hf_dir``'s weights over ``samples`` (the actor
+    gives each DP rank its share): every sample's log-probs, the update's metrics, the weights after it."""
+    assert actor.load_hf_weights(str(hf_dir)) > 0
+    log_probs = actor.get_inference_log_probs(samples)
+    metrics = actor.get_loss_and_metrics(samples)
+    return {"log_probs": log_probs, "metrics": metrics,
+            "weights": {name: tensor.clone() for name, tensor in actor.export_hf_weights()}}
+
+
+def assert_same_update(have: dict, want: dict, what: str, keys: tuple[str, ...]) -> None:
+    """``one_update`` results equal: log-probs and weights to fp32 round-off, the metrics ``keys`` to 1e-5;
+    with R3's agreement among them, some random routes agree and some do not."""
+    close = torch.testing.assert_close
+    for i, (a, b) in enumerate(zip(have["log_probs"], want["log_probs"], strict=True)):
+        close(a, b, atol=2e-6, rtol=1e-4, msg=lambda m, i=i: f"{what}: log-probs of sample {i}: {m}")
+    for key in keys:
+        assert have["metrics"][key] == pytest.approx(want["metrics"][key], rel=1e-5), (what, key)
+    if "moe/route_agreement" in keys:
+        assert 0.05 < have["metrics"]["moe/route_agreement"] < 0.95, what
+    assert sorted(have["weights"]) == sorted(want["weights"]), what
+    for name, tensor in want["weights"].items():
+        close(have["weights"][name], tensor, atol=1e-5, rtol=1e-4,
+              msg=lambda m, name=name: f"{what}: {name} after the update: {m}")
 
 
 def tiny_moe_model(*, seed: int = 0, norm_topk_prob: bool = True, **overrides):
