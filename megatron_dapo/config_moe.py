@@ -15,7 +15,7 @@ AUTO = "auto"
 class MoEConfig:
     token_dispatcher: Literal["auto", "allgather", "alltoall"] = setting(
         "auto", "how tokens reach their experts' EP ranks (megatron's moe_token_dispatcher_type); auto = alltoall on "
-                "GPU, allgather on CPU (where alltoall runs too, through cpu_compat's stream shims: set it to try "
+                "GPU, allgather on CPU (where alltoall runs too, through two shims of cpu_compat: set it to try "
                 "the GPU's path)")
     load_balancing: Literal["aux_loss", "seq_aux_loss", "global_aux_loss", "none"] = setting(
         "aux_loss", "the router's load-balancing loss (megatron's moe_router_load_balancing_type): over each "

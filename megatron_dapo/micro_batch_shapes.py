@@ -15,8 +15,9 @@ the same work in a third of the time (2.97x on a CPU, 3.76x modelled at 32B: doc
 Elsewhere micro-batches are filled by a token budget, first-fit decreasing by length: they pad
 0.5-2%, and packed and padded are level (0.96x-1.11x measured). So ``auto`` packs where one shape is
 needed, on the spec whose packed attention has been verified (the local spec), and pads elsewhere.
-The train step reads the same rule from the built TransformerConfig (mcore/micro_batches.py);
-tests/unit/test_packing_default.py holds the two equal.
+The train step reads the same rule from the built TransformerConfig (``one_shape_of``, used by
+mcore/micro_batches.py); tests/unit/test_packing_default.py holds it to megatron's own
+``variable_seq_lengths`` of that config.
 """
 
 from __future__ import annotations
@@ -75,9 +76,13 @@ def launch_pack_choice(given: bool | str, hf_config: Mapping[str, Any], *, model
     return pack_choice(given, transformer_impl=impl, one_shape=shape)
 
 
+def one_shape_of(config: Any) -> bool:
+    """``one_shape`` of a built megatron TransformerConfig (the train step's micro-batches, the actor's choice)."""
+    allgather_moe = bool(config.num_moe_experts) and config.moe_token_dispatcher_type == "allgather"
+    return one_shape(pp=config.pipeline_model_parallel_size, vpp=config.virtual_pipeline_model_parallel_size,
+                     ep=config.expert_model_parallel_size, allgather_moe=allgather_moe)
+
+
 def from_transformer_config(given: bool | str, config: Any) -> tuple[bool, str]:
     """``pack_choice`` from a built megatron TransformerConfig (the actor's)."""
-    allgather_moe = bool(config.num_moe_experts) and config.moe_token_dispatcher_type == "allgather"
-    shape = one_shape(pp=config.pipeline_model_parallel_size, vpp=config.virtual_pipeline_model_parallel_size,
-                      ep=config.expert_model_parallel_size, allgather_moe=allgather_moe)
-    return pack_choice(given, transformer_impl=config.transformer_impl, one_shape=shape)
+    return pack_choice(given, transformer_impl=config.transformer_impl, one_shape=one_shape_of(config))

@@ -23,8 +23,8 @@ def resolve_transformer_impl(impl: str, on_gpu: bool) -> str:
 
 
 def resolve_token_dispatcher(dispatcher: str, on_gpu: bool) -> str:
-    """moe.token_dispatcher with "auto" resolved: alltoall on GPU, allgather on CPU (where alltoall runs
-    through cpu_compat's shims, and every CPU MoE test and measurement was made with allgather)."""
+    """moe.token_dispatcher with "auto" resolved: alltoall on GPU, allgather on CPU (where alltoall runs too,
+    through cpu_compat's shims; the CPU's MoE demo, tests and measurements were made with allgather)."""
     if dispatcher == "auto":
         return "alltoall" if on_gpu else "allgather"
     return dispatcher

@@ -15,6 +15,7 @@ import torch
 from megatron_dapo.batching import MicroBatch, Sample, count_micro_batches, make_micro_batches, uniform_shape
 from megatron_dapo.mcore.parallel import all_gather_rows
 from megatron_dapo.mcore.step_settings import StepSettings, compute_device
+from megatron_dapo.micro_batch_shapes import one_shape_of
 
 
 def batching_kwargs(model, settings: StepSettings) -> dict:
@@ -26,7 +27,7 @@ def batching_kwargs(model, settings: StepSettings) -> dict:
                 multiple=settings.pad_multiple,
                 count_multiple=pp if vpp else 1,  # the interleaved schedule needs M % PP == 0
                 # stages that cannot exchange shapes, or EP ranks gathering each other's tokens
-                uniform=(pp > 1 and not config.variable_seq_lengths) or same_shape_over_dp(config),
+                uniform=one_shape_of(config),
                 packed=settings.pack_sequences,
                 # context parallelism cuts each packed sample's slot into 2 x CP chunks of its own
                 segment_multiple=2 * config.context_parallel_size

@@ -58,13 +58,24 @@ def _worker(rank, hf_dir, out_dir):
     torch.save(got, out_dir / f"rank{rank}.pt")
 
 
+def test_the_ranks_shares_differ_in_length_and_count():
+    """The premise: the actor's DP split (batching.split_for_data_parallel) gives the ranks 4 and 3 samples
+    (2 micro-batches of at most 3 against 1) of other total lengths."""
+    from megatron_dapo.batching import split_for_data_parallel
+
+    shares = [[SHAPES[i] for i in share] for share in split_for_data_parallel(moe_samples(SHAPES), 2)]
+    assert sorted(map(len, shares)) == [3, 4]
+    assert sum(p + r for p, r in shares[0]) != sum(p + r for p, r in shares[1])
+
+
 def test_the_alltoall_dispatcher_at_ep2_equals_ep1(tmp_path):
     hf_dir = save_tiny_moe(tmp_path / "hf", seed=3)
     spawn(_worker, hf_dir, tmp_path)
     for rank in range(2):
         got = torch.load(tmp_path / f"rank{rank}.pt")
-        for case, (replay, _) in CASES.items():
+        for case, (replay, packed) in CASES.items():
             want, have, what = got[f"ep1 {case}"], got[f"ep2_alltoall {case}"], f"rank {rank}, {case}"
             assert len(have["log_probs"]) == len(SHAPES), what
-            keys = KEYS + ("actor/num_micro_batches",) + (("moe/route_agreement",) if replay else ())
-            assert_same_update(have, want, what, keys)
+            if not packed:  # both ranks ran 2 micro-batches (rank 0's 4 samples): rank 1 one of padding only
+                assert have["metrics"]["actor/num_micro_batches"] == 2, what
+            assert_same_update(have, want, what, KEYS + (("moe/route_agreement",) if replay else ()))

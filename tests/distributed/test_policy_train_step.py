@@ -13,7 +13,8 @@ hide a wrong gradient scale, so these tests use adam_eps = 1e-2 (tests/helpers/p
 above most |g| of this tiny model (after clipping): the update is then close to lr * g / eps.
 clip_grad is set below the gradient norm so that the global norm (over TP / PP / DP) matters.
 The TP=2 layout also runs the mini-batch as 1 micro-batch and as 4 (token budget), and each layout
-packed (samples end to end, batching.py): 4 packs of the same budget, uniform [1, 56] under VPP.
+padded and packed (samples end to end, batching.py; the default, auto, packs under VPP alone): 4 packs
+of the same budget, uniform [1, 56] under VPP.
 """
 
 import dataclasses
@@ -71,19 +72,22 @@ def _worker(rank):
                ("pp2_vpp2", dict(pp=2, vpp=2, dist_opt=False, budget=56))]
     for name, kw in layouts:
         actor = MegatronActor(tiny_cfg(**kw), hf)
+        # train.pack_sequences=auto packs where micro-batches must share one shape: interleaved PP 2 alone here
+        assert actor.settings.pack_sequences is (name == "pp2_vpp2"), name
+        padded = dataclasses.replace(actor.settings, pack_sequences=False)
+        packed = dataclasses.replace(actor.settings, pack_sequences=True)
         load_weights(actor, w0)
-        lps, ents = compute_log_probs(actor.model, xs, actor.settings)
+        lps, ents = compute_log_probs(actor.model, xs, padded)
         for i, s in enumerate(fw0["spans"]):
             assert_close(lps[i], fw0["lp"][i, s], f"{name}: log-probs of sample {i}")
             assert_close(ents[i], fw0["ent"][i, s], f"{name}: entropy of sample {i}")
-        packed = dataclasses.replace(actor.settings, pack_sequences=True)
         lps, ents = compute_log_probs(actor.model, xs, packed)
         for i, s in enumerate(fw0["spans"]):
             assert_close(lps[i], fw0["lp"][i, s], f"{name}, packed: log-probs of sample {i}")
-        variants = [("4 micro-batches", actor.settings, actor)]
+        variants = [("4 micro-batches", padded, actor)]
         others = [("4 packed micro-batches", packed)]  # each from the same start on an actor of its own
         if name == "tp2_sp":
-            others.append(("1 micro-batch", dataclasses.replace(actor.settings, max_tokens_per_micro_batch=0,
+            others.append(("1 micro-batch", dataclasses.replace(padded, max_tokens_per_micro_batch=0,
                                                                 micro_batch_size=len(xs))))
         for what, settings in others:
             fresh = MegatronActor(tiny_cfg(**kw), hf, initialize=False)

@@ -3,9 +3,11 @@ on the local spec; padded elsewhere.
 
 The reference is a table of layouts written from megatron-core 0.19.2's two rules (pipeline stages that
 cannot exchange shapes: interleaved PP 2; the allgather token dispatcher of an MoE model under EP or PP),
-checked three ways on each: the launch's choice (from the config and config.json, before any model), the
-actor's (from the built TransformerConfig), and the train step's own one-shape rule
-(mcore/micro_batches.batching_kwargs' ``uniform``, read from the same TransformerConfig).
+checked on each: the launch's choice (from the config and config.json, before any model), the actor's
+(from the built TransformerConfig), megatron's own fields of that config (``variable_seq_lengths``, the
+dispatcher), and the train step's micro-batch settings built from the actor's choice
+(mcore/micro_batches.batching_kwargs). tests/distributed/test_policy_train_step.py checks an actor's
+settings at PP 2 x VPP 2 (packed) and TP 2, PP 2 (padded).
 """
 
 from __future__ import annotations
@@ -52,8 +54,12 @@ def test_auto_packs_exactly_where_every_micro_batch_has_one_shape(hf, parallel, 
     at_launch, why = launch_pack_choice(AUTO, hf, model=cfg.model, parallel=cfg.parallel, moe=cfg.moe, on_gpu=False)
     assert at_launch is packed, why
     built = transformer_config_from_hf(hf, model=cfg.model, parallel=cfg.parallel, moe=cfg.moe, on_gpu=False)
-    assert from_transformer_config(AUTO, built) == (at_launch, why)
-    settings = StepSettings.from_config(cfg, hf["vocab_size"], packed=packed)
+    in_actor = from_transformer_config(AUTO, built)
+    assert in_actor == (at_launch, why)
+    # megatron's own fields of that config: stages without a shape exchange, or the allgather dispatcher's EP
+    allgather_ep = built.expert_model_parallel_size > 1 and built.moe_token_dispatcher_type == "allgather"
+    assert ((built.pipeline_model_parallel_size > 1 and not built.variable_seq_lengths) or allgather_ep) is packed
+    settings = StepSettings.from_config(cfg, hf["vocab_size"], packed=in_actor[0])
     step_rule = batching_kwargs([SimpleNamespace(config=built)], settings)
     assert step_rule["uniform"] is packed and step_rule["packed"] is packed
 
