@@ -25,10 +25,9 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from megatron_dapo.config import ModelConfig, ParallelConfig
+from megatron_dapo.config_algo import AUTO
 from megatron_dapo.config_moe import MoEConfig
 from megatron_dapo.precision import resolve_token_dispatcher, resolve_transformer_impl
-
-AUTO = "auto"
 
 
 def exchanges_shapes(pp: int, vpp: int | None) -> bool:
@@ -76,11 +75,15 @@ def launch_pack_choice(given: bool | str, hf_config: Mapping[str, Any], *, model
     return pack_choice(given, transformer_impl=impl, one_shape=shape)
 
 
+def allgather_moe_of(config: Any) -> bool:
+    """Whether a built megatron TransformerConfig is a model with experts on the allgather dispatcher."""
+    return bool(config.num_moe_experts) and config.moe_token_dispatcher_type == "allgather"
+
+
 def one_shape_of(config: Any) -> bool:
     """``one_shape`` of a built megatron TransformerConfig (the train step's micro-batches, the actor's choice)."""
-    allgather_moe = bool(config.num_moe_experts) and config.moe_token_dispatcher_type == "allgather"
     return one_shape(pp=config.pipeline_model_parallel_size, vpp=config.virtual_pipeline_model_parallel_size,
-                     ep=config.expert_model_parallel_size, allgather_moe=allgather_moe)
+                     ep=config.expert_model_parallel_size, allgather_moe=allgather_moe_of(config))
 
 
 def from_transformer_config(given: bool | str, config: Any) -> tuple[bool, str]:

@@ -114,9 +114,7 @@ def prepare_run(cfg: DAPOConfig, *, lock: bool = True, engines=None, eval_only: 
     rank, world = ranks.rank(), ranks.world_size()
     lock = lock and eval_only is None
     cfg, derived = derive(cfg, on_gpu=torch.cuda.is_available())  # every derived setting, resolved once
-    if rank == 0:
-        for d in derived:
-            logger.info("derived %s", d.line())
+    _log_derived(rank, derived)
     check_settings(cfg, world if engines is None else engines.split.num_engines)
     if cfg.num_threads:
         # Tiny CPU matmuls gain nothing from threads, and several processes on few cores spend
@@ -143,9 +141,7 @@ def prepare_run(cfg: DAPOConfig, *, lock: bool = True, engines=None, eval_only: 
         if inputs is None:
             inputs = _load_inputs(cfg, ckpt_dir, world, saves=lock, eval_only=eval_only)
         by_model = derive_for_model(cfg, inputs.hf_config, on_gpu=torch.cuda.is_available())
-        if rank == 0:
-            for d in by_model:
-                logger.info("derived %s", d.line())
+        _log_derived(rank, by_model)
         derived += by_model
         resume = None
         if inputs.resume_from is not None:
@@ -159,6 +155,13 @@ def prepare_run(cfg: DAPOConfig, *, lock: bool = True, engines=None, eval_only: 
         raise
     return Prepared(cfg=cfg, rank=rank, world_size=world, dir=run_dir, ckpt_dir=ckpt_dir, inputs=inputs,
                     resume=resume, lock=run_lock, engines=engines, derived=tuple(derived), eval_only=eval_only)
+
+
+def _log_derived(rank: int, derived: list[Derived]) -> None:
+    """One ``derived`` line per derived setting, from rank 0."""
+    if rank == 0:
+        for d in derived:
+            logger.info("derived %s", d.line())
 
 
 def build_run(prep: Prepared) -> Run:

@@ -15,7 +15,7 @@ import torch
 from megatron_dapo.batching import MicroBatch, Sample, count_micro_batches, make_micro_batches, uniform_shape
 from megatron_dapo.mcore.parallel import all_gather_rows
 from megatron_dapo.mcore.step_settings import StepSettings, compute_device
-from megatron_dapo.micro_batch_shapes import one_shape_of
+from megatron_dapo.micro_batch_shapes import allgather_moe_of, one_shape_of
 
 
 def batching_kwargs(model, settings: StepSettings) -> dict:
@@ -40,7 +40,7 @@ def same_shape_over_dp(config) -> bool:
     layer, which needs as many tokens on each. Under expert parallelism the DP ranks also run as many
     micro-batches (each MoE layer's forward is a collective), which ``update_micro_batches`` and
     ``log_prob_micro_batches`` agree on."""
-    return config.expert_model_parallel_size > 1 and config.moe_token_dispatcher_type == "allgather"
+    return config.expert_model_parallel_size > 1 and allgather_moe_of(config)
 
 
 def _local_counts(model, samples: list[Sample], settings: StepSettings) -> torch.Tensor:
